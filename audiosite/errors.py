@@ -1,0 +1,146 @@
+"""One error hierarchy, one error shape for every route.
+
+Shape (API.md): ``{"error": {"message": str, "type": str, "param": str|null,
+"code": str|null}}``. Services raise ``ApplicationError`` subclasses; the DRF
+exception handler and the Django 404/500 handlers render them. A 503 carries
+``Retry-After`` in seconds.
+"""
+from __future__ import annotations
+
+import logging
+
+from django.http import JsonResponse
+from rest_framework import exceptions as drf_exceptions
+from rest_framework.response import Response
+
+log = logging.getLogger(__name__)
+
+
+class ApplicationError(Exception):
+    """Base of every error a client may see; ``status`` and ``type`` follow API.md."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        """Return the API.md error body for this error."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """Extra response headers (``Retry-After`` for 503)."""
+        return {}
+
+
+class InvalidRequest(ApplicationError):
+    """400: bad field, bad count, bad audio, unsupported option."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(InvalidRequest):
+    """413: body over ``max_request_body_bytes``."""
+
+    status = 413
+
+
+class UnsupportedMedia(InvalidRequest):
+    """415: audio container or codec that cannot be decoded."""
+
+    status = 415
+
+
+class NotFound(ApplicationError):
+    """404: unknown model id or route."""
+
+    status = 404
+    type = "not_found"
+
+
+class ServerBusy(ApplicationError):
+    """503 ``server_busy``: admission timeout, overdue fail-fast, lost worker, shutting down."""
+
+    status = 503
+    type = "server_busy"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class ModelLoadFailed(ApplicationError):
+    """500-class failure of a model load that is not the caller's fault (bad checkpoint on disk).
+
+    Rendered as 503 ``server_busy`` with code ``load_failed``: the model stays
+    registered and unloaded, and a later request retries the load (R4.2).
+    """
+
+    status = 503
+    type = "server_busy"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
+def error_response(error: ApplicationError) -> Response:
+    """Render ``error`` as a DRF response."""
+    return Response(error.body(), status=error.status, headers=error.headers())
+
+
+_DRF_MAP = {
+    400: ("invalid_request_error", InvalidRequest),
+    401: ("authentication_error", None),
+    403: ("forbidden", None),
+    404: ("not_found", NotFound),
+    405: ("invalid_request_error", None),
+    406: ("invalid_request_error", None),
+    413: ("invalid_request_error", PayloadTooLarge),
+    415: ("invalid_request_error", UnsupportedMedia),
+}
+
+
+def drf_exception_handler(exc: Exception, context: dict) -> Response:
+    """DRF ``EXCEPTION_HANDLER``: every error leaves in the API.md shape.
+
+    ``ApplicationError`` renders itself; DRF's own errors (parse errors,
+    method not allowed) map to their status with the documented type; anything
+    else is a bug and becomes a logged 500 ``server_error``.
+    """
+    if isinstance(exc, ApplicationError):
+        return error_response(exc)
+    if isinstance(exc, drf_exceptions.APIException):
+        status = exc.status_code
+        err_type = _DRF_MAP.get(status, ("server_error", None))[0]
+        detail = exc.detail
+        if isinstance(detail, dict):
+            message = "; ".join(f"{k}: {v}" for k, v in detail.items())
+        elif isinstance(detail, list):
+            message = "; ".join(str(v) for v in detail)
+        else:
+            message = str(detail)
+        body = {"error": {"message": message, "type": err_type, "param": None, "code": None}}
+        return Response(body, status=status)
+    log.exception("unhandled error in %s", context.get("view"))
+    body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    return Response(body, status=500)
+
+
+def not_found_view(request, exception=None) -> JsonResponse:
+    """Django ``handler404``: unknown route in the API.md shape."""
+    body = NotFound(f"no route for {request.method} {request.path}").body()
+    return JsonResponse(body, status=404)
+
+
+def server_error_view(request) -> JsonResponse:
+    """Django ``handler500``: an uncaught exception outside DRF (a bug)."""
+    body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    return JsonResponse(body, status=500)

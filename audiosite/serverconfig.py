@@ -1,0 +1,226 @@
+"""Server configuration: ``server.json`` plus command-line overrides.
+
+Parsing uses pydantic (strict types, unknown keys forbidden) for the shape and
+``jsonschema`` (the option schemas in ``model_specs/<family>.json``) for the
+per-family option blocks. Every problem is reported at once, each message
+naming the key and, for model entries, the model id.
+
+Keys documented in API.md that this version does not implement yet
+(residency limits, UI, voices, live ingest, slots on the parallel runtime)
+are refused with a message that says so, instead of being accepted and
+silently ignored.
+
+Errors:
+    ConfigError: raised by :func:`parse_config` / :func:`load_config` with the
+    list of problems (``.problems``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from inference import specs
+
+# Keys of API.md that later issues implement; refused until then.
+NOT_YET_SUPPORTED_TOP = {
+    "max_loaded_models": "residency limits",
+    "idle_unload_ms": "idle retirement",
+    "min_free_memory_mb": "the memory guard",
+    "ui": "the management UI",
+    "ui_management": "management routes",
+    "cors_origins": "CORS",
+    "voice_dir": "speech synthesis voices",
+    "model_spec_override": "spec overrides",
+    "live_ingest": "live streaming",
+}
+NOT_YET_SUPPORTED_MODEL = {
+    "voice_presets": "speech synthesis voices",
+    "default_voice_preset": "speech synthesis voices",
+}
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "server.json"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; ``problems`` lists one message per fault."""
+
+    def __init__(self, problems: list[str], source: str = "server config"):
+        self.problems = problems
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelConfig(_Strict):
+    """One entry of ``models``: a registered model id and how to load it.
+
+    ``busy_timeout_ms`` is this model's admission-timeout ceiling in
+    milliseconds (R3.1); None means "use the server's". ``lazy`` None means
+    "use the server's ``lazy_load``".
+    """
+
+    id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    family: str = Field(min_length=1)
+    path: str | None = None
+    task: str | None = None
+    mode: Literal["offline", "streaming"] = "offline"
+    lazy: bool | None = None
+    slots: int | None = None
+    busy_timeout_ms: int | None = Field(default=None, ge=0)
+    load_options: dict[str, Any] = Field(default_factory=dict)
+    session_options: dict[str, Any] = Field(default_factory=dict)
+    default_request_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class ServerConfig(_Strict):
+    """The whole server configuration with API.md defaults (times in ms, sizes in bytes)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+    backend: Literal["auto", "cpu", "cuda"] = "auto"
+    device: int = Field(default=0, ge=0)
+    threads: int = Field(default=1, ge=1, le=64)
+    lazy_load: bool = False
+    busy_timeout_ms: int = Field(default=300000, ge=0)
+    shutdown_timeout_ms: int = Field(default=30000, ge=0)
+    lease_ttl_ms: int = Field(default=30000, ge=1000)
+    max_request_body_bytes: int = Field(default=104857600, ge=1024)
+    media_roots: list[str] = Field(default_factory=list)
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        """Return the entry with ``model_id`` or None."""
+        for entry in self.models:
+            if entry.id == model_id:
+                return entry
+        return None
+
+
+def _where(loc: tuple, data: dict) -> str:
+    if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
+        index = loc[1]
+        model_id = None
+        models = data.get("models")
+        if isinstance(models, list) and index < len(models) and isinstance(models[index], dict):
+            model_id = models[index].get("id")
+        rest = ".".join(str(part) for part in loc[2:])
+        who = f"models[{index}]" + (f" (id {model_id!r})" if model_id is not None else "")
+        return f"{who}: key {rest!r}" if rest else who
+    return "key " + repr(".".join(str(part) for part in loc))
+
+
+def _check_unsupported(data: dict, problems: list[str]) -> None:
+    for key, what in NOT_YET_SUPPORTED_TOP.items():
+        if key in data:
+            problems.append(f"key {key!r}: {what} is not supported by this version of audiosite")
+    models = data.get("models")
+    if isinstance(models, list):
+        for index, entry in enumerate(models):
+            if not isinstance(entry, dict):
+                continue
+            who = f"models[{index}] (id {entry.get('id')!r})"
+            for key, what in NOT_YET_SUPPORTED_MODEL.items():
+                if key in entry:
+                    problems.append(f"{who}: key {key!r}: {what} is not supported by this version of audiosite")
+            if "slots" in entry:
+                problems.append(
+                    f"{who}: key 'slots': slots requires --parallel-jobs; the legacy runtime serves one "
+                    "session per model and refuses any explicit slots, including 1 and null (R1.2)"
+                )
+
+
+def parse_config(data: Any, source: str = "server config") -> ServerConfig:
+    """Validate a decoded ``server.json`` document.
+
+    Args:
+        data: the decoded JSON (must be an object).
+        source: a name for messages (usually the file path).
+
+    Returns:
+        The validated ``ServerConfig``.
+
+    Raises:
+        ConfigError: unknown keys, wrong types, out-of-range values, duplicate
+            model ids, unknown family/task/mode, invalid option blocks, or an
+            explicit ``slots`` (legacy runtime, R1.2). Lists every problem.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(["the top level must be a JSON object"], source)
+    problems: list[str] = []
+    _check_unsupported(data, problems)
+    cleaned = {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED_TOP}
+    if isinstance(cleaned.get("models"), list):
+        cleaned["models"] = [
+            {k: v for k, v in m.items() if k not in NOT_YET_SUPPORTED_MODEL and k != "slots"}
+            if isinstance(m, dict) else m
+            for m in cleaned["models"]
+        ]
+    config = None
+    try:
+        config = ServerConfig.model_validate(cleaned)
+    except ValidationError as exc:
+        for err in exc.errors():
+            message = err["msg"]
+            if err["type"] == "extra_forbidden":
+                message = "unknown key"
+            problems.append(f"{_where(err['loc'], data)}: {message}")
+    if config is not None:
+        seen: set[str] = set()
+        for index, entry in enumerate(config.models):
+            who = f"models[{index}] (id {entry.id!r})"
+            if entry.id in seen:
+                problems.append(f"{who}: duplicate model id {entry.id!r}")
+            seen.add(entry.id)
+            problems.extend(f"{who}: {p}" for p in specs.check_model_entry(entry.model_dump()))
+        for root in config.media_roots:
+            if not os.path.isabs(root):
+                problems.append(f"key 'media_roots': {root!r} is not an absolute path")
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None) -> ServerConfig:
+    """Read, merge and validate the server configuration.
+
+    Args:
+        path: the JSON file; default ``AUDIOSITE_CONFIG`` or ``config/server.json``.
+        overrides: top-level keys that replace the file's (command-line flags);
+            default: the JSON object in ``AUDIOSITE_CONFIG_OVERRIDES``, which
+            ``manage.py serve`` sets for its children.
+
+    Raises:
+        ConfigError: unreadable file, invalid JSON, or any problem of
+            :func:`parse_config`.
+    """
+    path = Path(path or os.environ.get("AUDIOSITE_CONFIG") or DEFAULT_CONFIG_PATH)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror}"], str(path)) from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"], str(path)) from exc
+    if overrides is None:
+        raw = os.environ.get("AUDIOSITE_CONFIG_OVERRIDES", "").strip()
+        overrides = json.loads(raw) if raw else {}
+    if isinstance(data, dict):
+        data = {**data, **overrides}
+    return parse_config(data, str(path))
+
+
+_cached: ServerConfig | None = None
+
+
+def get_config() -> ServerConfig:
+    """The process-wide configuration, loaded once (see :func:`load_config`)."""
+    global _cached
+    if _cached is None:
+        _cached = load_config()
+    return _cached

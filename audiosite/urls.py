@@ -1,0 +1,18 @@
+"""Routes of audiosite (see ../shared/spec/API.md)."""
+from django.contrib import admin
+from django.urls import path
+
+from inference import apis as inference_apis
+from registry import apis as registry_apis
+
+urlpatterns = [
+    path("health", registry_apis.HealthApi.as_view()),
+    path("v1/models", registry_apis.ModelListApi.as_view()),
+    path("v1/models/<str:model_id>", registry_apis.ModelDetailApi.as_view()),
+    path("v1/audio/transcriptions", inference_apis.TranscriptionApi.as_view()),
+    path("v1/tasks/run", inference_apis.TaskRunApi.as_view()),
+    path("admin/", admin.site.urls),
+]
+
+handler404 = "audiosite.errors.not_found_view"
+handler500 = "audiosite.errors.server_error_view"

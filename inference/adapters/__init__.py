@@ -1,0 +1,19 @@
+"""Model families. ``get_adapter(family)`` imports an adapter only when used."""
+from __future__ import annotations
+
+import importlib
+
+_FAMILIES = {
+    "silero_vad": ("inference.adapters.silero_vad", "SileroVadAdapter"),
+    "whisper": ("inference.adapters.whisper", "WhisperAdapter"),
+}
+
+
+def get_adapter(family: str):
+    """Return the adapter instance of ``family``.
+
+    Raises:
+        KeyError: unknown family.
+    """
+    module_name, class_name = _FAMILIES[family]
+    return getattr(importlib.import_module(module_name), class_name)()

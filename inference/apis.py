@@ -1,0 +1,250 @@
+"""Inference routes: ``POST /v1/audio/transcriptions`` and ``POST /v1/tasks/run``.
+
+Views only translate HTTP to the runtime and back (async: a waiting request
+holds no thread). Input problems are refused before any ticket is taken, so a
+bad request never holds a lease.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import os
+import time
+from pathlib import Path
+
+from adrf.views import APIView
+from django.http import HttpResponse
+from rest_framework.exceptions import ParseError
+from rest_framework.response import Response
+
+from audiosite.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMedia
+from audiosite.serverconfig import get_config
+from inference import audio, specs
+from inference.runtime import legacy
+from inference.runtime.context import async_context
+from registry.selectors import model_meta_get
+
+RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+
+
+def _check_length(request) -> None:
+    limit = get_config().max_request_body_bytes
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise InvalidRequest("Content-Length is not a number") from None
+    if length > limit:
+        raise PayloadTooLarge(f"request body of {length} bytes exceeds max_request_body_bytes={limit}")
+
+
+def _data(request) -> dict:
+    try:
+        data = request.data
+    except ParseError as exc:
+        raise InvalidRequest(f"malformed request body: {exc.detail}") from None
+    if not hasattr(data, "get"):
+        raise InvalidRequest("the request body must be a JSON object or a multipart form")
+    return data
+
+
+def _field(data, name: str):
+    value = data.get(name)
+    return None if value in (None, "") else value
+
+
+def _int_field(value, name: str, minimum: int = 0) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be an integer", param=name)
+    try:
+        number = int(value) if not isinstance(value, float) or value.is_integer() else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None:
+        raise InvalidRequest(f"{name} must be an integer", param=name)
+    if number < minimum:
+        raise InvalidRequest(f"{name} must be ≥ {minimum}", param=name)
+    return number
+
+
+def _busy_timeout(request, data) -> int | None:
+    value = data.get("busy_timeout_ms")
+    if value is None:
+        value = request.query_params.get("busy_timeout_ms")
+    return _int_field(value, "busy_timeout_ms")
+
+
+async def _model(model_id) -> tuple[dict, object]:
+    if not model_id or not isinstance(model_id, str):
+        raise InvalidRequest("model is required", param="model")
+    ctx = await async_context()
+    meta = await model_meta_get(ctx, model_id)
+    if meta is None:
+        raise NotFound(f"model {model_id!r} is not registered", param="model")
+    return meta, ctx
+
+
+def _read_local(path_value, param: str) -> bytes:
+    """Bytes of a server-local file that lies inside a configured media root."""
+    config = get_config()
+    if not isinstance(path_value, str):
+        raise InvalidRequest(f"{param} must be a path string", param=param)
+    if not config.media_roots:
+        raise InvalidRequest("server-local paths are disabled (no media_roots configured)", param=param)
+    resolved = Path(os.path.realpath(path_value))
+    roots = [Path(os.path.realpath(root)) for root in config.media_roots]
+    if not any(resolved.is_relative_to(root) for root in roots):
+        raise InvalidRequest(f"{path_value!r} is outside the configured media_roots", param=param)
+    if not resolved.is_file():
+        raise InvalidRequest(f"{path_value!r} is not a readable file", param=param)
+    if resolved.stat().st_size > config.max_request_body_bytes:
+        raise PayloadTooLarge(f"{path_value!r} exceeds max_request_body_bytes={config.max_request_body_bytes}")
+    return resolved.read_bytes()
+
+
+async def _decode(data: bytes, family: str, param: str):
+    rate = specs.get_spec(family)["sample_rate_hz"]
+    try:
+        samples, _source_rate = await asyncio.to_thread(audio.decode, data, rate)
+    except audio.UndecodableAudio as exc:
+        raise UnsupportedMedia(str(exc), param=param) from None
+    except audio.AudioError as exc:
+        raise InvalidRequest(str(exc), param=param) from None
+    return samples, rate
+
+
+def _check_options(family: str, options: dict) -> None:
+    problems = specs.request_option_problems(family, options)
+    if problems:
+        raise InvalidRequest("; ".join(problems), param="options")
+
+
+def _timing(started: float, n_samples: int, rate: int) -> dict:
+    wall_ms = (time.monotonic() - started) * 1000
+    audio_ms = n_samples / rate * 1000
+    return {"wall_ms": round(wall_ms, 3), "audio_duration_ms": round(audio_ms, 3),
+            "rtf": round(wall_ms / audio_ms, 4) if audio_ms else None}
+
+
+def _stamp(seconds: float, sep: str) -> str:
+    ms = int(round(seconds * 1000))
+    hours, ms = divmod(ms, 3600000)
+    minutes, ms = divmod(ms, 60000)
+    secs, ms = divmod(ms, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{sep}{ms:03d}"
+
+
+def subtitles(segments: list[dict], kind: str) -> str:
+    """SRT or WebVTT text from segments with ``start``/``end`` in seconds."""
+    blocks = []
+    sep = "," if kind == "srt" else "."
+    for index, seg in enumerate(segments, start=1):
+        times = f"{_stamp(seg['start'], sep)} --> {_stamp(seg['end'], sep)}"
+        blocks.append(f"{index}\n{times}\n{seg['text']}\n" if kind == "srt" else f"{times}\n{seg['text']}\n")
+    body = "\n".join(blocks)
+    return body if kind == "srt" else "WEBVTT\n\n" + body
+
+
+class TranscriptionApi(APIView):
+    """``POST /v1/audio/transcriptions`` (OpenAI-compatible)."""
+
+    async def post(self, request):
+        started = time.monotonic()
+        _check_length(request)
+        data = _data(request)
+        meta, ctx = await _model(_field(data, "model"))
+        if meta["task"] != "asr":
+            raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
+        response_format = _field(data, "response_format") or "json"
+        if response_format not in RESPONSE_FORMATS:
+            raise InvalidRequest(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
+        if str(_field(data, "stream") or "false").lower() in ("true", "1"):
+            raise InvalidRequest("stream=true needs a model in mode 'streaming'; this model is offline", param="stream")
+        options = {}
+        for name in ("language", "prompt"):
+            value = _field(data, name)
+            if value is not None:
+                options[name] = value
+        temperature = _field(data, "temperature")
+        if temperature is not None:
+            try:
+                options["temperature"] = float(temperature)
+            except (TypeError, ValueError):
+                raise InvalidRequest("temperature must be a number", param="temperature") from None
+        granularities = data.getlist("timestamp_granularities[]") if hasattr(data, "getlist") else \
+            data.get("timestamp_granularities") or []
+        if "word" in granularities:
+            options["word_timestamps"] = True
+        _check_options(meta["family"], options)
+        timeout_ms = _busy_timeout(request, data)
+        upload = request.FILES.get("file") if hasattr(request, "FILES") else None
+        if upload is not None:
+            limit = get_config().max_request_body_bytes
+            if upload.size > limit:
+                raise PayloadTooLarge(f"file of {upload.size} bytes exceeds max_request_body_bytes={limit}")
+            raw = upload.read()
+            param = "file"
+        else:
+            path_value = next((data.get(k) for k in ("audio", "audio_path", "file") if data.get(k)), None)
+            if path_value is None:
+                raise InvalidRequest("file is required (multipart upload, or a server-local path in JSON)", param="file")
+            raw = _read_local(path_value, "file")
+            param = "file"
+        samples, rate = await _decode(raw, meta["family"], param)
+        outcome = await legacy.infer(ctx, meta, samples, rate, options, timeout_ms)
+        result = outcome.result
+        timing = _timing(started, len(samples), rate)
+        if response_format == "text":
+            return HttpResponse(result["text"], content_type="text/plain; charset=utf-8")
+        if response_format in ("srt", "vtt"):
+            return HttpResponse(subtitles(result["segments"], response_format), content_type="text/plain; charset=utf-8")
+        body = {"text": result["text"], "timing": timing}
+        if response_format == "verbose_json":
+            body.update(task="transcribe", language=result["language"], duration=result["duration"],
+                        segments=result["segments"])
+            if "words" in result:
+                body["words"] = result["words"]
+        return Response(body)
+
+
+class TaskRunApi(APIView):
+    """``POST /v1/tasks/run``: generic task input (VAD, ASR)."""
+
+    async def post(self, request):
+        started = time.monotonic()
+        _check_length(request)
+        data = _data(request)
+        meta, ctx = await _model(_field(data, "model"))
+        task_request = data.get("request")
+        if not isinstance(task_request, dict):
+            raise InvalidRequest("request must be a JSON object with 'audio' or 'audio_base64'", param="request")
+        options = task_request.get("options") or {}
+        if not isinstance(options, dict):
+            raise InvalidRequest("request.options must be an object", param="request.options")
+        _check_options(meta["family"], options)
+        timeout_ms = _busy_timeout(request, data)
+        if timeout_ms is None:
+            timeout_ms = _int_field(task_request.get("busy_timeout_ms"), "busy_timeout_ms")
+        if task_request.get("audio_base64") is not None:
+            encoded = task_request["audio_base64"]
+            if not isinstance(encoded, str):
+                raise InvalidRequest("request.audio_base64 must be a string", param="request.audio_base64")
+            try:
+                raw = base64.b64decode(encoded, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidRequest("request.audio_base64 is not valid base64", param="request.audio_base64") from None
+            param = "request.audio_base64"
+        elif task_request.get("audio") is not None:
+            raw = _read_local(task_request["audio"], "request.audio")
+            param = "request.audio"
+        else:
+            raise InvalidRequest("request needs 'audio' (server-local path) or 'audio_base64'", param="request")
+        samples, rate = await _decode(raw, meta["family"], param)
+        outcome = await legacy.infer(ctx, meta, samples, rate, options, timeout_ms)
+        body = {"model": meta["id"], "task": meta["task"], **outcome.result,
+                "timing": {**_timing(started, len(samples), rate), "queue_ms": round(outcome.queue_ms, 3),
+                           "load_ms": round(outcome.load_ms, 3), "inference_ms": outcome.inference_ms}}
+        return Response(body)

@@ -1,0 +1,48 @@
+"""``python manage.py load_models [ID …]``: load models now (default: every non-lazy one).
+
+Each load goes through the same busy guard and single-flight load as a
+request, so it queues behind running work and never loads a model twice.
+"""
+import asyncio
+
+from django.core.management.base import BaseCommand
+
+from audiosite.errors import ApplicationError
+from audiosite.serverconfig import get_config
+from inference.runtime.context import async_context
+from inference.runtime.legacy import ensure_loaded
+from registry.selectors import model_meta_all
+
+
+class Command(BaseCommand):
+    help = "Load registered models on a worker (default: all models that are not lazy)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("model_ids", nargs="*")
+
+    def handle(self, *args, **options):
+        failures = asyncio.run(self._load(options["model_ids"]))
+        if failures:
+            self.stderr.write(f"{failures} model(s) failed to load; they stay registered and load on first request")
+
+    async def _load(self, wanted: list[str]) -> int:
+        ctx = await async_context()
+        metas = await model_meta_all(ctx)
+        lazy_default = get_config().lazy_load
+        failures = 0
+        for model_id, meta in metas.items():
+            if wanted and model_id not in wanted:
+                continue
+            if not wanted and (meta["lazy"] if meta["lazy"] is not None else lazy_default):
+                continue
+            lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
+            try:
+                _owner, _boot, load_ms = await ensure_loaded(ctx, model_id)
+                self.stdout.write(f"loaded {model_id} in {load_ms:.0f} ms")
+            except ApplicationError as exc:
+                failures += 1
+                self.stderr.write(f"loading {model_id} failed: {exc.message}")
+            finally:
+                await ctx.scheduler.release(model_id, lease.lease_id)
+        await ctx.listener.close()
+        return failures

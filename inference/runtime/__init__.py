@@ -1,0 +1,1 @@
+"""Runtimes: how a request reaches a loaded session (legacy: one session per model)."""

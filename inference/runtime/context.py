@@ -1,0 +1,88 @@
+"""Per-process Redis clients, scheduler and listener, built from Django settings.
+
+The async objects are bound to the event loop that created them (redis-py's
+asyncio pool is loop-bound), so one set exists per running loop.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from audiosite.serverconfig import get_config
+from inference.scheduler import Keys, Listener, Scheduler
+
+KEYS = Keys(prefix="as:")
+
+
+def redis_url() -> str:
+    """``settings.REDIS_URL``.
+
+    Raises:
+        ImproperlyConfigured: unset (only ``manage.py serve`` starts a Redis of its own).
+    """
+    if not settings.REDIS_URL:
+        raise ImproperlyConfigured("REDIS_URL is not set; start the server with `python manage.py serve` or set REDIS_URL")
+    return settings.REDIS_URL
+
+
+_sync_client: redis.Redis | None = None
+
+
+def sync_redis() -> redis.Redis:
+    """A process-wide synchronous client (thread-safe pool), decoding to str."""
+    global _sync_client
+    if _sync_client is None:
+        _sync_client = redis.Redis.from_url(redis_url(), decode_responses=True)
+    return _sync_client
+
+
+_sync_bytes_client: redis.Redis | None = None
+
+
+def sync_redis_bytes() -> redis.Redis:
+    """A process-wide synchronous client that returns bytes (audio input keys)."""
+    global _sync_bytes_client
+    if _sync_bytes_client is None:
+        _sync_bytes_client = redis.Redis.from_url(redis_url(), decode_responses=False)
+    return _sync_bytes_client
+
+
+def sync_scheduler() -> Scheduler:
+    """Scheduler on the synchronous client (worker threads, management commands)."""
+    return Scheduler(sync_redis(), KEYS, get_config().lease_ttl_ms)
+
+
+@dataclass
+class AsyncContext:
+    """What an async view needs: clients, scheduler and this loop's listener."""
+
+    redis: aioredis.Redis
+    redis_bytes: aioredis.Redis
+    scheduler: Scheduler
+    listener: Listener
+
+
+_contexts: dict[int, AsyncContext] = {}
+
+
+async def async_context() -> AsyncContext:
+    """The context of the running event loop (created on first use)."""
+    loop = asyncio.get_running_loop()
+    ctx = _contexts.get(id(loop))
+    if ctx is not None and ctx.listener.loop is loop:
+        return ctx
+    client = aioredis.Redis.from_url(redis_url(), decode_responses=True)
+    client_bytes = aioredis.Redis.from_url(redis_url(), decode_responses=False)
+    listener = await Listener.start(client, KEYS.process_channel)
+    ctx = _contexts.get(id(loop))
+    if ctx is not None and ctx.listener.loop is loop:  # another coroutine won the race
+        await listener.close()
+        return ctx
+    ctx = AsyncContext(client, client_bytes, Scheduler(client, KEYS, get_config().lease_ttl_ms), listener)
+    _contexts[id(loop)] = ctx
+    return ctx

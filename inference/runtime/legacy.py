@@ -1,0 +1,190 @@
+"""The legacy runtime (R1.1): one session per model, requests serialized by a
+per-model busy guard (a capacity-one FIFO lease in Redis).
+
+Flow of one request (web process, async, no thread held while waiting):
+
+1. acquire the model's lease under the effective busy timeout (R3.1–R3.3);
+2. make sure the model is loaded (single flight across processes, R4.2);
+3. store the decoded input in Redis (TTL) and send ``run_model`` to the
+   owning worker's direct queue;
+4. await the ``done:<id>`` wake-up; the worker releases the lease.
+
+The web process renews the lease until the worker reports back. It releases
+the lease itself on every path where the worker never took over (refusal,
+load failure, lost worker). If the client disconnects after dispatch, the
+running step finishes on the worker, which releases the lease (R8.2).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from celery.utils import worker_direct
+
+from audiosite.celery import app as celery_app
+from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, ServerBusy
+from audiosite.serverconfig import get_config
+from inference import audio
+from inference.pools import LIVENESS_TTL_MS
+from inference.runtime.context import KEYS, AsyncContext
+from inference.scheduler import AdmissionOverdue, AdmissionTimeout, effective_timeout_ms
+
+log = logging.getLogger(__name__)
+
+INPUT_TTL_MS = 600000  # decoded input waits at most 10 min for its worker
+WATCHDOG_S = LIVENESS_TTL_MS / 1000  # how often a waiter checks that its worker lives
+
+
+@dataclass
+class Outcome:
+    """A served request: the adapter's ``result`` plus where and how long.
+
+    Times in ms: ``queue_ms`` waiting for the lease, ``load_ms`` spent loading
+    (0 when warm), ``inference_ms`` inside the session.
+    """
+
+    result: dict
+    queue_ms: float
+    load_ms: float
+    inference_ms: float
+    slot: int
+    worker: str
+
+
+def _busy(exc: Exception) -> ServerBusy:
+    if isinstance(exc, AdmissionOverdue):
+        return ServerBusy(f"server busy: {exc} (overdue fail-fast)", code="overdue")
+    return ServerBusy(f"server busy: {exc} (queue timeout)", code="queue_timeout")
+
+
+async def _send(task_name: str, args: list, queue) -> None:
+    await asyncio.to_thread(celery_app.send_task, task_name, args=args, queue=queue)
+
+
+async def ensure_loaded(ctx: AsyncContext, model_id: str) -> tuple[str, str, float]:
+    """Return ``(owner, boot, load_ms)`` of a loaded pool, loading it if needed (single flight).
+
+    Raises:
+        ModelLoadFailed: the load failed; the model stays registered and
+            unloaded, and a later request retries (R4.2).
+    """
+    started = time.monotonic()
+    loaded_here = False
+    while True:
+        token = uuid.uuid4().hex
+        wake = ctx.listener.expect(f"load:{token}")
+        try:
+            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token)
+            if decision.action == "ready":
+                load_ms = (time.monotonic() - started) * 1000 if loaded_here else 0.0
+                return decision.owner, decision.boot, load_ms
+            if decision.action == "load":
+                loaded_here = True
+                await _send("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
+            done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
+            if decision.action == "load" and done:
+                outcome = json.loads(await ctx.redis.get(KEYS.load_result(token)) or '{"ok": false, "error": "lost"}')
+                if not outcome["ok"]:
+                    raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
+            # Not done: the loader may have died; begin_load decides again
+            # (a loader that stopped renewing is replaced).
+        finally:
+            ctx.listener.forget(f"load:{token}")
+
+
+async def _worker_alive(ctx: AsyncContext, owner: str, boot: str) -> bool:
+    return await ctx.redis.get(KEYS.worker_live(owner)) == boot
+
+
+async def _dispatch(ctx: AsyncContext, model_id: str, lease_id: str, owner: str, boot: str,
+                    samples, sample_rate_hz: int, options: dict, handover: dict) -> dict | None:
+    """Send one run to ``owner`` and await its outcome; None when the worker died meanwhile.
+
+    Sets ``handover["sent"] = True`` once the task is on the worker's queue:
+    from then on the worker releases the lease, unless it answers ``not_loaded``.
+    """
+    request_id = uuid.uuid4().hex
+    header = json.dumps({"sample_rate_hz": sample_rate_hz, "options": options}).encode()
+    await ctx.redis_bytes.set(KEYS.input(request_id), header + b"\n" + audio.to_bytes(samples), px=INPUT_TTL_MS)
+    wake = ctx.listener.expect(f"done:{request_id}")
+    try:
+        await _send("inference.run_model", [model_id, request_id, lease_id, boot, ctx.listener.channel],
+                    worker_direct(owner))
+        handover["sent"] = True
+        while True:
+            done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
+            if done:
+                break
+            if not await _worker_alive(ctx, owner, boot):
+                await ctx.redis.delete(KEYS.input(request_id))
+                return None
+        return json.loads(await ctx.redis.get(KEYS.result(request_id)))
+    finally:
+        ctx.listener.forget(f"done:{request_id}")
+
+
+async def _renew_forever(ctx: AsyncContext, model_id: str, lease_id: str) -> None:
+    every_s = ctx.scheduler.lease_ttl_ms / 3000
+    while True:
+        await asyncio.sleep(every_s)
+        if not await ctx.scheduler.renew(model_id, lease_id):
+            return
+
+
+async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, options: dict,
+                request_timeout_ms: int | None) -> Outcome:
+    """Serve one request on the legacy runtime.
+
+    Args:
+        meta: published registration of the model.
+        samples: float32 ``(n,)`` at ``sample_rate_hz`` (the family's rate).
+        options: validated request options (merged with defaults on the worker).
+        request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
+
+    Raises:
+        ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), or the
+            worker was lost twice.
+        ModelLoadFailed: the model could not be loaded.
+        InvalidRequest: the adapter refused the request's options.
+    """
+    config = get_config()
+    model_id = meta["id"]
+    ceiling = meta["busy_timeout_ms"] if meta.get("busy_timeout_ms") is not None else config.busy_timeout_ms
+    timeout_ms = effective_timeout_ms(request_timeout_ms, ceiling)
+    try:
+        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms)
+    except (AdmissionOverdue, AdmissionTimeout) as exc:
+        raise _busy(exc) from None
+    renewer = asyncio.create_task(_renew_forever(ctx, model_id, lease.lease_id))
+    handover = {"sent": False}
+    try:
+        load_ms = 0.0
+        for _attempt in range(2):
+            owner, boot, spent = await ensure_loaded(ctx, model_id)
+            load_ms += spent
+            reply = await _dispatch(ctx, model_id, lease.lease_id, owner, boot, samples, sample_rate_hz, options,
+                                    handover)
+            if reply is None or reply.get("kind") == "not_loaded":
+                # The owner died or lost the pool: the lease is still ours;
+                # forget the pool and load again once.
+                handover["sent"] = False
+                await ctx.scheduler.mark_unloaded(model_id, boot, "worker lost")
+                continue
+            break
+        else:
+            raise ServerBusy(f"model {model_id!r}: its worker was lost twice; retry later", code="worker_lost")
+        if not reply["ok"]:
+            if reply["kind"] == "invalid_input":
+                raise InvalidRequest(reply["message"])
+            if reply["kind"] == "error":  # an adapter failed on valid input: a bug, reported as such
+                raise ApplicationError(f"model {model_id!r} failed: {reply['message']}")
+            raise ServerBusy(f"model {model_id!r} could not serve the request: {reply['message']}", code=reply["kind"])
+        return Outcome(reply["result"], lease.waited_ms, load_ms, reply["inference_ms"], reply["slot"], reply["worker"])
+    finally:
+        renewer.cancel()
+        if not handover["sent"]:
+            await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))

@@ -1,0 +1,109 @@
+"""One pub/sub subscription per process that wakes async waiters.
+
+Waiters register a key (``grant:<ticket>``, ``load:<token>``,
+``done:<request id>``) and await it; the Lua scripts and workers publish that
+key on the process channel. No waiter holds a thread or its own Redis
+connection, and nobody sleeps in a polling loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+log = logging.getLogger(__name__)
+
+
+class Listener:
+    """Dispatches messages of one pub/sub channel to asyncio futures.
+
+    Create one per event loop with :meth:`start`; ``channel`` is where
+    publishers send. A message that arrives before its waiter registered is
+    kept (bounded) so no wake-up is lost to that race.
+
+    Args:
+        redis: a ``redis.asyncio.Redis`` client (decode_responses=True).
+        channel_prefix: e.g. ``Keys.process_channel``; a random process id is appended.
+    """
+
+    _EARLY_MAX = 4096
+
+    def __init__(self, redis, channel: str):
+        self.redis = redis
+        self.channel = channel
+        self._futures: dict[str, asyncio.Future] = {}
+        self._early: dict[str, None] = {}
+        self._task: asyncio.Task | None = None
+        self._pubsub = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    async def start(cls, redis, channel_for) -> "Listener":
+        """Subscribe (confirmed before returning) and start dispatching.
+
+        Args:
+            redis: async Redis client.
+            channel_for: callable mapping a fresh process id to its channel name.
+        """
+        listener = cls(redis, channel_for(uuid.uuid4().hex))
+        listener.loop = asyncio.get_running_loop()
+        listener._pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        await listener._pubsub.subscribe(listener.channel)
+        listener._task = asyncio.create_task(listener._run(), name=f"listener {listener.channel}")
+        return listener
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                message = await self._pubsub.get_message(timeout=None)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # connection trouble: resubscribe and go on
+                log.exception("listener %s lost its subscription; resubscribing", self.channel)
+                await asyncio.sleep(0.2)
+                try:
+                    await self._pubsub.subscribe(self.channel)
+                except Exception:
+                    log.exception("resubscribe failed")
+                continue
+            if message is None or message.get("type") != "message":
+                continue
+            self._deliver(message["data"])
+
+    def _deliver(self, key: str) -> None:
+        future = self._futures.pop(key, None)
+        if future is not None:
+            if not future.done():
+                future.set_result(key)
+            return
+        self._early[key] = None
+        if len(self._early) > self._EARLY_MAX:
+            self._early.pop(next(iter(self._early)))
+
+    def expect(self, key: str) -> asyncio.Future:
+        """Register interest in ``key`` before the action that leads to its publication."""
+        future = self.loop.create_future()
+        if key in self._early:
+            self._early.pop(key)
+            future.set_result(key)
+        else:
+            self._futures[key] = future
+        return future
+
+    def forget(self, key: str) -> None:
+        """Drop interest in ``key`` (the waiter stopped waiting)."""
+        future = self._futures.pop(key, None)
+        if future is not None and not future.done():
+            future.cancel()
+        self._early.pop(key, None)
+
+    async def close(self) -> None:
+        """Stop dispatching and unsubscribe."""
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._pubsub is not None:
+            await self._pubsub.aclose()

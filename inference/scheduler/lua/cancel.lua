@@ -1,0 +1,14 @@
+-- cancel.lua: a waiter gives up its ticket (deadline reached or client gone, R3.2, R8.1).
+-- KEYS[1] base key of the model
+-- ARGV[1] ticket id
+-- Returns 'cancelled' (the ticket left the queue; it never runs),
+--         'granted'   (the grant won the race: the caller holds the lease and
+--                      must use or release it), or
+--         'gone'      (neither queued nor leased: already reaped or released).
+local base, ticket = KEYS[1], ARGV[1]
+if redis.call('ZREM', base .. ':queue', ticket) == 1 then
+  redis.call('HDEL', base .. ':chan', ticket)
+  return 'cancelled'
+end
+if redis.call('HEXISTS', base .. ':leases', ticket) == 1 then return 'granted' end
+return 'gone'

@@ -1,0 +1,20 @@
+-- snapshot.lua: one atomic read of every listed model (R4.7). Reserves nothing.
+-- KEYS[1..n] base keys of the models     KEYS[n+1] worker liveness key prefix
+-- Returns, per model in order: {state, active_leases, queued_tickets, error}
+-- where a 'ready' state whose owner is no longer alive reads as 'unloaded'.
+local live_prefix = KEYS[#KEYS]
+local out = {}
+for i = 1, #KEYS - 1 do
+  local base = KEYS[i]
+  local key = base .. ':load'
+  local state = redis.call('HGET', key, 'state') or 'unloaded'
+  if state == 'ready' then
+    local owner = redis.call('HGET', key, 'owner')
+    if not owner or redis.call('GET', live_prefix .. owner) ~= redis.call('HGET', key, 'boot') then
+      state = 'unloaded'
+    end
+  end
+  out[i] = {state, redis.call('HLEN', base .. ':leases'), redis.call('ZCARD', base .. ':queue'),
+            redis.call('HGET', key, 'error') or ''}
+end
+return out

@@ -1,0 +1,283 @@
+"""Admission to a model's slots: FIFO tickets, leases and single-flight loads.
+
+Every transition is one Lua script in ``lua/`` (``lib.lua`` is prepended to
+each). This module registers the scripts, maps their results to typed values
+and exceptions, and implements the async wait of a caller for its grant.
+
+Timeout rule (CONTRACT R3.1): see :func:`effective_timeout_ms`.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from .keys import Keys
+from .listener import Listener
+
+LUA_DIR = Path(__file__).resolve().parent / "lua"
+_LIB = (LUA_DIR / "lib.lua").read_text()
+_SCRIPT_NAMES = (
+    "enqueue", "cancel", "release", "renew", "reap",
+    "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
+)
+
+
+class SchedulerError(Exception):
+    """Base of the scheduler's refusals."""
+
+
+class AdmissionTimeout(SchedulerError):
+    """The ticket was not granted within its effective timeout (R3.2); the ticket is gone."""
+
+    def __init__(self, model_id: str, timeout_ms: int):
+        super().__init__(f"model {model_id!r} stayed busy for the whole busy_timeout_ms={timeout_ms}")
+        self.model_id = model_id
+        self.timeout_ms = timeout_ms
+
+
+class AdmissionOverdue(SchedulerError):
+    """Fail-fast (R3.3): every occupied slot has run longer than the effective timeout."""
+
+    def __init__(self, model_id: str, timeout_ms: int, age_ms: int):
+        super().__init__(
+            f"model {model_id!r} is busy with work that has run {age_ms} ms, longer than "
+            f"busy_timeout_ms={timeout_ms}; refusing at once instead of queueing"
+        )
+        self.model_id = model_id
+        self.timeout_ms = timeout_ms
+        self.age_ms = age_ms
+
+
+def effective_timeout_ms(request_ms: int | None, ceiling_ms: int) -> int:
+    """Combine a request's ``busy_timeout_ms`` with the model ceiling (R3.1).
+
+    Args:
+        request_ms: the request's value (None = not given), ≥ 0.
+        ceiling_ms: the model's ``busy_timeout_ms`` (itself defaulting to the
+            server's), ≥ 0; 0 = unbounded.
+
+    Returns:
+        Milliseconds; 0 = unbounded (no wait bound, no fail-fast). A request can
+        only shorten the ceiling; a request's 0 is still capped by a non-zero
+        ceiling; under a ceiling of 0 the request's own bound holds.
+    """
+    if request_ms is None:
+        return ceiling_ms
+    if ceiling_ms == 0:
+        return request_ms
+    if request_ms == 0:
+        return ceiling_ms
+    return min(request_ms, ceiling_ms)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A granted ticket: owns one slot of ``model_id`` until released or reaped.
+
+    ``lease_id`` equals the ticket id; ``granted_at_ms`` is Redis TIME in ms;
+    ``waited_ms`` is how long the caller queued (local monotonic clock).
+    """
+
+    model_id: str
+    lease_id: str
+    granted_at_ms: int
+    waited_ms: float
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """Outcome of ``begin_load``: ``action`` is 'ready', 'wait' or 'load'.
+
+    For 'ready', ``owner`` is the Celery hostname owning the pool and ``boot``
+    its boot id.
+    """
+
+    action: str
+    owner: str | None = None
+    boot: str | None = None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Scheduler:
+    """The scheduler's operations on one Redis.
+
+    Args:
+        redis: ``redis.Redis`` (worker threads) or ``redis.asyncio.Redis`` (web);
+            with an async client every operation returns an awaitable.
+        keys: key layout.
+        lease_ttl_ms: a lease whose holder does not renew it for this long is
+            reclaimed (R2.5).
+    """
+
+    def __init__(self, redis, keys: Keys, lease_ttl_ms: int):
+        self.redis = redis
+        self.keys = keys
+        self.lease_ttl_ms = lease_ttl_ms
+        self._scripts = {
+            name: redis.register_script(_LIB + "\n" + (LUA_DIR / f"{name}.lua").read_text())
+            for name in _SCRIPT_NAMES
+        }
+
+    def _run(self, name: str, keys: list[str], args: list):
+        return self._scripts[name](keys=keys, args=args)
+
+    # -- leases ---------------------------------------------------------------
+    def release(self, model_id: str, lease_id: str):
+        """Give a lease back (idempotent). Returns 1 if it was held, else 0."""
+        return self._run("release", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms])
+
+    def renew(self, model_id: str, lease_id: str):
+        """Extend a lease by the TTL. Returns 1, or 0 when it was already reclaimed."""
+        return self._run("renew", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms])
+
+    def reap(self, model_id: str):
+        """Reclaim expired leases and grant. Returns ``[reaped, next_expiry_ms|-1]``."""
+        return self._run("reap", [self.keys.model(model_id)], [self.lease_ttl_ms])
+
+    # -- loads ----------------------------------------------------------------
+    def renew_load(self, model_id: str, token: str):
+        """Extend the single loader's claim. Returns 1 if still the loader."""
+        return self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms])
+
+    def finish_load(self, model_id: str, token: str, ok: bool, owner: str = "", boot: str = "", error: str = ""):
+        """Publish a load's outcome and wake its waiters. Returns 'ok' or 'stale'."""
+        return self._run(
+            "finish_load", [self.keys.model(model_id)], [token, "ready" if ok else "failed", owner, boot, error]
+        )
+
+    def mark_unloaded(self, model_id: str, boot: str, error: str):
+        """Record that the pool loaded under ``boot`` is gone. Returns 1 if state changed."""
+        return self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error])
+
+    def set_capacity(self, model_id: str, slots: int):
+        """Set the number of slots of a model (1 on the legacy runtime)."""
+        return self.redis.set(self.keys.model(model_id) + ":cap", slots)
+
+    # -- async admission (web processes) --------------------------------------
+    async def acquire(self, listener: Listener, model_id: str, timeout_ms: int) -> Lease:
+        """Enter the model's FIFO queue and wait for a slot.
+
+        Args:
+            listener: this process's :class:`Listener` (same event loop).
+            model_id: the model.
+            timeout_ms: effective busy timeout (R3.1); 0 = unbounded.
+
+        Returns:
+            The granted :class:`Lease` (the caller must release it on every path).
+
+        Raises:
+            AdmissionOverdue: refused at once (R3.3).
+            AdmissionTimeout: not granted by the deadline; the ticket is gone (R3.2).
+            asyncio.CancelledError: the caller went away; the ticket is gone (R8.1)
+                or, if the grant won the race, the lease is released.
+
+        Tolerated race: a grant published while the waiter times out is settled
+        by ``cancel.lua`` (atomic), which reports 'granted'; the lease is then used.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        ticket = uuid.uuid4().hex
+        base = self.keys.model(model_id)
+        grant_key = f"grant:{ticket}"
+        future = listener.expect(grant_key)
+        enqueue = asyncio.ensure_future(
+            self._run("enqueue", [base, self.keys.seq], [ticket, listener.channel, timeout_ms, self.lease_ttl_ms])
+        )
+        try:
+            reply = await asyncio.shield(enqueue)
+        except asyncio.CancelledError:
+            # The caller left while the enqueue was in flight: let it finish,
+            # then undo whatever it did, so no ticket or lease survives.
+            listener.forget(grant_key)
+            try:
+                await enqueue
+            finally:
+                outcome = _text(await self._run("cancel", [base], [ticket]))
+                if outcome == "granted":
+                    await self.release(model_id, ticket)
+            raise
+        except BaseException:
+            listener.forget(grant_key)
+            raise
+        status = _text(reply[0])
+        if status == "granted":
+            listener.forget(grant_key)
+            return Lease(model_id, ticket, int(reply[1]), 0.0)
+        if status == "overdue":
+            listener.forget(grant_key)
+            raise AdmissionOverdue(model_id, timeout_ms, int(reply[1]))
+        next_expiry_ms = int(reply[1])
+        deadline = started + timeout_ms / 1000 if timeout_ms > 0 else None
+        try:
+            while True:
+                wait_s = None if deadline is None else max(0.0, deadline - loop.time())
+                if next_expiry_ms > 0:
+                    # Wake when the earliest lease could be reclaimed (R2.5); a
+                    # small margin lets Redis TIME pass the expiry.
+                    now_ms = await self._redis_time_ms()
+                    reap_in_s = max(0.0, (next_expiry_ms - now_ms) / 1000) + 0.05
+                    reap_first = wait_s is None or reap_in_s < wait_s
+                    wait_s = reap_in_s if reap_first else wait_s
+                else:
+                    reap_first = False
+                done, _ = await asyncio.wait({future}, timeout=wait_s)
+                if done:
+                    return Lease(model_id, ticket, 0, (loop.time() - started) * 1000)
+                if reap_first:
+                    reaped = await self.reap(model_id)
+                    next_expiry_ms = int(reaped[1])
+                    continue
+                outcome = _text(await self._run("cancel", [base], [ticket]))
+                if outcome == "granted":
+                    return Lease(model_id, ticket, 0, (loop.time() - started) * 1000)
+                raise AdmissionTimeout(model_id, timeout_ms)
+        except asyncio.CancelledError:
+            outcome = _text(await asyncio.shield(self._run("cancel", [base], [ticket])))
+            if outcome == "granted":
+                await asyncio.shield(self.release(model_id, ticket))
+            raise
+        finally:
+            listener.forget(grant_key)
+
+    async def _redis_time_ms(self) -> int:
+        seconds, micros = await self.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    async def begin_load(self, listener: Listener, model_id: str, token: str) -> LoadDecision:
+        """Single-flight load decision (R4.2); see ``lua/begin_load.lua``.
+
+        For 'wait', the caller must have called ``listener.expect(f"load:{token}")``
+        before this call to be woken.
+        """
+        reply = await self._run(
+            "begin_load",
+            [self.keys.model(model_id), self.keys.worker_live_prefix],
+            [token, listener.channel, self.lease_ttl_ms],
+        )
+        action = _text(reply[0])
+        if action == "ready":
+            return LoadDecision("ready", _text(reply[1]), _text(reply[2]))
+        return LoadDecision(action)
+
+    async def snapshot(self, model_ids: list[str]) -> dict[str, dict]:
+        """One atomic read of every model's state and counters (R4.7).
+
+        Returns:
+            ``{model_id: {"state": str, "active_leases": int, "queued": int, "error": str}}``.
+        """
+        if not model_ids:
+            return {}
+        keys = [self.keys.model(m) for m in model_ids] + [self.keys.worker_live_prefix]
+        result = self._run("snapshot", keys, [])
+        if inspect.isawaitable(result):
+            result = await result
+        return {
+            model_id: {"state": _text(row[0]), "active_leases": int(row[1]), "queued": int(row[2]), "error": _text(row[3])}
+            for model_id, row in zip(model_ids, result)
+        }

@@ -1,0 +1,166 @@
+"""Celery tasks of the GPU worker. They take ids and Redis keys, never audio.
+
+``load_model`` goes to the ``gpu`` queue (any worker may take a cold model);
+``run_model`` goes to the owning worker's direct queue (``worker_direct``).
+Both write their outcome to a Redis key with a TTL, then publish a wake-up on
+the caller's process channel. The worker renews the lease (or the loader
+claim) while it works and releases the lease when done, so a web process
+that dies mid-request strands nothing (R2.5).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import contextmanager
+
+from celery import shared_task, signals
+
+from audiosite.serverconfig import get_config
+from inference import audio, specs
+from inference.adapters.base import AudioRequest, InvalidInput
+from inference.pools import WORKER
+from inference.runtime.context import KEYS, sync_redis, sync_redis_bytes, sync_scheduler
+
+log = logging.getLogger(__name__)
+
+RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
+
+
+@signals.celeryd_after_setup.connect
+def _worker_identity(sender, instance, **kwargs):
+    """Record this worker's hostname and start its liveness key."""
+    WORKER.start_liveness(sender, sync_redis(), KEYS)
+    log.info("worker %s boot %s is alive", sender, WORKER.boot)
+
+
+@signals.worker_shutdown.connect
+def _worker_shutdown(**kwargs):
+    """Destroy pools (after Celery's warm shutdown drained tasks) and drop liveness."""
+    scheduler = sync_scheduler()
+    lost = WORKER.close_all()
+    for model_id in lost:
+        scheduler.mark_unloaded(model_id, WORKER.boot, "worker stopped")
+    WORKER.stop_liveness(sync_redis(), KEYS)
+    if lost:
+        from registry.services import registration_record_lost
+
+        try:
+            registration_record_lost(lost, "worker stopped", actor=WORKER.hostname or "")
+        except Exception:
+            log.exception("recording the unload of %s failed", lost)
+
+
+@contextmanager
+def _renewing(renew, every_s: float):
+    """Call ``renew()`` every ``every_s`` seconds in a thread while the block runs."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(every_s):
+            try:
+                if not renew():
+                    log.warning("renewal refused: the claim was lost")
+            except Exception:
+                log.exception("renewal failed")
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _reply(channel: str, key: str, wake: str, payload: dict) -> None:
+    client = sync_redis()
+    client.set(key, json.dumps(payload), px=RESULT_TTL_MS)
+    client.publish(channel, wake)
+
+
+@shared_task(name="inference.load_model", acks_late=False)
+def load_model(model_id: str, token: str, channel: str) -> None:
+    """Load ``model_id`` on this worker as the single loader holding ``token`` (R4.2).
+
+    Outcome in ``as:loadout:<token>``: ``{"ok": true, "owner", "boot"}`` or
+    ``{"ok": false, "error"}``; wake-up ``load:<token>`` on ``channel``.
+    """
+    from registry.services import registration_record_load, registration_record_loading
+
+    scheduler = sync_scheduler()
+    started = time.monotonic()
+    meta_json = sync_redis().hget(KEYS.models_meta, model_id)
+    try:
+        registration_record_loading(model_id, actor=WORKER.hostname or "")
+    except Exception:
+        log.exception("recording the start of a load failed")
+    error = ""
+    try:
+        if meta_json is None:
+            raise LookupError(f"model {model_id!r} is no longer registered")
+        with _renewing(lambda: scheduler.renew_load(model_id, token), scheduler.lease_ttl_ms / 3000):
+            WORKER.build(model_id, json.loads(meta_json), meta_json)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        log.exception("loading %s failed", model_id)
+    duration_ms = int((time.monotonic() - started) * 1000)
+    ok = not error
+    scheduler.finish_load(model_id, token, ok, WORKER.hostname, WORKER.boot, error)
+    try:
+        registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=WORKER.hostname or "")
+    except Exception:
+        log.exception("recording a load outcome failed")
+    payload = {"ok": True, "owner": WORKER.hostname, "boot": WORKER.boot} if ok else {"ok": False, "error": error}
+    payload["duration_ms"] = duration_ms
+    _reply(channel, KEYS.load_result(token), f"load:{token}", payload)
+
+
+@shared_task(name="inference.run_model", acks_late=False)
+def run_model(model_id: str, request_id: str, lease_id: str, boot: str, channel: str) -> None:
+    """Serve one request on this worker's pool of ``model_id`` under ``lease_id``.
+
+    Input in ``as:in:<request_id>`` (JSON header line, then float32 samples);
+    outcome in ``as:out:<request_id>``: ``{"ok": true, "result", "slot",
+    "inference_ms"}`` or ``{"ok": false, "kind": "not_loaded"|"invalid_input"|
+    "expired"|"error", "message"}``; wake-up ``done:<request_id>``. The lease is
+    released here on every path.
+    """
+    pool = WORKER.get(model_id)
+    if pool is None or boot != WORKER.boot:
+        # Never took over: the caller keeps (and later releases) the lease.
+        payload = {"ok": False, "kind": "not_loaded", "message": f"model {model_id!r} is not loaded on this worker"}
+        _reply(channel, KEYS.result(request_id), f"done:{request_id}", payload)
+        return
+    scheduler = sync_scheduler()
+    payload: dict
+    try:
+        with _renewing(lambda: scheduler.renew(model_id, lease_id), scheduler.lease_ttl_ms / 3000):
+            payload = _run(pool, request_id)
+    except Exception as exc:  # a bug in an adapter: report it, keep the worker
+        log.exception("run of %s failed", model_id)
+        payload = {"ok": False, "kind": "error", "message": f"{type(exc).__name__}: {exc}"}
+    finally:
+        scheduler.release(model_id, lease_id)
+    _reply(channel, KEYS.result(request_id), f"done:{request_id}", payload)
+
+
+def _run(pool, request_id: str) -> dict:
+    raw = sync_redis_bytes().getdel(KEYS.input(request_id))
+    if raw is None:
+        return {"ok": False, "kind": "expired", "message": "the request's input expired before it ran"}
+    header, _, body = raw.partition(b"\n")
+    info = json.loads(header)
+    meta = json.loads(pool.meta_json)
+    options = {**specs.request_defaults(meta["family"]), **(meta.get("default_request_options") or {}), **info["options"]}
+    request = AudioRequest(audio.from_bytes(body), int(info["sample_rate_hz"]), options)
+    slot = 0
+    with pool.locks[slot]:
+        started = time.monotonic()
+        try:
+            result = pool.sessions[slot].run(request)
+        except InvalidInput as exc:
+            return {"ok": False, "kind": "invalid_input", "message": str(exc)}
+        inference_ms = (time.monotonic() - started) * 1000
+    return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3), "worker": WORKER.hostname}

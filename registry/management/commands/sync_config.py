@@ -1,0 +1,22 @@
+"""``python manage.py sync_config``: upsert the config file's models and publish the registry to Redis."""
+from django.core.management.base import BaseCommand, CommandError
+
+from audiosite.serverconfig import ConfigError, get_config
+from inference.runtime.context import KEYS, sync_redis
+from registry.services import registration_sync_config, registry_publish
+
+
+class Command(BaseCommand):
+    help = "Upsert the models of server.json into the database and publish all registrations to Redis."
+
+    def handle(self, *args, **options):
+        try:
+            config = get_config()
+        except ConfigError as exc:
+            raise CommandError("\n".join([f"{exc.source}:"] + [f"  - {p}" for p in exc.problems])) from None
+        report = registration_sync_config(config)
+        published = registry_publish(sync_redis(), KEYS)
+        self.stdout.write(
+            f"registry: created {report['created']}, updated {report['updated']}, removed {report['removed']}; "
+            f"published {len(published)} model(s)"
+        )

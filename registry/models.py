@@ -1,0 +1,90 @@
+"""Durable truth about models: registrations and the audit log of their lifecycle.
+
+Live coordination (queues, leases, who holds the loaded pool) is in Redis;
+these rows record what is registered, its last known lifecycle state and
+error, and every lifecycle event. Only ``registry.services`` writes them.
+"""
+from django.db import models
+
+
+class LifecycleState(models.TextChoices):
+    """Conceptual per-model states of CONTRACT R4."""
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    RECONFIGURING = "reconfiguring"
+    UNLOADING = "unloading"
+
+
+class ModelRegistration(models.Model):
+    """One registered model id and how to load it.
+
+    ``busy_timeout_ms`` is the model's admission ceiling in ms (null = the
+    server's); ``lazy`` null = the server's ``lazy_load``. ``options`` holds
+    ``load_options``, ``session_options`` and ``default_request_options``.
+    """
+
+    class Source(models.TextChoices):
+        CONFIG = "config", "config file"
+        API = "api", "management API"
+
+    model_id = models.CharField("id", max_length=128, unique=True)
+    family = models.CharField(max_length=64)
+    task = models.CharField(max_length=64)
+    mode = models.CharField(max_length=16, default="offline")
+    path = models.CharField(max_length=1024, blank=True, default="")
+    options = models.JSONField(default=dict, blank=True)
+    busy_timeout_ms = models.PositiveBigIntegerField(null=True, blank=True)
+    lazy = models.BooleanField(null=True, blank=True)
+    source = models.CharField(max_length=8, choices=Source.choices)
+    state = models.CharField(max_length=16, choices=LifecycleState.choices, default=LifecycleState.UNLOADED)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    loaded_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["model_id"]
+        permissions = [("manage_models", "Can load, reconfigure and unload models")]
+
+    def __str__(self) -> str:
+        return self.model_id
+
+    def as_meta(self) -> dict:
+        """The JSON published to Redis for every process (see ``services.registry_publish``)."""
+        return {
+            "id": self.model_id,
+            "family": self.family,
+            "task": self.task,
+            "mode": self.mode,
+            "path": self.path or None,
+            "load_options": self.options.get("load_options", {}),
+            "session_options": self.options.get("session_options", {}),
+            "default_request_options": self.options.get("default_request_options", {}),
+            "busy_timeout_ms": self.busy_timeout_ms,
+            "lazy": self.lazy,
+            "source": self.source,
+        }
+
+
+class LifecycleEvent(models.Model):
+    """Audit log: who did what to which model, when, and how it ended."""
+
+    class Outcome(models.TextChoices):
+        OK = "ok"
+        FAILED = "failed"
+
+    model_id = models.CharField(max_length=128, db_index=True)
+    event = models.CharField(max_length=32)
+    outcome = models.CharField(max_length=8, choices=Outcome.choices)
+    actor = models.CharField(max_length=128, blank=True, default="")
+    detail = models.TextField(blank=True, default="")
+    duration_ms = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.model_id} {self.event} {self.outcome}"
