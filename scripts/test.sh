@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install (scripts/install.sh) and run the whole test suite against real
+# PostgreSQL and Redis. Defaults match a machine running both locally:
+#   DATABASE_URL  postgres://postgres@127.0.0.1:5432/audiosite  (tests create test_* databases)
+#   REDIS_URL     redis://127.0.0.1:6379/15   (tests FLUSH databases 14 and 15 of that server)
+# Extra arguments go to pytest (e.g. scripts/test.sh -k scheduler).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/audiosite}
+export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/15}
+export AUDIOSITE_REQUIRE_SERVICES=1
+export HF_HUB_OFFLINE=1
+exec .venv/bin/python -m pytest "$@"

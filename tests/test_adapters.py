@@ -1,0 +1,82 @@
+"""The real model families called directly (no server): quality and segment placement."""
+from __future__ import annotations
+
+import re
+
+import jiwer
+import numpy as np
+import pytest
+
+from inference import specs
+from inference.adapters import get_adapter
+from inference.adapters.base import AudioRequest, InvalidInput, LoadContext
+
+from .conftest import padded
+
+
+def session_of(family: str):
+    ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", 0, 1, {}, {})
+    adapter = get_adapter(family)
+    return adapter.new_session(adapter.load(specs.get_spec(family), ctx), 0)
+
+
+def normalise(text: str) -> str:
+    """Lower-case and strip punctuation (apostrophes too: "I'm" → "im")."""
+    return " ".join(re.sub(r"[^a-z0-9 ]+", "", text.lower()).split())
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    return session_of("whisper")
+
+
+@pytest.fixture(scope="module")
+def vad():
+    return session_of("silero_vad")
+
+
+def test_whisper_pooled_wer_is_at_most_20_percent(whisper, speech):
+    refs, hyps = [], []
+    for utt in speech:
+        result = whisper.run(AudioRequest(utt.samples, 16000, specs.request_defaults("whisper")))
+        refs.append(normalise(utt.text))
+        hyps.append(normalise(result["text"]))
+        assert result["segments"] and result["language"] == "en"
+    wer = jiwer.wer(refs, hyps)
+    assert wer <= 0.20, (wer, hyps)
+
+
+def test_whisper_digital_silence_gives_empty_text(whisper):
+    result = whisper.run(AudioRequest(np.zeros(32000, dtype=np.float32), 16000, specs.request_defaults("whisper")))
+    assert result["text"] == "" and result["segments"] == []
+
+
+def test_english_only_checkpoint_refuses_other_languages(whisper, speech):
+    options = {**specs.request_defaults("whisper"), "language": "de"}
+    with pytest.raises(InvalidInput):
+        whisper.run(AudioRequest(speech[0].samples, 16000, options))
+
+
+def test_vad_segments_cover_speech_and_not_the_padding(vad, speech):
+    pad_s = 1.5
+    for utt in speech:
+        samples = padded(utt, pad_s)
+        result = vad.run(AudioRequest(samples, 16000, specs.request_defaults("silero_vad")))
+        segments = result["segments"]
+        assert segments, utt.name
+        # Where the fixture's own speech lies: first/last sample above -40 dBFS.
+        loud = np.flatnonzero(np.abs(utt.samples) > 0.01)
+        speech_start = int(pad_s * 16000) + loud[0]
+        speech_end = int(pad_s * 16000) + loud[-1]
+        assert segments[0]["start"] >= int(pad_s * 16000) - 0.1 * 16000  # no segment deep in the leading silence
+        assert segments[-1]["end"] <= int(pad_s * 16000) + len(utt.samples) + 0.1 * 16000
+        covered = sum(min(s["end"], speech_end) - max(s["start"], speech_start)
+                      for s in segments if s["end"] > speech_start and s["start"] < speech_end)
+        assert covered >= 0.8 * (speech_end - speech_start), (utt.name, segments)
+        for s in segments:
+            assert s["start_s"] == round(s["start"] / 16000, 3) and 0.5 <= s["probability"] <= 1
+
+
+def test_vad_silence_gives_no_segments(vad):
+    result = vad.run(AudioRequest(np.zeros(48000, dtype=np.float32), 16000, specs.request_defaults("silero_vad")))
+    assert result["segments"] == [] and result["duration"] == 3.0

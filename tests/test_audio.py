@@ -1,0 +1,79 @@
+"""Audio input: soundfile decoding, mono mix, soxr resampling, and refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference import audio
+
+from .conftest import wav_bytes
+
+
+def tone(rate: int, seconds: float = 0.5, freq: float = 440.0) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt, subtype, rate", [("WAV", "PCM_16", 16000), ("FLAC", "PCM_16", 16000),
+                                                 ("OGG", "VORBIS", 16000), ("MP3", "MPEG_LAYER_III", 16000),
+                                                 ("OGG", "OPUS", 48000)])
+def test_containers_decode_to_model_rate(fmt, subtype, rate):
+    data = wav_bytes(tone(rate), rate, fmt, subtype)
+    samples, source_rate = audio.decode(data, 16000)
+    assert source_rate == rate
+    assert samples.dtype == np.float32 and samples.ndim == 1
+    assert abs(len(samples) - 8000) <= 1200  # lossy codecs add priming/padding frames
+    assert 0.2 < np.abs(samples).max() <= 1.0
+
+
+def test_stereo_is_mixed_to_mono_and_resampled():
+    rate = 44100
+    left, right = tone(rate, 1.0, 300), tone(rate, 1.0, 300)
+    data = wav_bytes(np.stack([left, right], axis=1), rate, "WAV", "FLOAT")
+    samples, _ = audio.decode(data, 16000)
+    assert len(samples) == 16000
+    # The 300 Hz tone survives resampling: its spectrum peaks at 300 Hz.
+    spectrum = np.abs(np.fft.rfft(samples))
+    assert abs(np.argmax(spectrum) * 16000 / len(samples) - 300) < 2
+
+
+def test_empty_bytes_are_refused():
+    with pytest.raises(audio.EmptyAudio):
+        audio.decode(b"", 16000)
+
+
+def test_zero_frames_are_refused():
+    with pytest.raises(audio.EmptyAudio):
+        audio.decode(wav_bytes(np.zeros(0, dtype=np.float32), 16000), 16000)
+
+
+def test_random_bytes_are_undecodable():
+    rng = np.random.default_rng(7)
+    with pytest.raises(audio.UndecodableAudio):
+        audio.decode(rng.bytes(4096), 16000)
+
+
+def test_truncated_header_is_undecodable():
+    data = wav_bytes(tone(16000), 16000)
+    with pytest.raises(audio.UndecodableAudio):
+        audio.decode(data[:30], 16000)
+
+
+@pytest.mark.parametrize("rate", [500, 400000])
+def test_implausible_sample_rate_is_refused(rate):
+    data = wav_bytes(np.zeros(64, dtype=np.float32), rate)
+    with pytest.raises(audio.ImplausibleAudio) as info:
+        audio.decode(data, 16000)
+    assert str(rate) in str(info.value)
+
+
+def test_non_finite_samples_are_refused():
+    samples = tone(16000)
+    samples[10] = np.nan
+    with pytest.raises(audio.ImplausibleAudio):
+        audio.decode(wav_bytes(samples, 16000, "WAV", "FLOAT"), 16000)
+
+
+def test_bytes_roundtrip():
+    samples = tone(16000)
+    assert np.array_equal(audio.from_bytes(audio.to_bytes(samples)), samples)

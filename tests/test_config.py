@@ -1,0 +1,112 @@
+"""server.json parsing and start-up refusals (R1.2 on the legacy runtime)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from audiosite.serverconfig import ConfigError, DEFAULT_CONFIG_PATH, load_config, parse_config
+
+from .conftest import ROOT
+
+
+def problems_of(data) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.problems
+
+
+def test_shipped_default_config_is_valid():
+    config = load_config(DEFAULT_CONFIG_PATH, overrides={})
+    assert {m.family for m in config.models} == {"whisper", "silero_vad"}
+    assert config.busy_timeout_ms == 300000 and config.lease_ttl_ms == 30000 and config.port == 8080
+
+
+def test_defaults_follow_api_md():
+    config = parse_config({"models": []})
+    assert (config.host, config.backend, config.threads, config.lazy_load) == ("127.0.0.1", "auto", 1, False)
+    assert config.max_request_body_bytes == 104857600 and config.shutdown_timeout_ms == 30000
+
+
+@pytest.mark.parametrize("slots", [1, None, 2, 0, "2"])
+def test_explicit_slots_is_refused_on_legacy_runtime(slots):
+    """R1.2: any explicit slots key, including 1 and null, is a start-up error naming the model."""
+    found = problems_of({"models": [{"id": "asr", "family": "whisper", "slots": slots}]})
+    assert len(found) == 1
+    assert "models[0] (id 'asr')" in found[0] and "'slots'" in found[0] and "--parallel-jobs" in found[0]
+
+
+def test_unknown_keys_are_named_with_their_model():
+    found = problems_of({"colour": "blue", "models": [{"id": "vad", "family": "silero_vad", "treshold": 1}]})
+    assert "key 'colour': unknown key" in found
+    assert "models[0] (id 'vad'): key 'treshold': unknown key" in found
+
+
+def test_duplicate_ids_are_refused():
+    found = problems_of({"models": [{"id": "a", "family": "silero_vad"}, {"id": "a", "family": "whisper"}]})
+    assert found == ["models[1] (id 'a'): duplicate model id 'a'"]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("busy_timeout_ms", "100"), ("busy_timeout_ms", True), ("busy_timeout_ms", 1.5), ("busy_timeout_ms", -1),
+     ("lazy", "yes"), ("family", 3)],
+)
+def test_wrong_model_types_are_refused(key, value):
+    entry = {"id": "m", "family": "silero_vad", key: value}
+    found = problems_of({"models": [entry]})
+    assert any(f"(id 'm'): key '{key}'" in p for p in found), found
+
+
+@pytest.mark.parametrize("key, value", [("port", "8080"), ("port", 0), ("backend", "tpu"), ("lazy_load", 1),
+                                        ("lease_ttl_ms", 10), ("media_roots", "/tmp")])
+def test_wrong_top_level_types_are_refused(key, value):
+    found = problems_of({key: value, "models": []})
+    assert any(p.startswith(f"key '{key}'") for p in found), found
+
+
+def test_family_task_mode_and_options_are_checked_against_the_spec():
+    found = problems_of({"models": [
+        {"id": "x", "family": "nope"},
+        {"id": "y", "family": "whisper", "task": "vad"},
+        {"id": "z", "family": "whisper", "mode": "streaming"},
+        {"id": "w", "family": "whisper", "load_options": {"compute_type": "int3"}},
+        {"id": "v", "family": "silero_vad", "default_request_options": {"threshold": 2}},
+        {"id": "u", "family": "silero_vad", "path": "/no/such/file.onnx"},
+    ]})
+    joined = "\n".join(found)
+    assert "models[0] (id 'x'): key 'family': unknown family 'nope'" in joined
+    assert "models[1] (id 'y'): key 'task'" in joined
+    assert "models[2] (id 'z'): key 'mode'" in joined
+    assert "models[3] (id 'w'): key 'load_options.compute_type'" in joined
+    assert "models[4] (id 'v'): key 'default_request_options.threshold'" in joined
+    assert "models[5] (id 'u'): key 'path'" in joined
+
+
+def test_keys_of_later_features_are_refused_not_ignored():
+    found = problems_of({"max_loaded_models": 1, "models": []})
+    assert found == ["key 'max_loaded_models': residency limits is not supported by this version of audiosite"]
+
+
+def test_invalid_json_file_names_the_line(tmp_path):
+    path = tmp_path / "server.json"
+    path.write_text('{"models": [\n  {"id": "a",}\n]}')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides={})
+    assert "invalid JSON at line 2" in info.value.problems[0]
+
+
+def test_serve_refuses_to_start_on_a_bad_config(tmp_path):
+    """R1.2: the start-up error names the model and the key; nothing is started."""
+    path = tmp_path / "server.json"
+    path.write_text(json.dumps({"models": [{"id": "vad", "family": "silero_vad", "slots": 1}]}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
+    env["AUDIOSITE_VAR_DIR"] = str(tmp_path / "var")
+    proc = subprocess.run([sys.executable, "manage.py", "serve", "--config", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "models[0] (id 'vad'): key 'slots'" in proc.stderr
+    assert "listening" not in proc.stdout
