@@ -191,5 +191,7 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": "INFO"},
-    "loggers": {"django.request": {"level": "ERROR"}},
+    # django.request would log every expected 503 (busy) as an ERROR; real 500s are
+    # logged by audiosite.errors.drf_exception_handler instead.
+    "loggers": {"django.request": {"level": "CRITICAL"}, "faster_whisper": {"level": "WARNING"}},
 }
