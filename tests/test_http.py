@@ -317,6 +317,26 @@ def test_client_that_leaves_while_queued_loses_its_ticket(stack, speech, slow_au
     stack.wait_idle("whisper")
 
 
+def test_client_that_leaves_while_running_does_not_strand_the_lease(stack, speech, slow_audio):
+    """R8.2: the running step finishes on the worker, then the lease is released; the next request works."""
+    async def scenario():
+        async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(120, read=1.0)) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                await _post_task(impatient, "whisper", slow_audio)
+        left_at = time.monotonic()
+        # The step is not pre-empted: the lease stays held while the worker runs ...
+        assert stack.counters("whisper")["leases"] == 1
+        # ... and the worker releases it when the run ends (it renews it meanwhile).
+        await _wait_for(lambda: stack.counters("whisper")["leases"] == 0, timeout_s=60)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+            resp, _, _ = await _post_task(c, "whisper", speech[0].wav, busy_timeout_ms=1)
+            assert resp.status_code == 200, resp.text
+        return time.monotonic() - left_at
+    held_s = asyncio.run(scenario())
+    assert held_s > 0.5  # it really ran on after the client left
+    stack.wait_idle("whisper")
+
+
 # -- loading ---------------------------------------------------------------------------------
 def test_lazy_model_loads_once_for_concurrent_cold_requests(stack, speech):
     """R4.2: single flight; both requests are served by the one published pool."""

@@ -6,6 +6,7 @@ asyncio pool is loop-bound), so one set exists per running loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 
 import redis
@@ -30,28 +31,22 @@ def redis_url() -> str:
     return settings.REDIS_URL
 
 
-_sync_client: redis.Redis | None = None
+@functools.cache
+def _sync_client(decode_responses: bool) -> redis.Redis:
+    return redis.Redis.from_url(redis_url(), decode_responses=decode_responses)
 
 
 def sync_redis() -> redis.Redis:
     """A process-wide synchronous client (thread-safe pool), decoding to str."""
-    global _sync_client
-    if _sync_client is None:
-        _sync_client = redis.Redis.from_url(redis_url(), decode_responses=True)
-    return _sync_client
-
-
-_sync_bytes_client: redis.Redis | None = None
+    return _sync_client(True)
 
 
 def sync_redis_bytes() -> redis.Redis:
     """A process-wide synchronous client that returns bytes (audio input keys)."""
-    global _sync_bytes_client
-    if _sync_bytes_client is None:
-        _sync_bytes_client = redis.Redis.from_url(redis_url(), decode_responses=False)
-    return _sync_bytes_client
+    return _sync_client(False)
 
 
+@functools.cache
 def sync_scheduler() -> Scheduler:
     """Scheduler on the synchronous client (worker threads, management commands)."""
     return Scheduler(sync_redis(), KEYS, get_config().lease_ttl_ms)
