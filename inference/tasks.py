@@ -90,6 +90,9 @@ def load_model(model_id: str, token: str, channel: str) -> None:
     from registry.services import registration_record_load, registration_record_loading
 
     scheduler = sync_scheduler()
+    if not scheduler.renew_load(model_id, token, WORKER.hostname or ""):
+        log.info("load of %s (token %s) was abandoned or replaced before it started; skipping", model_id, token)
+        return
     started = time.monotonic()
     meta_json = sync_redis().hget(KEYS.models_meta, model_id)
     try:
@@ -100,7 +103,8 @@ def load_model(model_id: str, token: str, channel: str) -> None:
     try:
         if meta_json is None:
             raise LookupError(f"model {model_id!r} is no longer registered")
-        with _renewing(lambda: scheduler.renew_load(model_id, token), scheduler.lease_ttl_ms / 3000):
+        with _renewing(lambda: scheduler.renew_load(model_id, token, WORKER.hostname or ""),
+                       scheduler.lease_ttl_ms / 3000):
             WORKER.build(model_id, json.loads(meta_json), meta_json)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"

@@ -273,3 +273,19 @@ def test_silent_loader_is_replaced(redis_client):
             assert (await rig.scheduler.begin_load(rig.listener, "m", "c")).action == "load"
             assert await rig.scheduler.finish_load("m", "a", True, owner="w", boot="z") == "stale"
     run(scenario())
+
+
+def test_lost_wake_up_is_recovered_at_the_next_lease_expiry(redis_client):
+    """R2.5: a waiter whose grant message was lost (dropped subscription) still gets its lease."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys, ttl_ms=600) as holder_rig, Rig(keys, ttl_ms=600) as waiter_rig:
+            holder = await holder_rig.acquire("m", 0)
+            waiter = asyncio.create_task(waiter_rig.acquire("m", 0))
+            await asyncio.sleep(0.1)
+            await waiter_rig.listener._pubsub.unsubscribe()  # the wake-up will go nowhere
+            await holder_rig.scheduler.release("m", holder.lease_id)
+            lease = await asyncio.wait_for(waiter, 2)
+            assert lease.waited_ms >= 500  # woken by its own reap timer, not by the message
+            assert await waiter_rig.scheduler.release("m", lease.lease_id) == 1
+    run(scenario())

@@ -65,13 +65,23 @@ async def _send(task_name: str, args: list, queue) -> None:
     await asyncio.to_thread(celery_app.send_task, task_name, args=args, queue=queue)
 
 
-async def ensure_loaded(ctx: AsyncContext, model_id: str) -> tuple[str, str, float]:
+async def ensure_loaded(ctx: AsyncContext, model_id: str, pickup_timeout_s: float | None = None) -> tuple[str, str, float]:
     """Return ``(owner, boot, load_ms)`` of a loaded pool, loading it if needed (single flight).
+
+    Args:
+        pickup_timeout_s: how long a load task may wait for a worker to start
+            it (default: the lease TTL). Past that, the claim is abandoned.
 
     Raises:
         ModelLoadFailed: the load failed; the model stays registered and
             unloaded, and a later request retries (R4.2).
+        ServerBusy: no worker started the load in time (code ``no_worker``, R7.4).
+
+    Tolerated race: a load task that a worker starts after its claim was
+    abandoned sees ``renew_load`` refuse and does nothing.
     """
+    if pickup_timeout_s is None:
+        pickup_timeout_s = ctx.scheduler.lease_ttl_ms / 1000
     started = time.monotonic()
     loaded_here = False
     while True:
@@ -82,16 +92,27 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str) -> tuple[str, str, flo
             if decision.action == "ready":
                 load_ms = (time.monotonic() - started) * 1000 if loaded_here else 0.0
                 return decision.owner, decision.boot, load_ms
-            if decision.action == "load":
-                loaded_here = True
-                await _send("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
-            done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
-            if decision.action == "load" and done:
-                outcome = json.loads(await ctx.redis.get(KEYS.load_result(token)) or '{"ok": false, "error": "lost"}')
-                if not outcome["ok"]:
-                    raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
-            # Not done: the loader may have died; begin_load decides again
-            # (a loader that stopped renewing is replaced).
+            if decision.action == "wait":
+                # Another caller loads; wake on its outcome, or re-decide after
+                # the watchdog period (a loader that died is replaced).
+                await asyncio.wait({wake}, timeout=WATCHDOG_S)
+                continue
+            loaded_here = True
+            await _send("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
+            sent_at = time.monotonic()
+            while True:
+                done, _ = await asyncio.wait({wake}, timeout=min(WATCHDOG_S, pickup_timeout_s))
+                if done:
+                    break
+                if await ctx.scheduler.load_picked_up(model_id, token):
+                    continue  # a worker is loading and renewing its claim
+                if time.monotonic() - sent_at >= pickup_timeout_s:
+                    await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
+                    raise ServerBusy(f"model {model_id!r}: no worker started its load within "
+                                     f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
+            outcome = json.loads(await ctx.redis.get(KEYS.load_result(token)) or '{"ok": false, "error": "lost"}')
+            if not outcome["ok"]:
+                raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
         finally:
             ctx.listener.forget(f"load:{token}")
 

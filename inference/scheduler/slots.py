@@ -136,14 +136,23 @@ class Scheduler:
         """Extend a lease by the TTL. Returns 1, or 0 when it was already reclaimed."""
         return self._run("renew", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms])
 
-    def reap(self, model_id: str):
-        """Reclaim expired leases and grant. Returns ``[reaped, next_expiry_ms|-1]``."""
-        return self._run("reap", [self.keys.model(model_id)], [self.lease_ttl_ms])
+    def reap(self, model_id: str, ticket: str = ""):
+        """Reclaim expired leases and grant.
+
+        Returns ``[reaped, next_expiry_ms|-1, status]``; ``status`` is the state of
+        ``ticket`` ('queued', 'granted' or 'gone'; 'gone' when no ticket is given).
+        """
+        return self._run("reap", [self.keys.model(model_id)], [self.lease_ttl_ms, ticket])
 
     # -- loads ----------------------------------------------------------------
-    def renew_load(self, model_id: str, token: str):
-        """Extend the single loader's claim. Returns 1 if still the loader."""
-        return self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms])
+    def renew_load(self, model_id: str, token: str, host: str):
+        """Extend the single loader's claim (``host`` = the worker loading). Returns 1 if still the loader."""
+        return self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms, host])
+
+    async def load_picked_up(self, model_id: str, token: str) -> bool:
+        """True when a worker has started the load claimed by ``token`` (async client)."""
+        fields = await self.redis.hmget(self.keys.model(model_id) + ":load", ["loader", "loader_host"])
+        return _text(fields[0]) == token and bool(fields[1])
 
     def finish_load(self, model_id: str, token: str, ok: bool, owner: str = "", boot: str = "", error: str = ""):
         """Publish a load's outcome and wake its waiters. Returns 'ok' or 'stale'."""
@@ -230,8 +239,13 @@ class Scheduler:
                 if done:
                     return Lease(model_id, ticket, 0, (loop.time() - started) * 1000)
                 if reap_first:
-                    reaped = await self.reap(model_id)
+                    reaped = await self.reap(model_id, ticket)
                     next_expiry_ms = int(reaped[1])
+                    status = _text(reaped[2])
+                    if status == "granted":  # the wake-up was lost (dropped subscription)
+                        return Lease(model_id, ticket, 0, (loop.time() - started) * 1000)
+                    if status == "gone":  # granted, never noticed, and reclaimed: start over
+                        raise AdmissionTimeout(model_id, timeout_ms)
                     continue
                 outcome = _text(await self._run("cancel", [base], [ticket]))
                 if outcome == "granted":

@@ -33,4 +33,5 @@ if state == 'loading' then
   end
 end
 redis.call('HSET', key, 'state', 'loading', 'loader', token, 'loader_expires_ms', now + ttl_ms)
+redis.call('HDEL', key, 'loader_host')
 return {'load'}

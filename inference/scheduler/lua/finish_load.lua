@@ -13,7 +13,7 @@ else
   redis.call('HSET', key, 'state', 'unloaded', 'error', ARGV[5])
   redis.call('HDEL', key, 'owner', 'boot')
 end
-redis.call('HDEL', key, 'loader', 'loader_expires_ms')
+redis.call('HDEL', key, 'loader', 'loader_expires_ms', 'loader_host')
 local waiters = redis.call('HGETALL', base .. ':loadwait')
 for i = 1, #waiters, 2 do
   redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i])
