@@ -210,7 +210,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     if overrides is None:
         raw = os.environ.get("AUDIOSITE_CONFIG_OVERRIDES", "").strip()
         overrides = json.loads(raw) if raw else {}
-    if isinstance(data, dict):
+    if overrides and isinstance(data, dict):
+        parse_config(data, str(path))  # the file must be valid on its own, too
         data = {**data, **overrides}
     return parse_config(data, str(path))
 

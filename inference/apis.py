@@ -122,11 +122,15 @@ def _check_options(family: str, options: dict) -> None:
         raise InvalidRequest("; ".join(problems), param="options")
 
 
-def _timing(started: float, n_samples: int, rate: int) -> dict:
+def _timing(started: float, n_samples: int, rate: int, outcome: legacy.Outcome) -> dict:
+    """``timing`` of a response: wall time, audio duration, real-time factor
+    (wall ÷ audio), and the queue / load / inference parts, all in ms."""
     wall_ms = (time.monotonic() - started) * 1000
     audio_ms = n_samples / rate * 1000
     return {"wall_ms": round(wall_ms, 3), "audio_duration_ms": round(audio_ms, 3),
-            "rtf": round(wall_ms / audio_ms, 4) if audio_ms else None}
+            "rtf": round(wall_ms / audio_ms, 4) if audio_ms else None,
+            "queue_ms": round(outcome.queue_ms, 3), "load_ms": round(outcome.load_ms, 3),
+            "inference_ms": outcome.inference_ms}
 
 
 def _stamp(seconds: float, sep: str) -> str:
@@ -196,7 +200,7 @@ class TranscriptionApi(APIView):
         samples, rate = await _decode(raw, meta["family"], param)
         outcome = await legacy.infer(ctx, meta, samples, rate, options, timeout_ms)
         result = outcome.result
-        timing = _timing(started, len(samples), rate)
+        timing = _timing(started, len(samples), rate, outcome)
         if response_format == "text":
             return HttpResponse(result["text"], content_type="text/plain; charset=utf-8")
         if response_format in ("srt", "vtt"):
@@ -245,6 +249,5 @@ class TaskRunApi(APIView):
         samples, rate = await _decode(raw, meta["family"], param)
         outcome = await legacy.infer(ctx, meta, samples, rate, options, timeout_ms)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result,
-                "timing": {**_timing(started, len(samples), rate), "queue_ms": round(outcome.queue_ms, 3),
-                           "load_ms": round(outcome.load_ms, 3), "inference_ms": outcome.inference_ms}}
+                "timing": _timing(started, len(samples), rate, outcome)}
         return Response(body)

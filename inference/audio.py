@@ -62,7 +62,10 @@ def decode(data: bytes, target_rate_hz: int) -> tuple[np.ndarray, int]:
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
-        raise UndecodableAudio(f"cannot decode the audio: {exc}") from exc
+        reason = getattr(exc, "error_string", None) or str(exc)
+        raise UndecodableAudio(
+            f"cannot decode the audio ({reason.strip().rstrip('.')}); send WAV, FLAC, OGG (Vorbis/Opus) or MP3"
+        ) from exc
     if frames.shape[0] == 0:
         raise EmptyAudio("the audio file holds no samples")
     if not np.isfinite(frames).all():

@@ -31,8 +31,9 @@ import soundfile
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = (ROOT.parent / "shared" / "fixtures" / "speech").resolve()
-if not FIXTURES.exists():  # a checkout without ../shared: use the shipped sample only
-    FIXTURES = ROOT / "samples"
+if not FIXTURES.exists():
+    pytest.exit(f"the tests need the shared fixtures at {FIXTURES} (the 'shared' folder beside this checkout)",
+                returncode=4)
 REDIS_BASE = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0]
 PG_BASE = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/audiosite").rsplit("/", 1)[0]
 

@@ -57,3 +57,32 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.stack
+def test_serve_stops_everything_and_fails_when_a_child_dies(tmp_path):
+    """If the web process dies, serve stops the rest and exits non-zero (docs/operations.md)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "REDIS_URL") and not k.startswith("AUDIOSITE_")}
+    env.update(AUDIOSITE_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1")
+    config = tmp_path / "server.json"
+    config.write_text('{"lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "manage.py", "serve", "--config", str(config),
+                                 "--port", str(free_port())], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while b"listening on" not in log_path.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        web = next(c for c in children if "daphne" in " ".join(c.cmdline()))
+        web.kill()
+        assert proc.wait(timeout=60) != 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+        assert "web exited with code -9" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -175,6 +175,8 @@ class SileroVadAdapter:
         options.intra_op_num_threads = int(ctx.session_options.get("intra_op_num_threads", ctx.threads))
         options.inter_op_num_threads = 1
         session = ort.InferenceSession(str(ctx.checkpoint), options, providers=providers_for(ctx.backend, ctx.device))
+        if ctx.backend == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
+            raise RuntimeError("backend 'cuda' was requested but onnxruntime could not use CUDA on this machine")
         return Shared(session=session, sample_rate_hz=int(spec["sample_rate_hz"]))
 
     def new_session(self, shared: Shared, slot: int) -> VadSession:

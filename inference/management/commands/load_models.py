@@ -5,11 +5,12 @@ request, so it queues behind running work and never loads a model twice.
 """
 import asyncio
 
-from django.core.management.base import BaseCommand
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.errors import ApplicationError
 from audiosite.serverconfig import get_config
-from inference.runtime.context import async_context
+from inference.runtime.context import async_context, redis_url
 from inference.runtime.legacy import ensure_loaded
 from registry.selectors import model_meta_all
 
@@ -21,6 +22,10 @@ class Command(BaseCommand):
         parser.add_argument("model_ids", nargs="*")
 
     def handle(self, *args, **options):
+        try:
+            redis_url()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
         failures = asyncio.run(self._load(options["model_ids"]))
         if failures:
             self.stderr.write(f"{failures} model(s) failed to load; they stay registered and load on first request")

@@ -69,6 +69,7 @@ class Command(BaseCommand):
             os.environ["AUDIOSITE_CONFIG"] = env["AUDIOSITE_CONFIG"]
 
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        failed = ""
         try:
             redis_url = settings.REDIS_URL or self._start_redis()
             env["REDIS_URL"] = redis_url
@@ -96,6 +97,7 @@ class Command(BaseCommand):
                     if proc.poll() is not None:
                         self.stderr.write(f"{name} exited with code {proc.returncode}; stopping")
                         self.stopping = True
+                        failed = f"{name} exited with code {proc.returncode}"
                         break
                 time.sleep(0.2)
         except _Stop:
@@ -104,6 +106,8 @@ class Command(BaseCommand):
             self._stop_all(config.shutdown_timeout_ms / 1000)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+        if failed:
+            raise CommandError(f"audiosite stopped because {failed}")
         self.stdout.write("audiosite stopped")
 
     # -- children ----------------------------------------------------------------

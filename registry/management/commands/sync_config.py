@@ -1,8 +1,9 @@
 """``python manage.py sync_config``: upsert the config file's models and publish the registry to Redis."""
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.serverconfig import ConfigError, get_config
-from inference.runtime.context import KEYS, sync_redis
+from inference.runtime.context import KEYS, redis_url, sync_redis
 from registry.services import registration_sync_config, registry_publish
 
 
@@ -10,6 +11,10 @@ class Command(BaseCommand):
     help = "Upsert the models of server.json into the database and publish all registrations to Redis."
 
     def handle(self, *args, **options):
+        try:
+            redis_url()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
         try:
             config = get_config()
         except ConfigError as exc:
