@@ -38,8 +38,8 @@ class Rig:
         await self.listener.close()
         await self.redis.aclose()
 
-    async def acquire(self, model_id: str, timeout_ms: int):
-        return await self.scheduler.acquire(self.listener, model_id, timeout_ms)
+    async def acquire(self, model_id: str, timeout_ms: int, kind: str = "request"):
+        return await self.scheduler.acquire(self.listener, model_id, timeout_ms, kind)
 
     async def counts(self, model_id: str) -> tuple[int, int]:
         snap = await self.scheduler.snapshot([model_id])
@@ -288,4 +288,275 @@ def test_lost_wake_up_is_recovered_at_the_next_lease_expiry(redis_client):
             lease = await asyncio.wait_for(waiter, 2)
             assert lease.waited_ms >= 500  # woken by its own reap timer, not by the message
             assert await waiter_rig.scheduler.release("m", lease.lease_id) == 1
+    run(scenario())
+
+
+# -- several slots and managers (parallel runtime) --------------------------------------------
+async def _capacity(rig: Rig, model_id: str, slots: int) -> None:
+    await rig.scheduler.set_capacity(model_id, slots)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_consecutive_requests_fill_spare_slots(redis_client, slots):
+    """R2.2: up to `slots` requests hold leases at once; the next one queues."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix())) as rig:
+            await _capacity(rig, "m", slots)
+            leases = [await rig.acquire("m", 1000) for _ in range(slots)]
+            assert await rig.counts("m") == (slots, 0)
+            extra = asyncio.create_task(rig.acquire("m", 0))
+            await asyncio.sleep(0.05)
+            assert await rig.counts("m") == (slots, 1)
+            await rig.scheduler.release("m", leases[0].lease_id)
+            leases = leases[1:] + [await extra]
+            for lease in leases:
+                await rig.scheduler.release("m", lease.lease_id)
+            assert await rig.counts("m") == (0, 0)
+    run(scenario())
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_manager_is_a_barrier_older_work_drains_first_and_later_work_neither_barges_nor_starves(redis_client, slots):
+    """R2.2/R2.3: older request, then a manager, then staggered later requests."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix())) as rig:
+            await _capacity(rig, "m", slots)
+            events: list[str] = []
+            held = [await rig.acquire("m", 0) for _ in range(slots)]  # every slot busy
+            older = asyncio.create_task(rig.acquire("m", 0))
+            await asyncio.sleep(0.02)
+            manager = asyncio.create_task(rig.acquire("m", 0, kind="manager"))
+            await asyncio.sleep(0.02)
+            later = []
+            for _ in range(3):
+                later.append(asyncio.create_task(rig.acquire("m", 0)))
+                await asyncio.sleep(0.02)
+            snap = (await rig.scheduler.snapshot(["m"]))["m"]
+            assert (snap["active_leases"], snap["queued"], snap["queued_managers"]) == (slots, 4, 1)
+            # One slot frees: the older request takes it; the manager still waits for every lease.
+            await rig.scheduler.release("m", held.pop().lease_id)
+            older_lease = await asyncio.wait_for(older, 1)
+            events.append("older")
+            held.append(older_lease)
+            # Free slots now exist (slots > 1 case) but later requests may not barge past the manager.
+            for lease in held[:-1]:
+                await rig.scheduler.release("m", lease.lease_id)
+            await asyncio.sleep(0.05)
+            assert not manager.done() and not any(t.done() for t in later)
+            await rig.scheduler.release("m", older_lease.lease_id)
+            manager_lease = await asyncio.wait_for(manager, 1)
+            events.append("manager")
+            assert not any(t.done() for t in later)
+            snap = (await rig.scheduler.snapshot(["m"]))["m"]
+            assert (snap["active_leases"], snap["manager_leases"], snap["queued"]) == (0, 1, 3)
+            await rig.scheduler.release("m", manager_lease.lease_id)
+            later_leases = await asyncio.wait_for(asyncio.gather(*later[:slots]), 1)
+            events.append("later")
+            for lease in later_leases:
+                await rig.scheduler.release("m", lease.lease_id)
+            for task in later[slots:]:
+                await rig.scheduler.release("m", (await asyncio.wait_for(task, 1)).lease_id)
+            assert events == ["older", "manager", "later"]
+            assert await rig.counts("m") == (0, 0)
+    run(scenario())
+
+
+def test_overlapping_managers_keep_enqueue_order(redis_client):
+    """R2.2: managers are granted one at a time in the order they entered."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix())) as rig:
+            await _capacity(rig, "m", 2)
+            request = await rig.acquire("m", 0)
+            order: list[int] = []
+
+            async def manager(i):
+                lease = await rig.acquire("m", 0, kind="manager")
+                order.append(i)
+                snap = (await rig.scheduler.snapshot(["m"]))["m"]
+                assert snap["manager_leases"] == 1 and snap["active_leases"] == 0
+                await asyncio.sleep(0.02)
+                await rig.scheduler.release("m", lease.lease_id)
+
+            tasks = []
+            for i in range(4):
+                tasks.append(asyncio.create_task(manager(i)))
+                await asyncio.sleep(0.01)
+            await rig.scheduler.release("m", request.lease_id)
+            await asyncio.gather(*tasks)
+            assert order == [0, 1, 2, 3]
+    run(scenario())
+
+
+def test_overdue_fail_fast_with_a_waiting_manager_and_spare_slots(redis_client):
+    """R3.3: unoccupied slots are ignored; the only occupied slot is overdue → refused at once."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix()), ttl_ms=5000) as rig:
+            await _capacity(rig, "m", 2)
+            holder = await rig.acquire("m", 0)
+            manager = asyncio.create_task(rig.acquire("m", 0, kind="manager"))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            with pytest.raises(AdmissionOverdue):
+                await rig.acquire("m", 200)
+            assert (time.monotonic() - started) * 1000 < 50
+            await rig.scheduler.release("m", holder.lease_id)
+            await rig.scheduler.release("m", (await manager).lease_id)
+    run(scenario())
+
+
+def test_healthy_and_overdue_slots_allow_bounded_waiting(redis_client):
+    """R3.3: one overdue and one healthy occupied slot → the request queues (and times out at its deadline)."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix()), ttl_ms=5000) as rig:
+            await _capacity(rig, "m", 2)
+            old = await rig.acquire("m", 0)
+            await asyncio.sleep(0.3)
+            fresh = await rig.acquire("m", 0)
+            started = time.monotonic()
+            with pytest.raises(AdmissionTimeout):
+                await rig.acquire("m", 200)
+            assert 190 <= (time.monotonic() - started) * 1000 < 350
+            for lease in (old, fresh):
+                await rig.scheduler.release("m", lease.lease_id)
+    run(scenario())
+
+
+def test_manager_timeouts(redis_client):
+    """R3.4: a manager times out at its deadline, fails fast behind an overdue lease, and 0 waits."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix()), ttl_ms=5000) as rig:
+            await _capacity(rig, "m", 2)
+            holder = await rig.acquire("m", 0)
+            started = time.monotonic()
+            with pytest.raises(AdmissionTimeout):
+                await rig.acquire("m", 250, kind="manager")
+            assert 240 <= (time.monotonic() - started) * 1000 < 400
+            assert (await rig.scheduler.snapshot(["m"]))["m"]["queued_managers"] == 0
+            await asyncio.sleep(0.1)  # holder is now older than 300 ms
+            with pytest.raises(AdmissionOverdue):
+                await rig.acquire("m", 300, kind="manager")
+            unbounded = asyncio.create_task(rig.acquire("m", 0, kind="manager"))
+            await asyncio.sleep(0.4)
+            assert not unbounded.done()
+            await rig.scheduler.release("m", holder.lease_id)
+            await rig.scheduler.release("m", (await asyncio.wait_for(unbounded, 1)).lease_id)
+    run(scenario())
+
+
+def test_cancelled_manager_barrier_lets_later_requests_use_spare_slots(redis_client):
+    """R2.2/R8.1: when a queued manager leaves, the requests behind it are granted at once."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix())) as rig:
+            await _capacity(rig, "m", 2)
+            holder = await rig.acquire("m", 0)
+            manager = asyncio.create_task(rig.acquire("m", 0, kind="manager"))
+            await asyncio.sleep(0.02)
+            behind = asyncio.create_task(rig.acquire("m", 0))
+            await asyncio.sleep(0.05)
+            assert not behind.done()
+            manager.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await manager
+            lease = await asyncio.wait_for(behind, 1)
+            for held in (holder, lease):
+                await rig.scheduler.release("m", held.lease_id)
+    run(scenario())
+
+
+class QueueModel:
+    """Reference model of one model's FIFO admission (R2.2), for the stress test."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.queue: list[tuple[int, str]] = []  # (client id, kind) in enqueue order
+        self.requests: set[int] = set()
+        self.managers: set[int] = set()
+
+    def grantable(self, kind: str) -> bool:
+        if self.managers:
+            return False
+        return not self.requests if kind == "manager" else len(self.requests) < self.capacity
+
+    def enqueue(self, cid: int, kind: str) -> None:
+        if not self.queue and self.grantable(kind):
+            (self.managers if kind == "manager" else self.requests).add(cid)
+        else:
+            self.queue.append((cid, kind))
+
+    def grant_pass(self) -> None:
+        while self.queue and self.grantable(self.queue[0][1]):
+            cid, kind = self.queue.pop(0)
+            (self.managers if kind == "manager" else self.requests).add(cid)
+            if kind == "manager":
+                break
+
+    def release(self, cid: int) -> None:
+        self.requests.discard(cid)
+        self.managers.discard(cid)
+        self.grant_pass()
+
+    def cancel(self, cid: int) -> None:
+        self.queue = [(c, k) for c, k in self.queue if c != cid]
+        self.grant_pass()
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_seeded_random_stress_keeps_every_invariant(redis_client, slots):
+    """F6/R2.1/R2.2/R8.1: a random mix of requests, managers, releases and cancels;
+    after every step the real scheduler equals the reference model (FIFO held),
+    counters stay within bounds, and everything drains to zero."""
+    import random
+
+    seed = 20261130 + slots
+    print(f"stress seed {seed}")
+    rng = random.Random(seed)
+
+    async def scenario():
+        async with Rig(Keys(unique_prefix()), ttl_ms=60000) as rig:
+            await _capacity(rig, "m", slots)
+            model = QueueModel(slots)
+            tasks: dict[int, asyncio.Task] = {}
+            kinds: dict[int, str] = {}
+            released: set[int] = set()
+            for step in range(160):
+                waiting = [c for c, _ in model.queue]
+                holders = sorted(model.requests | model.managers)
+                roll = rng.random()
+                if roll < 0.45 or not (waiting or holders):
+                    cid = step
+                    kinds[cid] = "manager" if rng.random() < 0.2 else "request"
+                    tasks[cid] = asyncio.create_task(rig.acquire("m", 0, kind=kinds[cid]))
+                    await asyncio.sleep(0.005)  # the enqueue lands before the next step
+                    model.enqueue(cid, kinds[cid])
+                elif roll < 0.85 and holders:
+                    cid = rng.choice(holders)
+                    await rig.scheduler.release("m", tasks[cid].result().lease_id)
+                    model.release(cid)
+                    released.add(cid)
+                elif waiting:
+                    cid = rng.choice(waiting)
+                    tasks[cid].cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await tasks[cid]
+                    model.cancel(cid)
+                else:
+                    continue
+                await asyncio.sleep(0.01)  # let pushed grants arrive
+                snap = (await rig.scheduler.snapshot(["m"]))["m"]
+                holding_now = {c for c, t in tasks.items() if t.done() and not t.cancelled()} - released
+                assert holding_now == model.requests | model.managers, (seed, step)
+                still_waiting = {c for c, t in tasks.items() if not t.done()}
+                assert still_waiting == {c for c, _ in model.queue}, (seed, step)
+                assert 0 <= snap["active_leases"] == len(model.requests) <= slots
+                assert snap["manager_leases"] == len(model.managers) <= 1
+                assert not (snap["manager_leases"] and snap["active_leases"])
+                assert snap["queued"] + snap["queued_managers"] == len(model.queue)
+            # Drain: release every holder until nothing is held or queued.
+            while model.requests or model.managers:
+                for cid in sorted(model.requests | model.managers):
+                    await rig.scheduler.release("m", tasks[cid].result().lease_id)
+                    model.release(cid)
+                await asyncio.sleep(0.02)
+            snap = (await rig.scheduler.snapshot(["m"]))["m"]
+            assert (snap["active_leases"], snap["queued"], snap["manager_leases"], snap["queued_managers"]) == (0, 0, 0, 0)
     run(scenario())

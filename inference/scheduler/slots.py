@@ -75,7 +75,8 @@ def effective_timeout_ms(request_ms: int | None, ceiling_ms: int) -> int:
 
 @dataclass(frozen=True)
 class Lease:
-    """A granted ticket: owns one slot of ``model_id`` until released or reaped.
+    """A granted ticket: owns one slot of ``model_id`` (kind 'request') or the
+    whole model (kind 'manager') until released or reaped.
 
     ``lease_id`` equals the ticket id; ``granted_at_ms`` is Redis TIME in ms;
     ``waited_ms`` is how long the caller queued (local monotonic clock).
@@ -85,6 +86,7 @@ class Lease:
     lease_id: str
     granted_at_ms: int
     waited_ms: float
+    kind: str = "request"
 
 
 @dataclass(frozen=True)
@@ -164,18 +166,34 @@ class Scheduler:
         """Record that the pool loaded under ``boot`` is gone. Returns 1 if state changed."""
         return self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error])
 
+    def set_state(self, model_id: str, state: str, error: str = ""):
+        """Record a lifecycle state chosen by a manager holding the model's exclusive lease.
+
+        'unloading' and 'unloaded' also forget the owner, so the logical
+        residency is cleared first (R4.5).
+        """
+        key = self.keys.model(model_id) + ":load"
+        if state in ("unloading", "unloaded"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(key, mapping={"state": state, "error": error})
+            pipe.hdel(key, "owner", "boot")
+            return pipe.execute()
+        return self.redis.hset(key, mapping={"state": state, "error": error})
+
     def set_capacity(self, model_id: str, slots: int):
         """Set the number of slots of a model (1 on the legacy runtime)."""
         return self.redis.set(self.keys.model(model_id) + ":cap", slots)
 
     # -- async admission (web processes) --------------------------------------
-    async def acquire(self, listener: Listener, model_id: str, timeout_ms: int) -> Lease:
-        """Enter the model's FIFO queue and wait for a slot.
+    async def acquire(self, listener: Listener, model_id: str, timeout_ms: int, kind: str = "request") -> Lease:
+        """Enter the model's FIFO queue and wait for a slot (request) or the whole model (manager).
 
         Args:
             listener: this process's :class:`Listener` (same event loop).
             model_id: the model.
             timeout_ms: effective busy timeout (R3.1); 0 = unbounded.
+            kind: 'request' (one slot, R2.2) or 'manager' (exclusive: waits for
+                every older lease; a barrier for later tickets).
 
         Returns:
             The granted :class:`Lease` (the caller must release it on every path).
@@ -196,7 +214,7 @@ class Scheduler:
         grant_key = f"grant:{ticket}"
         future = listener.expect(grant_key)
         enqueue = asyncio.ensure_future(
-            self._run("enqueue", [base, self.keys.seq], [ticket, listener.channel, timeout_ms, self.lease_ttl_ms])
+            self._run("enqueue", [base, self.keys.seq], [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, kind])
         )
         try:
             reply = await asyncio.shield(enqueue)
@@ -207,7 +225,7 @@ class Scheduler:
             try:
                 await enqueue
             finally:
-                outcome = _text(await self._run("cancel", [base], [ticket]))
+                outcome = _text(await self._run("cancel", [base], [ticket, self.lease_ttl_ms]))
                 if outcome == "granted":
                     await self.release(model_id, ticket)
             raise
@@ -217,7 +235,7 @@ class Scheduler:
         status = _text(reply[0])
         if status == "granted":
             listener.forget(grant_key)
-            return Lease(model_id, ticket, int(reply[1]), 0.0)
+            return Lease(model_id, ticket, int(reply[1]), 0.0, kind)
         if status == "overdue":
             listener.forget(grant_key)
             raise AdmissionOverdue(model_id, timeout_ms, int(reply[1]))
@@ -237,22 +255,22 @@ class Scheduler:
                     reap_first = False
                 done, _ = await asyncio.wait({future}, timeout=wait_s)
                 if done:
-                    return Lease(model_id, ticket, 0, (loop.time() - started) * 1000)
+                    return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
                 if reap_first:
                     reaped = await self.reap(model_id, ticket)
                     next_expiry_ms = int(reaped[1])
                     status = _text(reaped[2])
                     if status == "granted":  # the wake-up was lost (dropped subscription)
-                        return Lease(model_id, ticket, 0, (loop.time() - started) * 1000)
+                        return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
                     if status == "gone":  # granted, never noticed, and reclaimed: start over
                         raise AdmissionTimeout(model_id, timeout_ms)
                     continue
-                outcome = _text(await self._run("cancel", [base], [ticket]))
+                outcome = _text(await self._run("cancel", [base], [ticket, self.lease_ttl_ms]))
                 if outcome == "granted":
-                    return Lease(model_id, ticket, 0, (loop.time() - started) * 1000)
+                    return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
                 raise AdmissionTimeout(model_id, timeout_ms)
         except asyncio.CancelledError:
-            outcome = _text(await asyncio.shield(self._run("cancel", [base], [ticket])))
+            outcome = _text(await asyncio.shield(self._run("cancel", [base], [ticket, self.lease_ttl_ms])))
             if outcome == "granted":
                 await asyncio.shield(self.release(model_id, ticket))
             raise
@@ -283,7 +301,9 @@ class Scheduler:
         """One atomic read of every model's state and counters (R4.7).
 
         Returns:
-            ``{model_id: {"state": str, "active_leases": int, "queued": int, "error": str}}``.
+            ``{model_id: {"state": str, "active_leases": int (request leases),
+            "queued": int (queued requests), "error": str, "capacity": int,
+            "manager_leases": int, "queued_managers": int}}``.
         """
         if not model_ids:
             return {}
@@ -292,6 +312,8 @@ class Scheduler:
         if inspect.isawaitable(result):
             result = await result
         return {
-            model_id: {"state": _text(row[0]), "active_leases": int(row[1]), "queued": int(row[2]), "error": _text(row[3])}
+            model_id: {"state": _text(row[0]), "active_leases": int(row[1]), "queued": int(row[2]),
+                       "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
+                       "queued_managers": int(row[6])}
             for model_id, row in zip(model_ids, result)
         }

@@ -1,14 +1,19 @@
 -- cancel.lua: a waiter gives up its ticket (deadline reached or client gone, R3.2, R8.1).
 -- KEYS[1] base key of the model
--- ARGV[1] ticket id
+-- ARGV[1] ticket id     ARGV[2] lease TTL in ms (for tickets the pass grants)
 -- Returns 'cancelled' (the ticket left the queue; it never runs),
 --         'granted'   (the grant won the race: the caller holds the lease and
 --                      must use or release it), or
 --         'gone'      (neither queued nor leased: already reaped or released).
-local base, ticket = KEYS[1], ARGV[1]
+-- Runs the grant pass: a cancelled manager barrier lets later requests in.
+local base, ticket, ttl_ms = KEYS[1], ARGV[1], tonumber(ARGV[2])
 if redis.call('ZREM', base .. ':queue', ticket) == 1 then
   redis.call('HDEL', base .. ':chan', ticket)
+  redis.call('HDEL', base .. ':kind', ticket)
+  grant_pass(base, now_ms(), ttl_ms)
   return 'cancelled'
 end
-if redis.call('HEXISTS', base .. ':leases', ticket) == 1 then return 'granted' end
+if redis.call('HEXISTS', base .. ':leases', ticket) == 1 or redis.call('HEXISTS', base .. ':mleases', ticket) == 1 then
+  return 'granted'
+end
 return 'gone'

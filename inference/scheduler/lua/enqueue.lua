@@ -1,40 +1,44 @@
--- enqueue.lua: a request enters the model's FIFO queue (R2.1), with fail-fast (R3.3).
+-- enqueue.lua: a request or a manager enters the model's FIFO queue (R2.1),
+-- with fail-fast (R3.3 requests, R3.4 managers).
 -- KEYS[1] base key of the model      KEYS[2] global FIFO sequence counter
 -- ARGV[1] ticket id (becomes the lease id when granted)
 -- ARGV[2] reply channel of the waiting process (receives 'grant:<ticket>')
 -- ARGV[3] effective busy timeout in ms (0 = unbounded: no fail-fast)
 -- ARGV[4] lease TTL in ms
+-- ARGV[5] kind: 'request' (one slot) or 'manager' (the whole model)
 -- Returns one of:
---   {'granted', granted_at_ms}            a slot was free and nobody was queued
---   {'overdue', oldest_lease_age_ms}      every occupied slot has run longer
---                                         than the timeout: refuse at once
+--   {'granted', granted_at_ms}            nobody queued and the kind is grantable
+--   {'overdue', age_ms}                   refused at once: for a request, every
+--                                         occupied slot has run longer than the
+--                                         timeout (unoccupied slots are ignored);
+--                                         for a manager, some occupied slot or
+--                                         held manager lease has
 --   {'queued', next_lease_expiry_ms|-1, position (1 = head)}
 -- Clock: redis TIME.
 local base, seq_key = KEYS[1], KEYS[2]
 local ticket, chan = ARGV[1], ARGV[2]
 local timeout_ms, ttl_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
+local is_manager = ARGV[5] == 'manager'
 local now = now_ms()
 if reap(base, now) > 0 then grant_pass(base, now, ttl_ms) end
 
-if redis.call('ZCARD', base .. ':queue') == 0 and redis.call('HLEN', base .. ':leases') < capacity(base) then
-  grant(base, ticket, now, ttl_ms)
+if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager) then
+  grant(base, ticket, now, ttl_ms, is_manager)
   return {'granted', now}
 end
 
 if timeout_ms > 0 then
-  local leases = redis.call('HGETALL', base .. ':leases')
-  if #leases > 0 then
-    local all_overdue, youngest_age = true, nil
-    for i = 2, #leases, 2 do
-      local age = now - tonumber(leases[i])
-      if age <= timeout_ms then all_overdue = false end
-      if youngest_age == nil or age < youngest_age then youngest_age = age end
-    end
-    if all_overdue then return {'overdue', youngest_age} end
+  local n, all_overdue, any_overdue, youngest = overdue_stats(base .. ':leases', now, timeout_ms)
+  if is_manager then
+    local mn, _, m_any, m_youngest = overdue_stats(base .. ':mleases', now, timeout_ms)
+    if any_overdue or m_any then return {'overdue', math.max(youngest, m_youngest)} end
+  elseif n > 0 and all_overdue then
+    return {'overdue', youngest}
   end
 end
 
 local seq = redis.call('INCR', seq_key)
 redis.call('ZADD', base .. ':queue', seq, ticket)
 redis.call('HSET', base .. ':chan', ticket, chan)
+if is_manager then redis.call('HSET', base .. ':kind', ticket, 'manager') end
 return {'queued', next_expiry(base), redis.call('ZCARD', base .. ':queue')}

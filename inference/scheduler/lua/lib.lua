@@ -2,14 +2,20 @@
 --
 -- Key layout for one model (base = "<prefix>m:{<model id>}"; the braces are a
 -- Redis Cluster hash tag, so one model's keys live on one node):
---   base..':queue'    ZSET  ticket -> FIFO sequence number (global INCR)
+--   base..':queue'    ZSET  ticket -> FIFO sequence number (global INCR);
+--                           requests and managers share this one queue (R2.1)
+--   base..':kind'     HASH  ticket -> 'manager' for queued manager tickets
+--                           (absent = request)
 --   base..':chan'     HASH  ticket -> pub/sub channel of the waiting process
---   base..':leases'   HASH  lease  -> granted_at_ms (lease id = ticket id)
---   base..':expiry'   ZSET  lease  -> expires_at_ms (renewed by the holder)
+--   base..':leases'   HASH  request lease -> granted_at_ms (one slot each)
+--   base..':mleases'  HASH  manager lease -> granted_at_ms (the whole model)
+--   base..':expiry'   ZSET  lease (either kind) -> expires_at_ms (renewed by the holder)
 --   base..':cap'      STRING capacity (slots); absent = 1
---   base..':load'     HASH  state, owner, boot, loader, loader_expires_ms, error
+--   base..':load'     HASH  state, owner, boot, loader, loader_expires_ms,
+--                           loader_host, error
 --   base..':loadwait' HASH  token -> channel of a caller waiting for a load
--- Clock: every script trusts redis.call('TIME') only (milliseconds below).
+-- Lease id = ticket id. Clock: every script trusts redis.call('TIME') only
+-- (milliseconds below).
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -22,6 +28,7 @@ local function reap(base, now)
   for _, lease in ipairs(expired) do
     redis.call('ZREM', base .. ':expiry', lease)
     redis.call('HDEL', base .. ':leases', lease)
+    redis.call('HDEL', base .. ':mleases', lease)
   end
   return #expired
 end
@@ -30,26 +37,40 @@ local function capacity(base)
   return tonumber(redis.call('GET', base .. ':cap') or '1')
 end
 
-local function grant(base, ticket, now, ttl_ms)
-  redis.call('HSET', base .. ':leases', ticket, now)
+local function grant(base, ticket, now, ttl_ms, is_manager)
+  redis.call('HSET', base .. (is_manager and ':mleases' or ':leases'), ticket, now)
   redis.call('ZADD', base .. ':expiry', now + ttl_ms, ticket)
 end
 
--- Grant queued tickets from the head, in FIFO order, while a slot is free.
--- Each grant is pushed to the waiter's channel as 'grant:<ticket>'.
+-- Can a ticket of this kind be granted now (ignoring queue position)? R2.2:
+-- a request needs no management lease and a free slot; a manager needs no
+-- lease of any kind.
+local function grantable(base, is_manager)
+  if redis.call('HLEN', base .. ':mleases') > 0 then return false end
+  if is_manager then return redis.call('HLEN', base .. ':leases') == 0 end
+  return redis.call('HLEN', base .. ':leases') < capacity(base)
+end
+
+-- Walk the queue from its head and grant until the first ticket that cannot
+-- be granted (R2.2): consecutive requests fill spare slots; a queued manager
+-- is a barrier for everything behind it. Each grant is pushed to the waiter's
+-- channel as 'grant:<ticket>'. Returns the number granted.
 local function grant_pass(base, now, ttl_ms)
-  local cap = capacity(base)
   local granted = 0
-  while redis.call('HLEN', base .. ':leases') < cap do
+  while true do
     local head = redis.call('ZRANGE', base .. ':queue', 0, 0)
     if #head == 0 then break end
     local ticket = head[1]
+    local is_manager = redis.call('HEXISTS', base .. ':kind', ticket) == 1
+    if not grantable(base, is_manager) then break end
     redis.call('ZREM', base .. ':queue', ticket)
+    redis.call('HDEL', base .. ':kind', ticket)
     local chan = redis.call('HGET', base .. ':chan', ticket)
     redis.call('HDEL', base .. ':chan', ticket)
-    grant(base, ticket, now, ttl_ms)
+    grant(base, ticket, now, ttl_ms, is_manager)
     if chan then redis.call('PUBLISH', chan, 'grant:' .. ticket) end
     granted = granted + 1
+    if is_manager then break end
   end
   return granted
 end
@@ -59,4 +80,17 @@ local function next_expiry(base)
   local first = redis.call('ZRANGE', base .. ':expiry', 0, 0, 'WITHSCORES')
   if #first == 0 then return -1 end
   return tonumber(first[2])
+end
+
+-- Youngest age (ms) among the leases of one hash, and whether all of them
+-- are older than timeout_ms. Returns (count, all_overdue, any_overdue, youngest_age).
+local function overdue_stats(key, now, timeout_ms)
+  local leases = redis.call('HGETALL', key)
+  local all_overdue, any_overdue, youngest = true, false, nil
+  for i = 2, #leases, 2 do
+    local age = now - tonumber(leases[i])
+    if age > timeout_ms then any_overdue = true else all_overdue = false end
+    if youngest == nil or age < youngest then youngest = age end
+  end
+  return #leases / 2, all_overdue, any_overdue, youngest or 0
 end

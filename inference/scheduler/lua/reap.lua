@@ -13,7 +13,8 @@ local status = 'gone'
 if ticket ~= '' then
   if redis.call('ZSCORE', base .. ':queue', ticket) then
     status = 'queued'
-  elseif redis.call('HEXISTS', base .. ':leases', ticket) == 1 then
+  elseif redis.call('HEXISTS', base .. ':leases', ticket) == 1
+      or redis.call('HEXISTS', base .. ':mleases', ticket) == 1 then
     status = 'granted'
   end
 end

@@ -2,10 +2,10 @@
 -- Idempotent: releasing an unknown lease returns 0 and changes nothing.
 -- KEYS[1] base key of the model
 -- ARGV[1] lease id     ARGV[2] lease TTL in ms (for leases granted by the pass)
--- Returns 1 if the lease was held, else 0. Runs the grant pass.
+-- Returns 1 if the lease (request or manager) was held, else 0. Runs the grant pass.
 local base, lease, ttl_ms = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local now = now_ms()
-local held = redis.call('HDEL', base .. ':leases', lease)
+local held = redis.call('HDEL', base .. ':leases', lease) + redis.call('HDEL', base .. ':mleases', lease)
 redis.call('ZREM', base .. ':expiry', lease)
 reap(base, now)
 grant_pass(base, now, ttl_ms)

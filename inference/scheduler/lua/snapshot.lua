@@ -1,6 +1,8 @@
 -- snapshot.lua: one atomic read of every listed model (R4.7). Reserves nothing.
 -- KEYS[1..n] base keys of the models     KEYS[n+1] worker liveness key prefix
--- Returns, per model in order: {state, active_leases, queued_tickets, error}
+-- Returns, per model in order:
+--   {state, active_request_leases, queued_requests, error, capacity,
+--    manager_leases, queued_managers}
 -- where a 'ready' state whose owner is no longer alive reads as 'unloaded'.
 local live_prefix = KEYS[#KEYS]
 local out = {}
@@ -14,7 +16,10 @@ for i = 1, #KEYS - 1 do
       state = 'unloaded'
     end
   end
-  out[i] = {state, redis.call('HLEN', base .. ':leases'), redis.call('ZCARD', base .. ':queue'),
-            redis.call('HGET', key, 'error') or ''}
+  local queued_managers = redis.call('HLEN', base .. ':kind')
+  out[i] = {state, redis.call('HLEN', base .. ':leases'),
+            redis.call('ZCARD', base .. ':queue') - queued_managers,
+            redis.call('HGET', key, 'error') or '', capacity(base),
+            redis.call('HLEN', base .. ':mleases'), queued_managers}
 end
 return out
