@@ -72,7 +72,7 @@ class ModelConfig(_Strict):
     task: str | None = None
     mode: Literal["offline", "streaming"] = "offline"
     lazy: bool | None = None
-    slots: int | None = None
+    slots: Any = None  # checked by specs.slots_problems (parallel runtime only)
     busy_timeout_ms: int | None = Field(default=None, ge=0)
     load_options: dict[str, Any] = Field(default_factory=dict)
     session_options: dict[str, Any] = Field(default_factory=dict)
@@ -116,7 +116,7 @@ def _where(loc: tuple, data: dict) -> str:
     return "key " + repr(".".join(str(part) for part in loc))
 
 
-def _check_unsupported(data: dict, problems: list[str]) -> None:
+def _check_unsupported(data: dict, problems: list[str], parallel: bool) -> None:
     for key, what in NOT_YET_SUPPORTED_TOP.items():
         if key in data:
             problems.append(f"key {key!r}: {what} is not supported by this version of audiosite")
@@ -129,19 +129,25 @@ def _check_unsupported(data: dict, problems: list[str]) -> None:
             for key, what in NOT_YET_SUPPORTED_MODEL.items():
                 if key in entry:
                     problems.append(f"{who}: key {key!r}: {what} is not supported by this version of audiosite")
-            if "slots" in entry:
+            if "slots" in entry and not parallel:
                 problems.append(
                     f"{who}: key 'slots': slots requires --parallel-jobs; the legacy runtime serves one "
                     "session per model and refuses any explicit slots, including 1 and null (R1.2)"
                 )
 
 
-def parse_config(data: Any, source: str = "server config") -> ServerConfig:
+def parse_config(data: Any, source: str = "server config", parallel: bool = False,
+                 backend_resolver=None) -> ServerConfig:
     """Validate a decoded ``server.json`` document.
 
     Args:
         data: the decoded JSON (must be an object).
         source: a name for messages (usually the file path).
+        parallel: the parallel runtime (``--parallel-jobs``) is selected:
+            ``slots`` is then allowed (R1.3, R9) instead of refused (R1.2).
+        backend_resolver: maps the configured backend ('auto'/'cpu'/'cuda') to
+            'cpu' or 'cuda' for the capacity checks (default:
+            ``inference.backend.resolve_backend``).
 
     Returns:
         The validated ``ServerConfig``.
@@ -154,11 +160,11 @@ def parse_config(data: Any, source: str = "server config") -> ServerConfig:
     if not isinstance(data, dict):
         raise ConfigError(["the top level must be a JSON object"], source)
     problems: list[str] = []
-    _check_unsupported(data, problems)
+    _check_unsupported(data, problems, parallel)
     cleaned = {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED_TOP}
     if isinstance(cleaned.get("models"), list):
         cleaned["models"] = [
-            {k: v for k, v in m.items() if k not in NOT_YET_SUPPORTED_MODEL and k != "slots"}
+            {k: v for k, v in m.items() if k not in NOT_YET_SUPPORTED_MODEL and (parallel or k != "slots")}
             if isinstance(m, dict) else m
             for m in cleaned["models"]
         ]
@@ -178,7 +184,16 @@ def parse_config(data: Any, source: str = "server config") -> ServerConfig:
             if entry.id in seen:
                 problems.append(f"{who}: duplicate model id {entry.id!r}")
             seen.add(entry.id)
-            problems.extend(f"{who}: {p}" for p in specs.check_model_entry(entry.model_dump()))
+            entry_problems = specs.check_model_entry(entry.model_dump())
+            problems.extend(f"{who}: {p}" for p in entry_problems)
+            if parallel and not entry_problems:
+                raw = data["models"][index]
+                if "slots" in raw:
+                    if backend_resolver is None:
+                        from inference.backend import resolve_backend as backend_resolver
+                    task = entry.task or specs.default_task(entry.family)
+                    problems.extend(f"{who}: {p}" for p in specs.slots_problems(
+                        entry.family, task, entry.mode, raw["slots"], backend_resolver(config.backend)))
         for root in config.media_roots:
             if not os.path.isabs(root):
                 problems.append(f"key 'media_roots': {root!r} is not an absolute path")
@@ -187,7 +202,8 @@ def parse_config(data: Any, source: str = "server config") -> ServerConfig:
     return config
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None) -> ServerConfig:
+def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None,
+                parallel: bool | None = None) -> ServerConfig:
     """Read, merge and validate the server configuration.
 
     Args:
@@ -195,6 +211,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         overrides: top-level keys that replace the file's (command-line flags);
             default: the JSON object in ``AUDIOSITE_CONFIG_OVERRIDES``, which
             ``manage.py serve`` sets for its children.
+        parallel: runtime selection; default :func:`parallel_jobs`.
 
     Raises:
         ConfigError: unreadable file, invalid JSON, or any problem of
@@ -210,10 +227,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     if overrides is None:
         raw = os.environ.get("AUDIOSITE_CONFIG_OVERRIDES", "").strip()
         overrides = json.loads(raw) if raw else {}
+    if parallel is None:
+        parallel = parallel_jobs()
     if overrides and isinstance(data, dict):
-        parse_config(data, str(path))  # the file must be valid on its own, too
+        parse_config(data, str(path), parallel)  # the file must be valid on its own, too
         data = {**data, **overrides}
-    return parse_config(data, str(path))
+    return parse_config(data, str(path), parallel)
+
+
+def parallel_jobs() -> bool:
+    """True when ``AUDIOSITE_PARALLEL_JOBS`` selects the parallel runtime (set by ``serve --parallel-jobs``).
+
+    Raises:
+        ConfigError: the variable holds something other than a boolean word.
+    """
+    raw = os.environ.get("AUDIOSITE_PARALLEL_JOBS", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError([f"AUDIOSITE_PARALLEL_JOBS={raw!r} is not a boolean"], "environment")
 
 
 _cached: ServerConfig | None = None

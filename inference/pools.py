@@ -8,9 +8,11 @@ a TTL, tells every process that this worker still holds its pools (R7.4).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,7 @@ from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import LoadContext
+from inference.backend import resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +30,34 @@ LIVENESS_EVERY_S = 2.0
 
 @dataclass
 class Pool:
-    """A published pool: shared weights plus per-slot sessions, with a lock per slot."""
+    """A published pool: shared weights plus one session per slot.
+
+    ``free`` holds the indices of idle slots. Admission (Redis) never grants
+    more leases than slots, and a run puts its slot back before its lease is
+    released, so a granted run always finds a free slot.
+    """
 
     model_id: str
     meta_json: str
     adapter: Any
     shared: Any
     sessions: list
-    locks: list = field(default_factory=list)
+    capacity: int
+    free: "queue.SimpleQueue[int]" = field(default_factory=queue.SimpleQueue)
     loaded_at: float = field(default_factory=time.time)
+
+    def __post_init__(self):
+        for slot in range(len(self.sessions)):
+            self.free.put(slot)
+
+    @contextmanager
+    def slot(self):
+        """Borrow an idle slot index for one run (see class docstring)."""
+        index = self.free.get(timeout=5)
+        try:
+            yield index
+        finally:
+            self.free.put(index)
 
     def close(self) -> None:
         """Destroy the sessions, then the shared weights (R4.5 order)."""
@@ -46,6 +68,10 @@ class Pool:
                 log.exception("closing a session of %s failed", self.model_id)
         self.sessions.clear()
         self.adapter.unload(self.shared)
+
+
+class CapacityExceeded(ValueError):
+    """More slots were asked for than the family can run independently (R9.1)."""
 
 
 class WorkerState:
@@ -84,14 +110,21 @@ class WorkerState:
                 redis_client.delete(key)
 
     # -- pools ---------------------------------------------------------------------
-    def build(self, model_id: str, meta: dict, meta_json: str) -> Pool:
-        """Load weights and one session privately, then publish the pool locally.
+    def build(self, model_id: str, meta: dict, meta_json: str, barrier=None) -> Pool:
+        """Load weights and every slot's session privately, then publish the pool locally.
 
-        Raises whatever the adapter raises; nothing is published then, and
-        sessions created so far are closed before the weights (R7.2).
+        Args:
+            meta: the published registration (``slots`` None = 1).
+            barrier: ``barrier(name)`` for the test family.
+
+        Raises:
+            CapacityExceeded: ``slots`` is above the adapter's capacity probe.
+            Whatever the adapter raises. Nothing is published then, and the
+            sessions created so far are closed before the weights (R7.2).
         """
         config = get_config()
         spec = specs.get_spec(meta["family"])
+        slots = meta.get("slots") or 1
         ctx = LoadContext(
             checkpoint=specs.resolve_checkpoint(meta["family"], meta.get("path")),
             backend=resolve_backend(config.backend),
@@ -99,24 +132,35 @@ class WorkerState:
             threads=config.threads,
             load_options=meta.get("load_options") or {},
             session_options=meta.get("session_options") or {},
+            slots=slots,
+            barrier=barrier,
         )
         adapter = get_adapter(meta["family"])
+        capacity = adapter.capacity(spec, ctx)
+        if slots > capacity:
+            raise CapacityExceeded(f"{slots} slots exceed the capacity of {meta['family']} (capacity={capacity})")
         shared = adapter.load(spec, ctx)
         sessions = []
         try:
-            sessions.append(adapter.new_session(shared, 0))
+            for slot in range(slots):
+                sessions.append(adapter.new_session(shared, slot))
         except BaseException:
             for session in sessions:
                 session.close()
             adapter.unload(shared)
             raise
-        pool = Pool(model_id, meta_json, adapter, shared, sessions, [threading.Lock() for _ in sessions])
+        pool = Pool(model_id, meta_json, adapter, shared, sessions, capacity)
         with self.lock:
             old = self.pools.pop(model_id, None)
             self.pools[model_id] = pool
         if old is not None:
             old.close()
         return pool
+
+    def remove(self, model_id: str) -> Pool | None:
+        """Unpublish a pool locally and return it (the caller closes it)."""
+        with self.lock:
+            return self.pools.pop(model_id, None)
 
     def get(self, model_id: str) -> Pool | None:
         with self.lock:
@@ -129,39 +173,6 @@ class WorkerState:
         for pool in pools.values():
             pool.close()
         return list(pools)
-
-
-_backend_cache: dict[str, str] = {}
-
-
-def resolve_backend(requested: str) -> str:
-    """'cpu' or 'cuda' for the configured ``backend`` ('auto' probes onnxruntime).
-
-    'auto' is CUDA only when a session really gets the CUDA provider (the
-    GPU wheel lists it even on machines without a GPU). 'cuda' on a machine
-    without one fails the loads that need it, with the runtime's error.
-    """
-    if requested != "auto":
-        return requested
-    if "auto" not in _backend_cache:
-        _backend_cache["auto"] = _probe_cuda()
-    return _backend_cache["auto"]
-
-
-def _probe_cuda() -> str:
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "cpu"
-    ort.set_default_logger_severity(4)  # the probe's expected failure is not news
-    try:
-        checkpoint = specs.resolve_checkpoint("silero_vad", None)
-        session = ort.InferenceSession(str(checkpoint), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
-        return "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
-    except Exception:
-        return "cpu"
-    finally:
-        ort.set_default_logger_severity(2)
 
 
 WORKER = WorkerState()

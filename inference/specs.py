@@ -10,23 +10,39 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "model_specs"
+ADMISSION_DIR = SPEC_DIR / "admission"
 OPTION_BLOCKS = ("load_options", "session_options", "request_options")
+MAX_SLOTS = 16
+FIXTURE_FAMILY_ENV = "AUDIOSITE_ENABLE_FIXTURE_FAMILY"
+
+
+def fixture_family_enabled() -> bool:
+    """The controllable test family exists only with ``AUDIOSITE_ENABLE_FIXTURE_FAMILY=1``."""
+    return os.environ.get(FIXTURE_FAMILY_ENV, "").strip() == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def all_specs() -> dict[str, dict]:
-    """Return every spec keyed by family name (read once per process)."""
+def _read_specs() -> dict[str, dict]:
     found = {}
     for file in sorted(SPEC_DIR.glob("*.json")):
         spec = json.loads(file.read_text())
         found[spec["family"]] = spec
     return found
+
+
+def all_specs() -> dict[str, dict]:
+    """Every available spec keyed by family name (files read once per process)."""
+    specs = _read_specs()
+    if fixture_family_enabled():
+        return specs
+    return {name: spec for name, spec in specs.items() if not spec.get("test_only")}
 
 
 def get_spec(family: str) -> dict | None:
@@ -82,7 +98,7 @@ def request_defaults(family: str) -> dict:
     return {name: prop["default"] for name, prop in props.items() if "default" in prop}
 
 
-def resolve_checkpoint(family: str, path: str | None) -> Path:
+def resolve_checkpoint(family: str, path: str | None) -> Path | None:
     """Return the checkpoint path: ``path`` if given, else the spec's package resource.
 
     Raises:
@@ -91,7 +107,9 @@ def resolve_checkpoint(family: str, path: str | None) -> Path:
     if path:
         resolved = Path(path)
     else:
-        default = get_spec(family)["default_checkpoint"]
+        default = get_spec(family).get("default_checkpoint")
+        if default is None:  # a family without weights (the test family)
+            return None
         resolved = Path(str(importlib.resources.files(default["package"]) / default["resource"]))
     if not resolved.exists():
         raise FileNotFoundError(f"checkpoint {resolved} does not exist")
@@ -101,3 +119,43 @@ def resolve_checkpoint(family: str, path: str | None) -> Path:
 def default_task(family: str) -> str:
     """The family's first listed task."""
     return get_spec(family)["tasks"][0]
+
+
+def advertised_capacity(family: str, backend: str) -> int:
+    """The family's advertised number of independent sessions on ``backend`` (R9.1), 1..16."""
+    return min(MAX_SLOTS, int(get_spec(family).get("capacity", {}).get(backend, 1)))
+
+
+@functools.lru_cache(maxsize=None)
+def _admission_table(backend: str) -> dict:
+    path = ADMISSION_DIR / f"{backend}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def admitted_counts(family: str, task: str, mode: str, backend: str) -> int:
+    """Largest k such that counts 1..k are all validated for family/task/mode on ``backend`` (R9.2)."""
+    validated = set(_admission_table(backend).get(family, {}).get(f"{task}/{mode}", [1]))
+    k = 0
+    while k + 1 in validated:
+        k += 1
+    return max(k, 1)
+
+
+def slots_problems(family: str, task: str, mode: str, slots, backend: str) -> list[str]:
+    """Problems with a requested slot count on the parallel runtime (R1.3, R9.1, R9.2).
+
+    Valid: an integer (not a bool) 1..16, ≤ the advertised capacity (message
+    contains ``capacity=N``), and ≤ the largest consecutively validated count
+    of the admission table.
+    """
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        return [f"key 'slots': must be an integer from 1 to {MAX_SLOTS}, not {json.dumps(slots)}"]
+    capacity = advertised_capacity(family, backend)
+    if slots > capacity:
+        return [f"key 'slots': {slots} slots exceed the advertised capacity of family {family!r} on "
+                f"{backend} (capacity={capacity})"]
+    admitted = admitted_counts(family, task, mode, backend)
+    if slots > admitted:
+        return [f"key 'slots': {slots} slots are not validated for {family} {task}/{mode} on {backend}; "
+                f"admitted counts are 1..{admitted} (model_specs/admission/{backend}.json)"]
+    return []

@@ -30,7 +30,10 @@ RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
 
 @signals.celeryd_after_setup.connect
 def _worker_identity(sender, instance, **kwargs):
-    """Record this worker's hostname and start its liveness key."""
+    """Check the deployment's runtime (R1.4), record this worker's hostname and start its liveness key."""
+    from inference.runtime.startup import check_runtime
+
+    check_runtime(sync_redis(), KEYS)
     WORKER.start_liveness(sender, sync_redis(), KEYS)
     log.info("worker %s boot %s is alive", sender, WORKER.boot)
 
@@ -100,18 +103,20 @@ def load_model(model_id: str, token: str, channel: str) -> None:
     except Exception:
         log.exception("recording the start of a load failed")
     error = ""
+    capacity = 0
     try:
         if meta_json is None:
             raise LookupError(f"model {model_id!r} is no longer registered")
         with _renewing(lambda: scheduler.renew_load(model_id, token, WORKER.hostname or ""),
                        scheduler.lease_ttl_ms / 3000):
-            WORKER.build(model_id, json.loads(meta_json), meta_json)
+            pool = WORKER.build(model_id, json.loads(meta_json), meta_json, barrier=barrier)
+            capacity = pool.capacity
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         log.exception("loading %s failed", model_id)
     duration_ms = int((time.monotonic() - started) * 1000)
     ok = not error
-    scheduler.finish_load(model_id, token, ok, WORKER.hostname, WORKER.boot, error)
+    scheduler.finish_load(model_id, token, ok, WORKER.hostname, WORKER.boot, error, capacity)
     try:
         registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=WORKER.hostname or "")
     except Exception:
@@ -159,8 +164,7 @@ def _run(pool, request_id: str) -> dict:
     meta = json.loads(pool.meta_json)
     options = {**specs.request_defaults(meta["family"]), **(meta.get("default_request_options") or {}), **info["options"]}
     request = AudioRequest(audio.from_bytes(body), int(info["sample_rate_hz"]), options)
-    slot = 0
-    with pool.locks[slot]:
+    with pool.slot() as slot:
         started = time.monotonic()
         try:
             result = pool.sessions[slot].run(request)
@@ -168,3 +172,53 @@ def _run(pool, request_id: str) -> dict:
             return {"ok": False, "kind": "invalid_input", "message": str(exc)}
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3), "worker": WORKER.hostname}
+
+
+BARRIER_TIMEOUT_S = 120
+
+
+def barrier(name: str) -> None:
+    """Block until a controller releases barrier ``name`` (test family only).
+
+    Protocol (Redis): INCR ``as:fixture:arrived:<name>`` and PUBLISH it on
+    ``as:fixture:events``, then BLPOP ``as:fixture:release:<name>``; a
+    controller LPUSHes one item per waiter it lets through.
+
+    Raises:
+        TimeoutError: nobody released it within 120 s.
+    """
+    client = sync_redis()
+    client.incr(f"{KEYS.prefix}fixture:arrived:{name}")
+    client.publish(f"{KEYS.prefix}fixture:events", f"arrived:{name}")
+    if client.blpop([f"{KEYS.prefix}fixture:release:{name}"], timeout=BARRIER_TIMEOUT_S) is None:
+        raise TimeoutError(f"barrier {name!r} was not released within {BARRIER_TIMEOUT_S} s")
+
+
+@shared_task(name="inference.unload_model", acks_late=False)
+def unload_model(model_id: str, boot: str, token: str, channel: str, actor: str = "") -> None:
+    """Destroy this worker's pool of ``model_id``: sessions first, then weights (R4.5).
+
+    The caller holds the model's manager lease and has already cleared the
+    logical residency. Outcome in ``as:loadout:<token>``: ``{"ok": true,
+    "had_pool": bool, "duration_ms"}`` or ``{"ok": false, "error"}``; wake-up
+    ``load:<token>``.
+    """
+    from registry.services import registration_record_unload
+
+    started = time.monotonic()
+    payload: dict = {"ok": True, "had_pool": False}
+    pool = WORKER.remove(model_id) if boot == WORKER.boot else None
+    if pool is not None:
+        payload["had_pool"] = True
+        try:
+            pool.close()
+        except Exception as exc:
+            log.exception("closing the pool of %s failed", model_id)
+            payload = {"ok": False, "had_pool": True, "error": f"{type(exc).__name__}: {exc}"}
+    payload["duration_ms"] = int((time.monotonic() - started) * 1000)
+    try:
+        registration_record_unload(model_id, payload["ok"], detail=payload.get("error", ""),
+                                   duration_ms=payload["duration_ms"], actor=actor or WORKER.hostname or "")
+    except Exception:
+        log.exception("recording an unload failed")
+    _reply(channel, KEYS.load_result(token), f"load:{token}", payload)

@@ -8,7 +8,8 @@ from rest_framework.response import Response
 
 from audiosite.errors import NotFound
 from audiosite.serverconfig import get_config
-from inference.pools import resolve_backend
+from inference.backend import resolve_backend
+from inference.runtime import runtime_name
 from inference.runtime.context import async_context
 
 from .selectors import model_meta_all, model_status_list
@@ -21,12 +22,12 @@ class HealthApi(APIView):
         ctx = await async_context()
         models = await model_meta_all(ctx)
         backend = await asyncio.to_thread(resolve_backend, get_config().backend)
-        return Response({"status": "ok", "runtime": "legacy", "backend": backend, "models": len(models),
+        return Response({"status": "ok", "runtime": runtime_name(), "backend": backend, "models": len(models),
                          "ui": False, "ui_management": False})
 
 
 class ModelListApi(APIView):
-    """``GET /v1/models`` (legacy shape: no slot fields, R1.2)."""
+    """``GET /v1/models`` (legacy: no slot fields, R1.2; parallel: slot counters)."""
 
     async def get(self, request):
         ctx = await async_context()

@@ -36,6 +36,7 @@ class ModelRegistration(models.Model):
     path = models.CharField(max_length=1024, blank=True, default="")
     options = models.JSONField(default=dict, blank=True)
     busy_timeout_ms = models.PositiveBigIntegerField(null=True, blank=True)
+    slots = models.PositiveSmallIntegerField(null=True, blank=True, help_text="parallel runtime only; null = 1")
     lazy = models.BooleanField(null=True, blank=True)
     source = models.CharField(max_length=8, choices=Source.choices)
     state = models.CharField(max_length=16, choices=LifecycleState.choices, default=LifecycleState.UNLOADED)
@@ -63,6 +64,7 @@ class ModelRegistration(models.Model):
             "session_options": self.options.get("session_options", {}),
             "default_request_options": self.options.get("default_request_options", {}),
             "busy_timeout_ms": self.busy_timeout_ms,
+            "slots": self.slots,
             "lazy": self.lazy,
             "source": self.source,
         }

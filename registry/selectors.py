@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from inference.runtime import runtime_name
 from inference.runtime.context import KEYS, AsyncContext
 
 
@@ -18,8 +19,8 @@ async def model_meta_all(ctx: AsyncContext) -> dict[str, dict]:
     return {model_id: json.loads(value) for model_id, value in sorted(raw.items())}
 
 
-def _entry(meta: dict, status: dict) -> dict:
-    return {
+def _entry(meta: dict, status: dict, parallel: bool) -> dict:
+    entry = {
         "id": meta["id"],
         "object": "model",
         "owned_by": "audiosite",
@@ -30,10 +31,24 @@ def _entry(meta: dict, status: dict) -> dict:
         "loaded": status["state"] == "ready",
         "path": meta["path"],
     }
+    if parallel:
+        entry.update(
+            slots=meta.get("slots") or 1,
+            active_slots=status["active_leases"],
+            queued_requests=status["queued"],
+            max_parallel_slots=status["loaded_capacity"] or None,
+        )
+    return entry
 
 
 async def model_status_list(ctx: AsyncContext, model_id: str | None = None) -> list[dict]:
-    """Status entries (API.md legacy shape, no slot fields) from one atomic snapshot.
+    """Status entries from one atomic snapshot (R4.7).
+
+    Legacy runtime: no slot fields (R1.2). Parallel runtime: also ``slots``
+    (configured), ``active_slots`` (request leases, including requests
+    admitted while the model loads), ``queued_requests`` (waiting requests;
+    managers not counted) and ``max_parallel_slots`` (the loaded pool's
+    advertised capacity; null when not loaded).
 
     Args:
         model_id: only this model (empty list when unknown).
@@ -42,4 +57,5 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None) -> l
     if model_id is not None:
         metas = {model_id: metas[model_id]} if model_id in metas else {}
     snapshot = await ctx.scheduler.snapshot(list(metas))
-    return [_entry(meta, snapshot[mid]) for mid, meta in metas.items()]
+    parallel = runtime_name() == "parallel"
+    return [_entry(meta, snapshot[mid], parallel) for mid, meta in metas.items()]

@@ -33,6 +33,7 @@ def _entry_fields(entry: ModelConfig) -> dict:
             "default_request_options": entry.default_request_options,
         },
         "busy_timeout_ms": entry.busy_timeout_ms,
+        "slots": entry.slots,
         "lazy": entry.lazy,
     }
 
@@ -90,12 +91,13 @@ def registration_sync_config(config: ServerConfig, actor: str = "config") -> dic
     return report
 
 
-def registry_publish(redis_client, keys) -> list[str]:
+def registry_publish(redis_client, keys, runtime: str = "legacy") -> list[str]:
     """Publish every registration to Redis, replacing what was there (one MULTI).
 
-    Each model's slot count is set to 1 (legacy runtime). A model whose
-    published metadata changed is marked unloaded so the next request loads
-    the new configuration.
+    Each model's slot count is its ``slots`` (1 when unset; always 1 on the
+    legacy runtime). A model whose published metadata changed is marked
+    unloaded so the next request loads the new configuration. The runtime
+    name is recorded in ``as:runtime`` (see :func:`runtime_claim`).
 
     Args:
         redis_client: synchronous ``redis.Redis`` (decode_responses=True).
@@ -111,10 +113,10 @@ def registry_publish(redis_client, keys) -> list[str]:
     for row in rows:
         meta = json.dumps(row.as_meta(), sort_keys=True)
         pipe.hset(keys.models_meta, row.model_id, meta)
-        pipe.set(keys.model(row.model_id) + ":cap", 1)
+        pipe.set(keys.model(row.model_id) + ":cap", (row.slots or 1) if runtime == "parallel" else 1)
         if previous.get(row.model_id) not in (None, meta):
             pipe.hset(keys.model(row.model_id) + ":load", mapping={"state": "unloaded", "error": "configuration changed"})
-    pipe.set(keys.runtime, "legacy")
+    pipe.set(keys.runtime, runtime)
     pipe.execute()
     return [row.model_id for row in rows]
 
@@ -144,3 +146,33 @@ def registration_record_lost(model_ids: list[str], reason: str, actor: str = "")
     )
     for model_id in model_ids:
         lifecycle_event_create(model_id, "unload", True, actor=actor, detail=reason)
+
+
+class RuntimeMismatch(Exception):
+    """Another runtime is already recorded for this deployment (R1.4)."""
+
+
+def runtime_claim(redis_client, keys, runtime: str) -> None:
+    """Record ``runtime`` for the deployment, or refuse when another one is recorded (R1.4).
+
+    Raises:
+        RuntimeMismatch: Redis already records a different runtime; every
+            process of one deployment must run the same runtime.
+    """
+    redis_client.set(keys.runtime, runtime, nx=True)
+    recorded = redis_client.get(keys.runtime)
+    if recorded != runtime:
+        raise RuntimeMismatch(
+            f"this deployment runs the {recorded} runtime (recorded in Redis key {keys.runtime}); "
+            f"refusing to start a {runtime} process. Stop every process, delete that key, and start all "
+            "processes with the same runtime."
+        )
+
+
+def registration_record_unload(model_id: str, ok: bool, *, detail: str = "", duration_ms: int | None = None,
+                               actor: str = "") -> None:
+    """Record an unload: state ``unloaded`` and an audit row."""
+    ModelRegistration.objects.filter(model_id=model_id).update(
+        state=LifecycleState.UNLOADED, last_error="" if ok else detail, updated_at=timezone.now()
+    )
+    lifecycle_event_create(model_id, "unload", ok, actor=actor, detail=detail, duration_ms=duration_ms)

@@ -9,7 +9,7 @@ import pytest
 
 from audiosite.errors import ServerBusy
 from inference.runtime.context import async_context
-from inference.runtime.legacy import ensure_loaded
+from inference.runtime.dispatch import ensure_loaded
 
 pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/15"),
                                 reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)")

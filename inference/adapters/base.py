@@ -47,14 +47,19 @@ class LoadContext:
         device: device index for 'cuda'.
         threads: intra-op threads per session.
         load_options / session_options: validated option blocks of the registration.
+        slots: how many sessions the pool will create (1 on the legacy runtime).
+        barrier: ``barrier(name)`` blocks until a controller releases ``name``
+            (used by the test family only; None elsewhere).
     """
 
-    checkpoint: Path
+    checkpoint: Path | None
     backend: str
     device: int
     threads: int
     load_options: dict[str, Any]
     session_options: dict[str, Any]
+    slots: int = 1
+    barrier: Any = None
 
 
 class Session(Protocol):

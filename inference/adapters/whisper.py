@@ -87,7 +87,10 @@ class WhisperAdapter:
         """Load the CTranslate2 model.
 
         ``compute_type`` defaults to int8 on CPU and float16 on CUDA;
-        ``cpu_threads`` to the server's ``threads``.
+        ``cpu_threads`` (per slot) to the server's ``threads``. The model gets
+        ``num_workers = slots``, so that many threads can transcribe at once
+        over one copy of the weights (faster-whisper's documented way to run
+        concurrent ``transcribe`` calls).
 
         Raises:
             RuntimeError / ValueError from CTranslate2 on a bad checkpoint folder.
@@ -99,7 +102,7 @@ class WhisperAdapter:
             device_index=ctx.device,
             compute_type=compute_type,
             cpu_threads=int(ctx.load_options.get("cpu_threads", ctx.threads)),
-            num_workers=1,
+            num_workers=ctx.slots,  # one CTranslate2 worker per slot: concurrent transcribe() calls
             local_files_only=True,
         )
 

@@ -156,10 +156,16 @@ class Scheduler:
         fields = await self.redis.hmget(self.keys.model(model_id) + ":load", ["loader", "loader_host"])
         return _text(fields[0]) == token and bool(fields[1])
 
-    def finish_load(self, model_id: str, token: str, ok: bool, owner: str = "", boot: str = "", error: str = ""):
-        """Publish a load's outcome and wake its waiters. Returns 'ok' or 'stale'."""
+    def finish_load(self, model_id: str, token: str, ok: bool, owner: str = "", boot: str = "", error: str = "",
+                    capacity: int = 0):
+        """Publish a load's outcome and wake its waiters. Returns 'ok' or 'stale'.
+
+        ``capacity`` is the loaded pool's advertised capacity (shown as
+        ``max_parallel_slots`` while the model is loaded).
+        """
         return self._run(
-            "finish_load", [self.keys.model(model_id)], [token, "ready" if ok else "failed", owner, boot, error]
+            "finish_load", [self.keys.model(model_id)],
+            [token, "ready" if ok else "failed", owner, boot, error, capacity],
         )
 
     def mark_unloaded(self, model_id: str, boot: str, error: str):
@@ -303,7 +309,7 @@ class Scheduler:
         Returns:
             ``{model_id: {"state": str, "active_leases": int (request leases),
             "queued": int (queued requests), "error": str, "capacity": int,
-            "manager_leases": int, "queued_managers": int}}``.
+            "manager_leases": int, "queued_managers": int, "loaded_capacity": int (0 = not loaded)}}``.
         """
         if not model_ids:
             return {}
@@ -314,6 +320,6 @@ class Scheduler:
         return {
             model_id: {"state": _text(row[0]), "active_leases": int(row[1]), "queued": int(row[2]),
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
-                       "queued_managers": int(row[6])}
+                       "queued_managers": int(row[6]), "loaded_capacity": int(row[7])}
             for model_id, row in zip(model_ids, result)
         }

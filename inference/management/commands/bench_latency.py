@@ -72,7 +72,7 @@ class Command(BaseCommand):
 
     def _direct(self, family: str, samples: np.ndarray, repeats: int) -> list[float]:
         from audiosite.serverconfig import get_config
-        from inference.pools import resolve_backend
+        from inference.backend import resolve_backend
 
         config = get_config()
         ctx = LoadContext(specs.resolve_checkpoint(family, None), resolve_backend(config.backend), config.device,

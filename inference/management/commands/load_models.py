@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from audiosite.errors import ApplicationError
 from audiosite.serverconfig import get_config
 from inference.runtime.context import async_context, redis_url
-from inference.runtime.legacy import ensure_loaded
+from inference.runtime.dispatch import ensure_loaded
 from registry.selectors import model_meta_all
 
 

@@ -26,6 +26,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.serverconfig import ConfigError, load_config
+from inference.runtime import runtime_name
 
 STARTUP_TIMEOUT_S = 120
 
@@ -46,12 +47,16 @@ class Command(BaseCommand):
         parser.add_argument("--backend", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--busy-timeout-ms", type=int, dest="busy_timeout_ms")
         parser.add_argument("--workers", type=int, default=1, help="Celery GPU worker processes (default 1)")
+        parser.add_argument("--parallel-jobs", action="store_true", dest="parallel_jobs",
+                            help="the parallel runtime: per-model FIFO slot pools (also AUDIOSITE_PARALLEL_JOBS=1)")
 
     def handle(self, *args, **opts):
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.stopping = False
         overrides = {k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms") if opts.get(k) is not None}
         config_path = opts.get("config") or os.environ.get("AUDIOSITE_CONFIG")
+        if opts["parallel_jobs"]:
+            os.environ["AUDIOSITE_PARALLEL_JOBS"] = "1"
         try:
             config = load_config(config_path, overrides)
         except ConfigError as exc:
@@ -78,18 +83,21 @@ class Command(BaseCommand):
                               f" {settings.DATABASES['default']['NAME']}")
             call_command("migrate", interactive=False, verbosity=0)
             self._sync(env)
+            # One thread per slot of every model, plus room for loads and unloads.
+            concurrency = max(8, sum((m.slots or 1) if runtime_name() == "parallel" else 1
+                                     for m in config.models) + 4)
             for index in range(opts["workers"]):
                 name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
                 self._spawn(f"worker {name}", [
                     sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
-                    "--concurrency", "8", "-n", name, "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+                    "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle", "--loglevel", "INFO",
                 ], env)
             self._spawn("web", [sys.executable, "-m", "daphne", "-b", config.host, "-p", str(config.port),
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
             self._run_once(env, ["load_models"])
             self.stdout.write(self.style.SUCCESS(
-                f"audiosite listening on http://{config.host}:{config.port} (runtime legacy, "
+                f"audiosite listening on http://{config.host}:{config.port} (runtime {runtime_name()}, "
                 f"{len(config.models)} model(s)); Ctrl-C stops it"))
             self.stdout.flush()
             while not self.stopping:

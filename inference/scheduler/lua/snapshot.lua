@@ -1,8 +1,9 @@
 -- snapshot.lua: one atomic read of every listed model (R4.7). Reserves nothing.
 -- KEYS[1..n] base keys of the models     KEYS[n+1] worker liveness key prefix
 -- Returns, per model in order:
---   {state, active_request_leases, queued_requests, error, capacity,
---    manager_leases, queued_managers}
+--   {state, active_request_leases, queued_requests, error, capacity (slots),
+--    manager_leases, queued_managers, loaded_capacity (the pool's advertised
+--    capacity while ready, else 0)}
 -- where a 'ready' state whose owner is no longer alive reads as 'unloaded'.
 local live_prefix = KEYS[#KEYS]
 local out = {}
@@ -17,9 +18,11 @@ for i = 1, #KEYS - 1 do
     end
   end
   local queued_managers = redis.call('HLEN', base .. ':kind')
+  local loaded_capacity = 0
+  if state == 'ready' then loaded_capacity = tonumber(redis.call('HGET', key, 'capacity') or '0') end
   out[i] = {state, redis.call('HLEN', base .. ':leases'),
             redis.call('ZCARD', base .. ':queue') - queued_managers,
             redis.call('HGET', key, 'error') or '', capacity(base),
-            redis.call('HLEN', base .. ':mleases'), queued_managers}
+            redis.call('HLEN', base .. ':mleases'), queued_managers, loaded_capacity}
 end
 return out

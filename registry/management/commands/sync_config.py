@@ -4,7 +4,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.serverconfig import ConfigError, get_config
 from inference.runtime.context import KEYS, redis_url, sync_redis
-from registry.services import registration_sync_config, registry_publish
+from inference.runtime import runtime_name
+from registry.services import RuntimeMismatch, registration_sync_config, registry_publish, runtime_claim
 
 
 class Command(BaseCommand):
@@ -19,8 +20,13 @@ class Command(BaseCommand):
             config = get_config()
         except ConfigError as exc:
             raise CommandError("\n".join([f"{exc.source}:"] + [f"  - {p}" for p in exc.problems])) from None
+        runtime = runtime_name()
+        try:
+            runtime_claim(sync_redis(), KEYS, runtime)
+        except RuntimeMismatch as exc:
+            raise CommandError(str(exc)) from None
         report = registration_sync_config(config)
-        published = registry_publish(sync_redis(), KEYS)
+        published = registry_publish(sync_redis(), KEYS, runtime)
         self.stdout.write(
             f"registry: created {report['created']}, updated {report['updated']}, removed {report['removed']}; "
             f"published {len(published)} model(s)"

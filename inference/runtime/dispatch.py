@@ -1,9 +1,14 @@
-"""The legacy runtime (R1.1): one session per model, requests serialized by a
-per-model busy guard (a capacity-one FIFO lease in Redis).
+"""How a request reaches a loaded session, on both runtimes.
+
+Legacy runtime (R1.1): each model has capacity one, so its lease is a
+per-model busy guard. Parallel runtime (R1.3): capacity = the model's
+``slots``; the same FIFO admits up to that many requests at once, and each
+run borrows one of the pool's sessions on the worker. Managers (unload here;
+register/reconfigure later) take the whole model as a barrier (R2.2).
 
 Flow of one request (web process, async, no thread held while waiting):
 
-1. acquire the model's lease under the effective busy timeout (R3.1–R3.3);
+1. acquire a request lease under the effective busy timeout (R3.1–R3.3);
 2. make sure the model is loaded (single flight across processes, R4.2);
 3. store the decoded input in Redis (TTL) and send ``run_model`` to the
    owning worker's direct queue;
@@ -158,7 +163,7 @@ async def _renew_forever(ctx: AsyncContext, model_id: str, lease_id: str) -> Non
 
 async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, options: dict,
                 request_timeout_ms: int | None) -> Outcome:
-    """Serve one request on the legacy runtime.
+    """Serve one request (either runtime).
 
     Args:
         meta: published registration of the model.
@@ -209,3 +214,51 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
         renewer.cancel()
         if not handover["sent"]:
             await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+
+async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: str = "") -> bool:
+    """Unload ``model_id`` as a manager (R4.5), on either runtime.
+
+    Waits behind every older request (and is a barrier for later ones, R2.2),
+    clears the logical residency first (state ``unloading``, owner
+    forgotten), has the owning worker destroy sessions then weights, records
+    ``unloaded`` and releases the manager lease. Idempotent.
+
+    Args:
+        timeout_ms: manager admission bound (0 = wait without bound, R3.4).
+
+    Returns:
+        True if a loaded pool was destroyed, False if there was none.
+
+    Raises:
+        ServerBusy: admission timeout or fail-fast (R3.4).
+    """
+    try:
+        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind="manager")
+    except (AdmissionOverdue, AdmissionTimeout) as exc:
+        raise _busy(exc) from None
+    renewer = asyncio.create_task(_renew_forever(ctx, model_id, lease.lease_id))
+    try:
+        load = await ctx.redis.hgetall(KEYS.model(model_id) + ":load")
+        owner, boot = load.get("owner"), load.get("boot")
+        await ctx.scheduler.set_state(model_id, "unloading")
+        destroyed = False
+        if owner and boot and await _worker_alive(ctx, owner, boot):
+            token = uuid.uuid4().hex
+            wake = ctx.listener.expect(f"load:{token}")
+            try:
+                await _send("inference.unload_model", [model_id, boot, token, ctx.listener.channel, actor],
+                            worker_direct(owner))
+                while True:
+                    done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
+                    if done or not await _worker_alive(ctx, owner, boot):
+                        break
+            finally:
+                ctx.listener.forget(f"load:{token}")
+            outcome = json.loads(await ctx.redis.get(KEYS.load_result(token)) or "{}")
+            destroyed = bool(outcome.get("had_pool"))
+        await ctx.scheduler.set_state(model_id, "unloaded")
+        return destroyed
+    finally:
+        renewer.cancel()
+        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
