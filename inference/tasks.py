@@ -9,6 +9,7 @@ that dies mid-request strands nothing (R2.5).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -21,7 +22,7 @@ from audiosite.serverconfig import get_config
 from inference import audio, specs
 from inference.adapters.base import AudioRequest, InvalidInput
 from inference.pools import WORKER
-from inference.runtime.context import KEYS, sync_redis, sync_redis_bytes, sync_scheduler
+from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def _worker_identity(sender, instance, **kwargs):
     """Check the deployment's runtime (R1.4), record this worker's hostname and start its liveness key."""
     from inference.runtime.startup import check_runtime
 
-    check_runtime(sync_redis(), KEYS)
+    check_runtime(sync_redis(), KEYS, warn=False)  # the web process prints the R1.5 warning
     WORKER.start_liveness(sender, sync_redis(), KEYS)
     log.info("worker %s boot %s is alive", sender, WORKER.boot)
 
@@ -177,21 +178,35 @@ def _run(pool, request_id: str) -> dict:
 BARRIER_TIMEOUT_S = 120
 
 
-def barrier(name: str) -> None:
+@functools.cache
+def _blocking_redis():
+    """A client whose socket timeout outlasts a barrier's BLPOP (redis-py's default is 5 s)."""
+    import redis
+
+    return redis.Redis.from_url(redis_url(), decode_responses=True, socket_timeout=BARRIER_TIMEOUT_S + 10)
+
+
+def barrier(name: str) -> str:
     """Block until a controller releases barrier ``name`` (test family only).
 
     Protocol (Redis): INCR ``as:fixture:arrived:<name>`` and PUBLISH it on
     ``as:fixture:events``, then BLPOP ``as:fixture:release:<name>``; a
-    controller LPUSHes one item per waiter it lets through.
+    controller LPUSHes one item per waiter it lets through: ``go``, or
+    ``fail`` to make the held step raise.
+
+    Returns:
+        The controller's action ('go' or 'fail').
 
     Raises:
         TimeoutError: nobody released it within 120 s.
     """
-    client = sync_redis()
+    client = _blocking_redis()
     client.incr(f"{KEYS.prefix}fixture:arrived:{name}")
     client.publish(f"{KEYS.prefix}fixture:events", f"arrived:{name}")
-    if client.blpop([f"{KEYS.prefix}fixture:release:{name}"], timeout=BARRIER_TIMEOUT_S) is None:
+    item = client.blpop([f"{KEYS.prefix}fixture:release:{name}"], timeout=BARRIER_TIMEOUT_S)
+    if item is None:
         raise TimeoutError(f"barrier {name!r} was not released within {BARRIER_TIMEOUT_S} s")
+    return item[1]
 
 
 @shared_task(name="inference.unload_model", acks_late=False)

@@ -111,14 +111,48 @@ class Stack:
     proc: subprocess.Popen
     log_path: Path
     media_root: Path
+    env: dict
+
+    def manage(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run ``manage.py <args>`` against this stack (its database, Redis and runtime)."""
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def manage_async(self, *args: str) -> subprocess.Popen:
+        """Start ``manage.py <args>`` against this stack without waiting."""
+        return subprocess.Popen([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), **kw)
 
     def counters(self, model_id: str) -> dict:
-        """Live lease and queue counts of a model, read straight from Redis."""
+        """Live request leases and queued requests of a model, read straight from Redis (managers not counted)."""
         base = f"as:m:{{{model_id}}}"
-        return {"leases": self.redis.hlen(base + ":leases"), "queued": self.redis.zcard(base + ":queue")}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hlen(base + ":leases").zcard(base + ":queue").hlen(base + ":kind")
+        leases, queued, managers = pipe.execute()
+        return {"leases": leases, "queued": queued - managers}
+
+    def managers(self, model_id: str) -> dict:
+        """Held and queued manager tickets of a model."""
+        base = f"as:m:{{{model_id}}}"
+        return {"held": self.redis.hlen(base + ":mleases"), "queued": self.redis.hlen(base + ":kind")}
+
+    # -- barriers of the fixture family (inference/tasks.py: barrier) --
+    def arrived(self, name: str) -> int:
+        return int(self.redis.get(f"as:fixture:arrived:{name}") or 0)
+
+    def wait_arrived(self, name: str, count: int = 1, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.arrived(name) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"barrier {name!r}: {self.arrived(name)} of {count} arrived")
+            time.sleep(0.01)
+
+    def release(self, name: str, count: int = 1, action: str = "go") -> None:
+        if count > 0:
+            self.redis.lpush(f"as:fixture:release:{name}", *([action] * count))
 
     def wait_idle(self, model_id: str, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -148,39 +182,47 @@ STACK_MAX_BODY_BYTES = 3_000_000
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
-    """Start the whole server as a user would, on PostgreSQL and Redis db 14."""
+    """The legacy runtime, as a user starts it, on PostgreSQL and Redis db 14."""
     tmp = tmp_path_factory.mktemp("stack")
+    broken = tmp / "broken.onnx"
+    broken.write_bytes(b"this is not an onnx graph" * 10)
+    models = [dict(m, path=str(broken)) if m.get("path") == "BROKEN" else m for m in STACK_MODELS]
+    yield from run_stack(tmp, models, redis_db=14, name="e2e")
+
+
+def run_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, parallel: bool = False,
+              extra_env: dict | None = None, extra_config: dict | None = None):
+    """Start ``manage.py serve`` on a fresh PostgreSQL database and Redis db; yield a Stack; stop it."""
     media = tmp / "media"
     media.mkdir()
     for wav in FIXTURES.glob("*.wav"):
         (media / wav.name).write_bytes(wav.read_bytes())
-    broken = tmp / "broken.onnx"
-    broken.write_bytes(b"this is not an onnx graph" * 10)
-    models = [dict(m, path=str(broken)) if m.get("path") == "BROKEN" else m for m in STACK_MODELS]
     config = {"host": "127.0.0.1", "port": free_port(), "lease_ttl_ms": 3000, "media_roots": [str(media)],
-              "max_request_body_bytes": STACK_MAX_BODY_BYTES, "models": models}
+              "max_request_body_bytes": STACK_MAX_BODY_BYTES, "models": models, **(extra_config or {})}
     config_path = tmp / "server.json"
     config_path.write_text(json.dumps(config, indent=2))
 
-    db_name = f"audiosite_e2e_{os.getpid()}"
+    db_name = f"audiosite_{name}_{os.getpid()}"
     admin_dsn = f"{PG_BASE}/postgres"
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{db_name}"')
+        conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{db_name}"')
-    redis_url = f"{REDIS_BASE}/14"
+    redis_url = f"{REDIS_BASE}/{redis_db}"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.flushdb()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
     env.update(DATABASE_URL=f"{PG_BASE}/{db_name}", REDIS_URL=redis_url, AUDIOSITE_VAR_DIR=str(tmp / "var"),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **(extra_env or {}))
+    argv = [sys.executable, "manage.py", "serve", "--config", str(config_path)]
+    if parallel:
+        argv.append("--parallel-jobs")
     log_path = tmp / "serve.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "manage.py", "serve", "--config", str(config_path)],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{config['port']}"
-    stack = Stack(url, client, f"{PG_BASE}/{db_name}", proc, log_path, media)
-    deadline = time.monotonic() + 180
+    stack = Stack(url, client, f"{PG_BASE}/{db_name}", proc, log_path, media, env)
+    deadline = time.monotonic() + 240
     while b"listening on" not in log_path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()

@@ -8,7 +8,8 @@ that slot's session). Request options: ``barrier`` (hold the run there),
 ``fail`` (raise inside the run), ``tag`` (echoed), ``sleep_ms`` (busy time).
 
 Barriers are waited on through ``LoadContext.barrier(name)``, a callable
-the worker provides (it talks to Redis; this module does not).
+the worker provides (it talks to Redis; this module does not). It returns
+the controller's action: 'go', or 'fail' to make the held load or run raise.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ class FixtureSession:
         """
         opts = request.options
         started = time.monotonic_ns()
-        if opts.get("barrier"):
-            self.shared.barrier(opts["barrier"])
+        if opts.get("barrier") and self.shared.barrier(opts["barrier"]) == "fail":
+            raise InjectedFailure(f"injected failure at barrier {opts['barrier']!r}")
         if opts.get("sleep_ms"):
             time.sleep(opts["sleep_ms"] / 1000)
         if opts.get("fail"):
@@ -85,8 +86,8 @@ class FixtureAdapter:
 
     def load(self, spec: dict, ctx: LoadContext) -> Shared:
         opts = ctx.load_options
-        if opts.get("load_barrier"):
-            ctx.barrier(opts["load_barrier"])
+        if opts.get("load_barrier") and ctx.barrier(opts["load_barrier"]) == "fail":
+            raise InjectedFailure(f"injected load failure at barrier {opts['load_barrier']!r}")
         if opts.get("fail_load"):
             raise InjectedFailure("injected load failure")
         return Shared(uuid.uuid4().hex[:12], opts.get("version", "v0"), ctx.barrier, opts.get("teardown_barrier"),
@@ -100,6 +101,6 @@ class FixtureAdapter:
 
     def unload(self, shared: Shared) -> None:
         if shared.teardown_barrier:
-            shared.barrier(shared.teardown_barrier)
+            shared.barrier(shared.teardown_barrier)  # a teardown cannot be refused: 'fail' also proceeds
         with shared.lock:
             shared.events.append("unload weights")

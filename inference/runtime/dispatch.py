@@ -100,7 +100,13 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, pickup_timeout_s: floa
             if decision.action == "wait":
                 # Another caller loads; wake on its outcome, or re-decide after
                 # the watchdog period (a loader that died is replaced).
-                await asyncio.wait({wake}, timeout=WATCHDOG_S)
+                done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
+                if done:
+                    load = await ctx.redis.hgetall(KEYS.model(model_id) + ":load")
+                    if load.get("state") == "unloaded" and load.get("error"):
+                        # That load failed: it releases everyone who waited for it (R4.2).
+                        raise ModelLoadFailed(f"model {model_id!r} failed to load: {load['error']}",
+                                              code="load_failed")
                 continue
             loaded_here = True
             await _send("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")

@@ -42,7 +42,7 @@ def experimental_warning() -> str:
             f"one slot. Lifecycle areas without test coverage (docs/contract.md, label U): {', '.join(gaps) or 'none'}.")
 
 
-def check_runtime(redis_client, keys) -> str:
+def check_runtime(redis_client, keys, warn: bool = True) -> str:
     """Claim or verify this deployment's runtime (R1.4) and warn on parallel (R1.5).
 
     Raises:
@@ -52,6 +52,6 @@ def check_runtime(redis_client, keys) -> str:
 
     runtime = runtime_name()
     runtime_claim(redis_client, keys, runtime)
-    if runtime == "parallel":
+    if runtime == "parallel" and warn:
         log.warning(experimental_warning())
     return runtime

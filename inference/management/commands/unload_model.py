@@ -1,0 +1,45 @@
+"""``python manage.py unload_model ID [--timeout-ms N]``: unload a model as a manager.
+
+Uses the runtime's unload primitive: the manager queues behind older
+requests, is a barrier for later ones (R2.2), and destroys the pool (R4.5).
+The HTTP management routes come later; this is the operator's tool until then.
+"""
+import asyncio
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError
+
+from audiosite.errors import ApplicationError
+from inference.runtime.context import async_context, redis_url
+from inference.runtime.dispatch import unload
+from registry.selectors import model_meta_get
+
+
+class Command(BaseCommand):
+    help = "Unload one model (waits for older requests; later requests reload it)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("model_id")
+        parser.add_argument("--timeout-ms", type=int, default=0, help="manager admission bound; 0 = unbounded")
+
+    def handle(self, *args, **options):
+        try:
+            redis_url()
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from None
+        if options["timeout_ms"] < 0:
+            raise CommandError("--timeout-ms must be ≥ 0")
+        try:
+            destroyed = asyncio.run(self._unload(options["model_id"], options["timeout_ms"]))
+        except ApplicationError as exc:
+            raise CommandError(exc.message) from None
+        self.stdout.write(f"unloaded {options['model_id']} ({'pool destroyed' if destroyed else 'was not loaded'})")
+
+    async def _unload(self, model_id: str, timeout_ms: int) -> bool:
+        ctx = await async_context()
+        try:
+            if await model_meta_get(ctx, model_id) is None:
+                raise CommandError(f"model {model_id!r} is not registered")
+            return await unload(ctx, model_id, timeout_ms, actor="cli")
+        finally:
+            await ctx.listener.close()

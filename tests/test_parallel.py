@@ -1,0 +1,352 @@
+"""The parallel runtime end to end: ``serve --parallel-jobs`` with the fixture
+family (barriers, injected failures, which slot/pool/version served) and the
+real models at 1..4 slots. Real Redis (db 13), PostgreSQL, Celery worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from .conftest import padded, run_stack, wav_bytes
+
+pytestmark = pytest.mark.stack
+
+COUNTS = [1, 2, 3, 4]
+PAR_MODELS = [
+    *[{"id": f"fx{n}", "family": "fixture", "slots": n, "load_options": {"version": "v1"}} for n in COUNTS],
+    {"id": "fx-cold", "family": "fixture", "slots": 2, "lazy": True,
+     "load_options": {"version": "cold", "load_barrier": "cold-load"}},
+    {"id": "fx-fail", "family": "fixture", "slots": 2, "lazy": True, "load_options": {"load_barrier": "fail-load"}},
+    {"id": "fx-session", "family": "fixture", "slots": 3, "lazy": True, "load_options": {"fail_session": 2}},
+    *[{"id": f"whisper{n}", "family": "whisper", "slots": n, "lazy": True} for n in COUNTS],
+    *[{"id": f"vad{n}", "family": "silero_vad", "slots": n, "lazy": True} for n in COUNTS],
+]
+TINY = wav_bytes(np.zeros(1600, dtype=np.float32), 16000)
+
+
+@pytest.fixture(scope="module")
+def pstack(tmp_path_factory):
+    yield from run_stack(tmp_path_factory.mktemp("pstack"), PAR_MODELS, redis_db=13, name="par", parallel=True,
+                         extra_env={"AUDIOSITE_ENABLE_FIXTURE_FAMILY": "1"})
+
+
+def body(model: str, data: bytes = TINY, **options) -> dict:
+    timeout = options.pop("busy_timeout_ms", None)
+    payload = {"model": model, "request": {"audio_base64": base64.b64encode(data).decode(), "options": options}}
+    if timeout is not None:
+        payload["busy_timeout_ms"] = timeout
+    return payload
+
+
+async def post(client: httpx.AsyncClient, model: str, data: bytes = TINY, **options):
+    started = time.monotonic()
+    resp = await client.post("/v1/tasks/run", json=body(model, data, **options))
+    return resp, started, time.monotonic()
+
+
+async def until(predicate, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def status(pstack, model_id: str) -> dict:
+    with pstack.client() as c:
+        return c.get(f"/v1/models/{model_id}").json()
+
+
+def client(pstack, **kw) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=pstack.url, timeout=kw.pop("timeout", 120),
+                             limits=httpx.Limits(max_connections=64), **kw)
+
+
+# -- start-up and status ------------------------------------------------------------------
+def test_status_has_the_parallel_shape_and_the_warning_is_printed_once(pstack):
+    """R1.3/R1.5/R4.7: parallel status fields; one experimental warning at start-up."""
+    with pstack.client() as c:
+        health = c.get("/health").json()
+        entries = {e["id"]: e for e in c.get("/v1/models").json()["data"]}
+    assert health["runtime"] == "parallel"
+    assert entries["fx2"] | {} == {**entries["fx2"], "slots": 2, "active_slots": 0, "queued_requests": 0,
+                                    "max_parallel_slots": 16, "state": "ready", "loaded": True}
+    assert entries["whisper2"]["state"] == "unloaded" and entries["whisper2"]["max_parallel_slots"] is None
+    log = pstack.log_path.read_text()
+    assert log.count("EXPERIMENTAL: the parallel runtime") == 1
+    assert "whisper asr/offline on cpu up to 4 slots" in log
+
+
+def test_runtime_mismatch_is_refused(pstack):
+    """R1.4: a process of the other runtime refuses to start against this deployment's Redis."""
+    legacy_env_run = pstack.manage("sync_config")  # stack.env has no AUDIOSITE_PARALLEL_JOBS: legacy
+    assert legacy_env_run.returncode != 0
+    assert "runs the parallel runtime" in legacy_env_run.stderr
+
+
+# -- FIFO admission -------------------------------------------------------------------------
+@pytest.mark.parametrize("n", COUNTS)
+def test_sixteen_queued_requests_are_admitted_in_fifo_order(pstack, n):
+    """R2.1/R2.2: consecutive requests fill the n slots; 16 more queue and start strictly in order."""
+    model = f"fx{n}"
+
+    async def scenario():
+        async with client(pstack) as c:
+            holders = [asyncio.create_task(post(c, model, barrier=f"h{n}")) for _ in range(n)]
+            await until(lambda: pstack.arrived(f"h{n}") == n)  # all n run at the same time
+            entry = status(pstack, model)
+            assert (entry["active_slots"], entry["queued_requests"]) == (n, 0)
+            queued = []
+            for i in range(16):
+                queued.append(asyncio.create_task(post(c, model, barrier=f"q{n}-{i}", tag=str(i))))
+                await until(lambda: pstack.counters(model)["queued"] == i + 1)
+            assert status(pstack, model)["queued_requests"] == 16
+            pstack.release(f"h{n}", n)
+            for i in range(16):
+                running = set(range(i, min(16, i + n)))
+                await until(lambda: all(pstack.arrived(f"q{n}-{j}") for j in running))
+                assert not any(pstack.arrived(f"q{n}-{j}") for j in range(i + n, 16)), "a later request barged"
+                pstack.release(f"q{n}-{i}")
+                resp, _, _ = await queued[i]
+                assert resp.status_code == 200 and resp.json()["tag"] == str(i)
+            for task in holders:
+                assert (await task)[0].status_code == 200
+            slots_used = {(await q)[0].json()["slot"] for q in queued}
+            assert slots_used == set(range(n))
+    asyncio.run(scenario())
+    pstack.wait_idle(model)
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_manager_barrier_older_drains_first_later_bind_the_new_pool(pstack, n):
+    """R2.2/R2.3: older queued request, then a manager (unload), then staggered later requests."""
+    model = f"fx{n}"
+
+    async def scenario():
+        async with client(pstack) as c:
+            holders = [asyncio.create_task(post(c, model, barrier=f"mh{n}")) for _ in range(n)]
+            await until(lambda: pstack.arrived(f"mh{n}") == n)
+            older = asyncio.create_task(post(c, model, barrier=f"older{n}", tag="older"))
+            await until(lambda: pstack.counters(model)["queued"] == 1)
+            manager = pstack.manage_async("unload_model", model)
+            await until(lambda: pstack.managers(model)["queued"] == 1)
+            later = []
+            for i in range(3):
+                later.append(asyncio.create_task(post(c, model, tag=f"later{i}")))
+                await asyncio.sleep(0.05)
+            await until(lambda: pstack.counters(model)["queued"] == 4)
+            pstack.release(f"mh{n}", 1)  # one slot frees: the older request takes it
+            await until(lambda: pstack.arrived(f"older{n}") == 1)
+            pstack.release(f"mh{n}", n - 1)  # spare slots now, but the manager is a barrier
+            for task in holders:
+                assert (await task)[0].status_code == 200
+            await asyncio.sleep(0.2)
+            assert manager.poll() is None and not any(t.done() for t in later)
+            assert pstack.counters(model)["queued"] == 3
+            pstack.release(f"older{n}")
+            older_resp = (await older)[0].json()
+            out, _ = await asyncio.to_thread(manager.communicate, timeout=60)
+            assert manager.returncode == 0 and "pool destroyed" in out
+            later_resps = [(await t)[0] for t in later]
+            assert all(r.status_code == 200 for r in later_resps)
+            holder_pool = (await holders[0])[0].json()["pool_id"]
+            assert older_resp["pool_id"] == holder_pool
+            new_pools = {r.json()["pool_id"] for r in later_resps}
+            assert len(new_pools) == 1 and holder_pool not in new_pools
+            assert min(r.json()["started_ns"] for r in later_resps) > older_resp["finished_ns"]
+    asyncio.run(scenario())
+    pstack.wait_idle(model)
+
+
+def test_overdue_fail_fast_with_a_waiting_manager_and_a_spare_slot(pstack):
+    """R3.3: the only occupied slot is overdue; the spare slot is blocked by the manager → 503 at once."""
+    async def scenario():
+        async with client(pstack) as c:
+            holder = asyncio.create_task(post(c, "fx2", barrier="od"))
+            await until(lambda: pstack.arrived("od") == 1)
+            manager = pstack.manage_async("unload_model", "fx2")
+            await until(lambda: pstack.managers("fx2")["queued"] == 1)
+            await asyncio.sleep(0.4)
+            resp, started, ended = await post(c, "fx2", busy_timeout_ms=300)
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "overdue"
+            assert (ended - started) * 1000 < 250
+            pstack.release("od")
+            assert (await holder)[0].status_code == 200
+            await asyncio.to_thread(manager.communicate, timeout=60)
+            assert manager.returncode == 0
+    asyncio.run(scenario())
+    pstack.wait_idle("fx2")
+
+
+def test_request_timeouts_at_the_deadline_and_zero(pstack):
+    """R3.2/R3.5 on the parallel runtime (capacity one still uses the new scheduler, R1.3)."""
+    async def scenario():
+        async with client(pstack) as c:
+            holder = asyncio.create_task(post(c, "fx1", barrier="to"))
+            await until(lambda: pstack.arrived("to") == 1)
+            resp, started, ended = await post(c, "fx1", busy_timeout_ms=500)
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_timeout"
+            assert 480 <= (ended - started) * 1000 < 900
+            assert pstack.counters("fx1") == {"leases": 1, "queued": 0}
+            patient = asyncio.create_task(post(c, "fx1", busy_timeout_ms=0))
+            await asyncio.sleep(0.8)
+            assert not patient.done()
+            pstack.release("to")
+            assert (await holder)[0].status_code == 200
+            assert (await patient)[0].status_code == 200
+    asyncio.run(scenario())
+    pstack.wait_idle("fx1")
+
+
+def test_manager_timeouts_and_zero(pstack):
+    """R3.4: a manager times out at its deadline, fails fast behind an overdue slot, 0 waits."""
+    async def scenario():
+        async with client(pstack) as c:
+            holder = asyncio.create_task(post(c, "fx1", barrier="mt"))
+            await until(lambda: pstack.arrived("mt") == 1)
+            started = time.monotonic()
+            timed = await asyncio.to_thread(pstack.manage, "unload_model", "fx1", "--timeout-ms", "1500")
+            elapsed = time.monotonic() - started
+            assert timed.returncode != 0 and "queue timeout" in timed.stderr
+            assert elapsed >= 1.5
+            assert pstack.managers("fx1") == {"held": 0, "queued": 0}
+            fast = await asyncio.to_thread(pstack.manage, "unload_model", "fx1", "--timeout-ms", "300")
+            assert fast.returncode != 0 and "overdue" in fast.stderr
+            patient = pstack.manage_async("unload_model", "fx1", "--timeout-ms", "0")
+            await until(lambda: pstack.managers("fx1")["queued"] == 1)
+            await asyncio.sleep(0.5)
+            assert patient.poll() is None
+            pstack.release("mt")
+            assert (await holder)[0].status_code == 200
+            await asyncio.to_thread(patient.communicate, timeout=60)
+            assert patient.returncode == 0
+    asyncio.run(scenario())
+    pstack.wait_idle("fx1")
+
+
+# -- loading ------------------------------------------------------------------------------------
+def test_concurrent_cold_requests_publish_one_pool_and_all_wait_for_it(pstack):
+    """R4.2: requests admitted during the load count as active and wait for the one initialization."""
+    async def scenario():
+        async with client(pstack) as c:
+            tasks = [asyncio.create_task(post(c, "fx-cold")) for _ in range(3)]
+            await until(lambda: pstack.arrived("cold-load") == 1)
+            await until(lambda: pstack.counters("fx-cold") == {"leases": 2, "queued": 1})
+            entry = status(pstack, "fx-cold")
+            assert (entry["state"], entry["active_slots"], entry["queued_requests"]) == ("loading", 2, 1)
+            assert entry["max_parallel_slots"] is None
+            await asyncio.sleep(0.3)
+            assert pstack.arrived("cold-load") == 1  # nobody else started a load
+            pstack.release("cold-load")
+            return [(await t)[0] for t in tasks]
+    responses = asyncio.run(scenario())
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    assert len({r.json()["pool_id"] for r in responses}) == 1
+    assert {r.json()["config_version"] for r in responses} == {"cold"}
+    loads = pstack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = %s AND event = 'load'", "fx-cold")
+    assert loads == [("ok",)]
+    pstack.wait_idle("fx-cold")
+
+
+def test_failed_load_releases_everyone_and_a_retry_works(pstack):
+    """R4.2/R7.2: a failed load publishes nothing and fails every request admitted to wait for it;
+    the model returns to unloaded; the request queued behind them retries the load, which works."""
+    async def scenario():
+        async with client(pstack) as c:
+            admitted = [asyncio.create_task(post(c, "fx-fail")) for _ in range(2)]
+            await until(lambda: pstack.arrived("fail-load") == 1)
+            queued = asyncio.create_task(post(c, "fx-fail", tag="queued"))
+            await until(lambda: pstack.counters("fx-fail") == {"leases": 2, "queued": 1})
+            pstack.release("fail-load", action="fail")
+            failed = [(await t)[0] for t in admitted]
+            # The queued request is admitted now and starts the one retry load.
+            await until(lambda: pstack.arrived("fail-load") == 2)
+            entry = status(pstack, "fx-fail")
+            assert (entry["state"], entry["active_slots"], entry["queued_requests"]) == ("loading", 1, 0)
+            pstack.release("fail-load")
+            return failed, (await queued)[0]
+    failed, retry = asyncio.run(scenario())
+    for resp in failed:
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "load_failed"
+    assert retry.status_code == 200 and retry.json()["tag"] == "queued"
+    assert status(pstack, "fx-fail")["state"] == "ready"
+    loads = pstack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = %s AND event = 'load' ORDER BY id",
+                       "fx-fail")
+    assert loads == [("failed",), ("ok",)]
+    pstack.wait_idle("fx-fail")
+
+
+def test_failed_session_creation_publishes_nothing(pstack):
+    """R7.2: the third slot's session cannot be created → nothing published, the model stays unloaded."""
+    with pstack.client() as c:
+        for _ in range(2):
+            resp = c.post("/v1/tasks/run", json=body("fx-session"))
+            assert resp.status_code == 503 and "slot 2" in resp.json()["error"]["message"]
+    assert status(pstack, "fx-session")["state"] == "unloaded"
+    assert pstack.counters("fx-session") == {"leases": 0, "queued": 0}
+
+
+def test_inference_failure_releases_its_slot_and_other_slots_keep_working(pstack):
+    """R7.3: an adapter failure is reported (500: it is a bug by definition), its slot is freed."""
+    async def scenario():
+        async with client(pstack) as c:
+            healthy = asyncio.create_task(post(c, "fx2", barrier="healthy"))
+            await until(lambda: pstack.arrived("healthy") == 1)
+            failed, _, _ = await post(c, "fx2", fail=True)
+            assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+            assert pstack.counters("fx2")["leases"] == 1
+            ok, _, _ = await post(c, "fx2")
+            assert ok.status_code == 200
+            pstack.release("healthy")
+            assert (await healthy)[0].status_code == 200
+    asyncio.run(scenario())
+    pstack.wait_idle("fx2")
+
+
+# -- real models: concurrent outputs equal serial outputs ---------------------------------------
+def _inputs(speech) -> list[bytes]:
+    a, b = speech[0], speech[1]
+    return [a.wav, b.wav, wav_bytes(padded(b, 1.0), 16000),
+            wav_bytes(np.concatenate([b.samples, a.samples]), 16000)]
+
+
+def _comparable(payload: dict) -> dict:
+    return {k: v for k, v in payload.items() if k != "timing"}
+
+
+@pytest.mark.parametrize("family", ["whisper", "vad"])
+@pytest.mark.parametrize("n", COUNTS)
+def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
+    """R9.3/M2: n concurrent requests on n slots give exactly the serial outputs (text, segments)."""
+    model = f"{family}{n}"
+    inputs = _inputs(speech)[:n] if n > 1 else _inputs(speech)[:2]
+
+    async def scenario():
+        async with client(pstack) as c:
+            serial = [_comparable((await post(c, model, data))[0].json()) for data in inputs]
+            peak = 0
+
+            async def watch():
+                nonlocal peak
+                while True:
+                    peak = max(peak, pstack.counters(model)["leases"])
+                    await asyncio.sleep(0.005)
+            watcher = asyncio.create_task(watch())
+            waves = []
+            for order in (inputs, inputs[::-1]):
+                results = await asyncio.gather(*[post(c, model, data) for data in order])
+                waves.append([_comparable(r[0].json()) for r in results])
+            watcher.cancel()
+            return serial, waves, peak
+    serial, waves, peak = asyncio.run(scenario())
+    assert all("segments" in s for s in serial)
+    assert waves[0] == serial
+    assert waves[1] == serial[::-1]
+    if family == "whisper":
+        assert peak == min(n, len(inputs))  # the requests really overlapped
+    pstack.wait_idle(model)
