@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import redis
+
 from django.http import JsonResponse
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
@@ -48,6 +50,12 @@ class PayloadTooLarge(InvalidRequest):
     """413: body over ``max_request_body_bytes``."""
 
     status = 413
+
+
+class LengthRequired(InvalidRequest):
+    """411: a request body without Content-Length (chunked uploads are not supported)."""
+
+    status = 411
 
 
 class UnsupportedMedia(InvalidRequest):
@@ -129,6 +137,11 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
             message = str(detail)
         body = {"error": {"message": message, "type": err_type, "param": None, "code": None}}
         return Response(body, status=status)
+    if isinstance(exc, redis.exceptions.RedisError):
+        log.error("coordination store error in %s: %s", context.get("view"), exc)
+        busy = ServerBusy(f"the coordination store (Redis) is unavailable or overloaded: {type(exc).__name__}",
+                          code="redis_unavailable")
+        return error_response(busy)
     log.exception("unhandled error in %s", context.get("view"))
     body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
     return Response(body, status=500)

@@ -92,6 +92,7 @@ class ServerConfig(_Strict):
     shutdown_timeout_ms: int = Field(default=30000, ge=0)
     lease_ttl_ms: int = Field(default=30000, ge=1000)
     max_request_body_bytes: int = Field(default=104857600, ge=1024)
+    max_audio_seconds: float = Field(default=1800.0, gt=0, le=86400)
     media_roots: list[str] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
 

@@ -10,7 +10,9 @@ import asyncio
 import base64
 import binascii
 import json
+import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from django.http import HttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 
-from audiosite.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMedia
+from audiosite.errors import InvalidRequest, LengthRequired, NotFound, PayloadTooLarge, UnsupportedMedia
 from audiosite.serverconfig import get_config
 from inference import audio, specs
 from inference.runtime import dispatch
@@ -29,14 +31,22 @@ from registry.selectors import model_meta_get
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 
 
+MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, not overflowed
+
+
 def _check_length(request) -> None:
+    """Refuse a body over ``max_request_body_bytes`` (413) or one without a Content-Length (411).
+
+    Chunked request bodies are not supported: Django would see them as empty.
+    """
     limit = get_config().max_request_body_bytes
-    try:
-        length = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        raise InvalidRequest("Content-Length is not a number") from None
-    if length > limit:
-        raise PayloadTooLarge(f"request body of {length} bytes exceeds max_request_body_bytes={limit}")
+    raw = request.META.get("CONTENT_LENGTH")
+    if raw in (None, ""):
+        raise LengthRequired("Content-Length is required (chunked request bodies are not supported)")
+    if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
+        raise InvalidRequest("Content-Length is not a number")
+    if int(raw) > limit:
+        raise PayloadTooLarge(f"request body of {int(raw)} bytes exceeds max_request_body_bytes={limit}")
 
 
 def _data(request) -> dict:
@@ -44,30 +54,94 @@ def _data(request) -> dict:
         data = request.data
     except ParseError as exc:
         raise InvalidRequest(f"malformed request body: {exc.detail}") from None
+    except (RecursionError, UnicodeDecodeError):
+        raise InvalidRequest("malformed request body: nested too deeply or not UTF-8") from None
     if not hasattr(data, "get"):
         raise InvalidRequest("the request body must be a JSON object or a multipart form")
     return data
 
 
+def _check_text(value: str, name: str) -> str:
+    """Refuse strings that cannot travel as UTF-8 (lone surrogates) or hold NUL characters."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{name} is not valid Unicode text", param=name) from None
+    if "\x00" in value:
+        raise InvalidRequest(f"{name} must not contain NUL characters", param=name)
+    return value
+
+
 def _field(data, name: str):
+    """A present, non-empty field, or None."""
     value = data.get(name)
-    return None if value in (None, "") else value
+    return None if value is None or (isinstance(value, str) and value == "") else value
 
 
-def _int_field(value, name: str, minimum: int = 0) -> int | None:
+def _str_field(data, name: str) -> str | None:
+    value = _field(data, name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be a string", param=name)
+    return _check_text(value, name)
+
+
+def _int_field(value, name: str, minimum: int = 0, maximum: int = MAX_BUSY_TIMEOUT_MS) -> int | None:
+    """An integer from JSON (int, or a float with no fraction) or a form (ASCII digits)."""
     if value is None or value == "":
         return None
+    number = None
     if isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be an integer", param=name)
-    try:
-        number = int(value) if not isinstance(value, float) or value.is_integer() else None
-    except (TypeError, ValueError):
         number = None
+    elif isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
+        number = int(value.strip())
     if number is None:
         raise InvalidRequest(f"{name} must be an integer", param=name)
-    if number < minimum:
-        raise InvalidRequest(f"{name} must be ≥ {minimum}", param=name)
+    if not minimum <= number <= maximum:
+        raise InvalidRequest(f"{name} must be between {minimum} and {maximum}", param=name)
     return number
+
+
+def _float_field(value, name: str) -> float | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidRequest(f"{name} must be a number", param=name)
+    try:
+        number = float(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be a number", param=name) from None
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{name} must be a finite number", param=name)
+    return number
+
+
+def _bool_field(value, name: str) -> bool:
+    if value is None or value == "":
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "false", "0"):
+        return value.lower() in ("true", "1")
+    raise InvalidRequest(f"{name} must be true or false", param=name)
+
+
+def _check_strings(value, name: str) -> None:
+    """Apply :func:`_check_text` to every string inside ``value`` (options blocks)."""
+    if isinstance(value, str):
+        _check_text(value, name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(str(key), name)
+            _check_strings(item, f"{name}.{key}")
+    elif isinstance(value, list):
+        for item in value:
+            _check_strings(item, name)
 
 
 def _busy_timeout(request, data) -> int | None:
@@ -78,8 +152,11 @@ def _busy_timeout(request, data) -> int | None:
 
 
 async def _model(model_id) -> tuple[dict, object]:
-    if not model_id or not isinstance(model_id, str):
+    if not model_id:
         raise InvalidRequest("model is required", param="model")
+    if not isinstance(model_id, str):
+        raise InvalidRequest("model must be a string", param="model")
+    _check_text(model_id, "model")
     ctx = await async_context()
     meta = await model_meta_get(ctx, model_id)
     if meta is None:
@@ -92,31 +169,38 @@ def _read_local(path_value, param: str) -> bytes:
     config = get_config()
     if not isinstance(path_value, str):
         raise InvalidRequest(f"{param} must be a path string", param=param)
+    _check_text(path_value, param)
     if not config.media_roots:
         raise InvalidRequest("server-local paths are disabled (no media_roots configured)", param=param)
-    resolved = Path(os.path.realpath(path_value))
-    roots = [Path(os.path.realpath(root)) for root in config.media_roots]
-    if not any(resolved.is_relative_to(root) for root in roots):
-        raise InvalidRequest(f"{path_value!r} is outside the configured media_roots", param=param)
-    if not resolved.is_file():
-        raise InvalidRequest(f"{path_value!r} is not a readable file", param=param)
-    if resolved.stat().st_size > config.max_request_body_bytes:
-        raise PayloadTooLarge(f"{path_value!r} exceeds max_request_body_bytes={config.max_request_body_bytes}")
-    return resolved.read_bytes()
+    try:
+        resolved = Path(os.path.realpath(path_value))
+        roots = [Path(os.path.realpath(root)) for root in config.media_roots]
+        if not any(resolved.is_relative_to(root) for root in roots):
+            raise InvalidRequest(f"{path_value!r} is outside the configured media_roots", param=param)
+        if not resolved.is_file():
+            raise InvalidRequest(f"{path_value!r} is not a readable file", param=param)
+        if resolved.stat().st_size > config.max_request_body_bytes:
+            raise PayloadTooLarge(f"{path_value!r} exceeds max_request_body_bytes={config.max_request_body_bytes}")
+        return resolved.read_bytes()
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"{param} cannot be read: {type(exc).__name__}", param=param) from None
 
 
 async def _decode(data: bytes, family: str, param: str):
     rate = specs.get_spec(family)["sample_rate_hz"]
     try:
-        samples, _source_rate = await asyncio.to_thread(audio.decode, data, rate)
+        samples, _source_rate = await asyncio.to_thread(audio.decode, data, rate, get_config().max_audio_seconds)
     except audio.UndecodableAudio as exc:
         raise UnsupportedMedia(str(exc), param=param) from None
+    except audio.AudioTooLong as exc:
+        raise PayloadTooLarge(str(exc), param=param) from None
     except audio.AudioError as exc:
         raise InvalidRequest(str(exc), param=param) from None
     return samples, rate
 
 
 def _check_options(family: str, options: dict) -> None:
+    _check_strings(options, "options")
     problems = specs.request_option_problems(family, options)
     if problems:
         raise InvalidRequest("; ".join(problems), param="options")
@@ -162,24 +246,26 @@ class TranscriptionApi(APIView):
         meta, ctx = await _model(_field(data, "model"))
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
-        response_format = _field(data, "response_format") or "json"
+        response_format = _str_field(data, "response_format") or "json"
         if response_format not in RESPONSE_FORMATS:
             raise InvalidRequest(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
-        if str(_field(data, "stream") or "false").lower() in ("true", "1"):
+        if _bool_field(data.get("stream"), "stream"):
             raise InvalidRequest("stream=true needs a model in mode 'streaming'; this model is offline", param="stream")
         options = {}
         for name in ("language", "prompt"):
-            value = _field(data, name)
+            value = _str_field(data, name)
             if value is not None:
                 options[name] = value
-        temperature = _field(data, "temperature")
+        temperature = _float_field(data.get("temperature"), "temperature")
         if temperature is not None:
-            try:
-                options["temperature"] = float(temperature)
-            except (TypeError, ValueError):
-                raise InvalidRequest("temperature must be a number", param="temperature") from None
-        granularities = data.getlist("timestamp_granularities[]") if hasattr(data, "getlist") else \
-            data.get("timestamp_granularities") or []
+            options["temperature"] = temperature
+        if hasattr(data, "getlist"):
+            granularities = data.getlist("timestamp_granularities[]") or data.getlist("timestamp_granularities")
+        else:
+            granularities = data.get("timestamp_granularities", data.get("timestamp_granularities[]")) or []
+        if not isinstance(granularities, list) or any(g not in ("word", "segment") for g in granularities):
+            raise InvalidRequest("timestamp_granularities must be a list of 'word' and/or 'segment'",
+                                 param="timestamp_granularities")
         if "word" in granularities:
             options["word_timestamps"] = True
         _check_options(meta["family"], options)
@@ -225,7 +311,8 @@ class TaskRunApi(APIView):
         task_request = data.get("request")
         if not isinstance(task_request, dict):
             raise InvalidRequest("request must be a JSON object with 'audio' or 'audio_base64'", param="request")
-        options = task_request.get("options") or {}
+        options = task_request.get("options")
+        options = {} if options is None else options
         if not isinstance(options, dict):
             raise InvalidRequest("request.options must be an object", param="request.options")
         _check_options(meta["family"], options)

@@ -32,21 +32,34 @@ class ImplausibleAudio(AudioError):
     """Decodes, but its parameters cannot be real (sample rate out of range, NaN samples)."""
 
 
-def decode(data: bytes, target_rate_hz: int) -> tuple[np.ndarray, int]:
+class AudioTooLong(AudioError):
+    """Decodes to more audio than ``max_audio_seconds`` allows (a small file can hold hours of silence)."""
+
+
+BLOCK_FRAMES = 65536  # frames decoded per step: memory stays bounded by the output, not the source
+
+
+def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0) -> tuple[np.ndarray, int]:
     """Decode an audio file in memory to mono float32 at ``target_rate_hz``.
+
+    Decoding is streamed block by block (mix to mono, then soxr's streaming
+    resampler, VHQ), so a highly compressed file cannot expand in memory
+    beyond ``max_seconds`` of mono output.
 
     Args:
         data: the file's bytes.
         target_rate_hz: the model's sample rate.
+        max_seconds: longest accepted audio, in seconds.
 
     Returns:
         ``(samples, source_rate_hz)``: float32 ``(n,)`` in about [-1, 1] at
         ``target_rate_hz``, and the file's own rate.
 
     Raises:
-        EmptyAudio: no bytes, or no frames.
+        EmptyAudio: no bytes, no frames, or nothing left after resampling.
         UndecodableAudio: libsndfile cannot open or read it.
         ImplausibleAudio: sample rate outside 1 kHz..384 kHz, or non-finite samples.
+        AudioTooLong: more than ``max_seconds`` of audio.
     """
     if not data:
         raise EmptyAudio("the audio file is empty (0 bytes)")
@@ -58,7 +71,22 @@ def decode(data: bytes, target_rate_hz: int) -> tuple[np.ndarray, int]:
                     f"sample rate {rate} Hz is outside the plausible range "
                     f"{MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz"
                 )
-            frames = handle.read(dtype="float32", always_2d=True)
+            max_frames = int(max_seconds * rate)
+            if handle.frames > max_frames:
+                raise AudioTooLong(f"the audio lasts {handle.frames / rate:.0f} s; the limit is "
+                                   f"max_audio_seconds={max_seconds:g}")
+            stream = None if rate == target_rate_hz else soxr.ResampleStream(rate, target_rate_hz, 1, "float32", "VHQ")
+            pieces, frames = [], 0
+            for block in handle.blocks(blocksize=BLOCK_FRAMES, dtype="float32", always_2d=True):
+                frames += block.shape[0]
+                if frames > max_frames:
+                    raise AudioTooLong(f"the audio lasts more than max_audio_seconds={max_seconds:g}")
+                if not np.isfinite(block).all():
+                    raise ImplausibleAudio("the audio holds non-finite samples (NaN or infinity)")
+                mono = block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0]
+                pieces.append(mono if stream is None else stream.resample_chunk(mono, last=False))
+            if stream is not None:
+                pieces.append(stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
@@ -66,12 +94,12 @@ def decode(data: bytes, target_rate_hz: int) -> tuple[np.ndarray, int]:
         raise UndecodableAudio(
             f"cannot decode the audio ({reason.strip().rstrip('.')}); send WAV, FLAC, OGG (Vorbis/Opus) or MP3"
         ) from exc
-    if frames.shape[0] == 0:
+    if frames == 0:
         raise EmptyAudio("the audio file holds no samples")
-    if not np.isfinite(frames).all():
-        raise ImplausibleAudio("the audio holds non-finite samples (NaN or infinity)")
-    mono = frames.mean(axis=1, dtype=np.float32) if frames.shape[1] > 1 else frames[:, 0]
-    return resample(mono, rate, target_rate_hz), rate
+    samples = np.ascontiguousarray(np.concatenate(pieces) if pieces else np.zeros(0), dtype=np.float32)
+    if samples.size == 0:
+        raise EmptyAudio(f"the audio is too short to yield any sample at {target_rate_hz} Hz")
+    return samples, rate
 
 
 def resample(samples: np.ndarray, source_rate_hz: int, target_rate_hz: int) -> np.ndarray:

@@ -59,8 +59,24 @@ class Pool:
         finally:
             self.free.put(index)
 
-    def close(self) -> None:
-        """Destroy the sessions, then the shared weights (R4.5 order)."""
+    def close(self, wait_s: float = 60.0) -> None:
+        """Destroy the sessions, then the shared weights (R4.5 order).
+
+        First waits (up to ``wait_s``) until no run uses a session: a run that
+        outlived its lease (its worker was frozen, R7.4) must not lose its
+        session under it. If runs are still going after that, the pool is left
+        to the garbage collector instead of being destroyed under them.
+        """
+        deadline = time.monotonic() + wait_s
+        taken = 0
+        try:
+            for _ in range(len(self.sessions)):
+                self.free.get(timeout=max(0.0, deadline - time.monotonic()))
+                taken += 1
+        except queue.Empty:
+            log.warning("pool of %s still has %d running step(s) after %.0f s; not destroying it under them",
+                        self.model_id, len(self.sessions) - taken, wait_s)
+            return
         for session in self.sessions:
             try:
                 session.close()

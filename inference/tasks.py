@@ -170,7 +170,7 @@ def _run(pool, request_id: str) -> dict:
         try:
             result = pool.sessions[slot].run(request)
         except InvalidInput as exc:
-            return {"ok": False, "kind": "invalid_input", "message": str(exc)}
+            return {"ok": False, "kind": "invalid_input", "message": str(exc), "param": exc.param}
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3), "worker": WORKER.hostname}
 

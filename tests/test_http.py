@@ -186,11 +186,51 @@ BAD_INPUTS = [
     ("option out of range", lambda c, s: run_task(c, "vad", s[0].wav, options={"threshold": 7}), 400),
     ("path without media root match", lambda c, s: c.post("/v1/tasks/run", json={
         "model": "vad", "request": {"audio": "/etc/hostname"}}), 400),
+    # Found by adversarial testing: each of these once gave a 500, a hang or a silent accept.
+    ("lone surrogate model id", lambda c, s: _raw_json(c, '{"model": "\\ud800", "request": {"audio": "x"}}'), 400),
+    ("NUL in path", lambda c, s: c.post("/v1/tasks/run", json={"model": "vad", "request": {
+        "audio": str(STACK_MEDIA[0] / "a\x00b.wav")}}), 400),
+    ("path too long", lambda c, s: c.post("/v1/tasks/run", json={"model": "vad", "request": {
+        "audio": str(STACK_MEDIA[0] / ("a" * 5000))}}), 400),
+    ("surrogate in prompt", lambda c, s: _raw_json(c, '{"model": "whisper", "request": {"audio_base64": "'
+                                                   + base64.b64encode(s[0].wav).decode()
+                                                   + '", "options": {"prompt": "\\ud800"}}}'), 400),
+    ("deeply nested JSON", lambda c, s: _raw_json(c, "[" * 100000 + "]" * 100000), 400),
+    ("granularities not a list", lambda c, s: c.post("/v1/audio/transcriptions", json={
+        "model": "whisper", "file": "x", "timestamp_granularities": 1}), 400),
+    ("temperature nan", lambda c, s: transcribe(c, s[0].wav, temperature="nan"), 400),
+    ("temperature boolean", lambda c, s: c.post("/v1/audio/transcriptions", json={
+        "model": "whisper", "file": "x", "temperature": True}), 400),
+    ("response_format list", lambda c, s: c.post("/v1/audio/transcriptions", json={
+        "model": "whisper", "file": "x", "response_format": []}), 400),
+    ("stream object", lambda c, s: c.post("/v1/audio/transcriptions", json={
+        "model": "whisper", "file": "x", "stream": {}}), 400),
+    ("options list", lambda c, s: run_task(c, "vad", s[0].wav, options=[]), 400),
+    ("busy_timeout_ms with underscores", lambda c, s: transcribe(c, s[0].wav, busy_timeout_ms="1_000"), 400),
+    ("busy_timeout_ms astronomically large", lambda c, s: c.post("/v1/tasks/run", json={
+        "model": "vad", "busy_timeout_ms": 10 ** 400, "request": {"audio": "x"}}), 400),
+    ("one sample at 384 kHz", lambda c, s: transcribe(c, wav_bytes(np.zeros(1, dtype=np.float32), 384000)), 400),
+    ("chunked body without length", lambda c, s: c.post("/v1/tasks/run", content=iter([b'{"model": "vad"}']),
+                                                        headers={"content-type": "application/json"}), 411),
+    ("an hour of compressed silence (over max_audio_seconds)", lambda c, s: transcribe(
+        c, wav_bytes(np.zeros(16000 * 3600, dtype=np.float32), 16000, "FLAC", "PCM_16"), filename="a.flac"), 413),
 ]
+
+STACK_MEDIA: list = []  # filled by the autouse fixture below
+
+
+@pytest.fixture(autouse=True)
+def _media_root(stack):
+    STACK_MEDIA[:] = [stack.media_root]
+
+
+def _raw_json(client, text: str):
+    return client.post("/v1/tasks/run", content=text.encode(), headers={"content-type": "application/json"})
 
 
 @pytest.mark.parametrize("name, send, status", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_is_refused_and_leaves_the_model_free(stack, speech, name, send, status):
+    """Every bad input gets its 4xx in the documented shape, never a 500, and nothing stays held (R2.4)."""
     with stack.client() as c:
         resp = send(c, speech)
         assert_error(resp, status, "invalid_request_error")

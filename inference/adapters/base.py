@@ -16,8 +16,13 @@ import numpy as np
 class InvalidInput(ValueError):
     """The request cannot be served as asked (e.g. a language the checkpoint lacks).
 
-    The web side turns it into 400 ``invalid_request_error``.
+    ``param`` names the offending request field. The web side turns it into
+    400 ``invalid_request_error``.
     """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass

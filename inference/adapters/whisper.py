@@ -42,7 +42,8 @@ class WhisperSession:
         if language is not None:
             language = language.lower()
             if not self.model.model.is_multilingual and language != "en":
-                raise InvalidInput(f"this checkpoint is English-only; language {language!r} is not supported")
+                raise InvalidInput(f"this checkpoint is English-only; language {language!r} is not supported",
+                                   param="language")
         if len(request.samples) == 0 or not request.samples.any():
             return {"text": "", "language": language or "en", "duration": len(request.samples) / request.sample_rate_hz,
                     "segments": [], **({"words": []} if opts.get("word_timestamps") else {})}

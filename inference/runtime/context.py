@@ -64,6 +64,18 @@ class AsyncContext:
 
 _contexts: dict[int, AsyncContext] = {}
 
+# Connections per web process and how long a caller may wait for one. A
+# burst beyond the pool waits for a free connection instead of failing
+# (redis-py's default pool raises MaxConnectionsError at 100).
+ASYNC_POOL_CONNECTIONS = 256
+ASYNC_POOL_WAIT_S = 30
+
+
+def _blocking_pool(decode_responses: bool) -> aioredis.BlockingConnectionPool:
+    return aioredis.BlockingConnectionPool.from_url(
+        redis_url(), max_connections=ASYNC_POOL_CONNECTIONS, timeout=ASYNC_POOL_WAIT_S,
+        decode_responses=decode_responses)
+
 
 async def async_context() -> AsyncContext:
     """The context of the running event loop (created on first use)."""
@@ -71,8 +83,8 @@ async def async_context() -> AsyncContext:
     ctx = _contexts.get(id(loop))
     if ctx is not None and ctx.listener.loop is loop:
         return ctx
-    client = aioredis.Redis.from_url(redis_url(), decode_responses=True)
-    client_bytes = aioredis.Redis.from_url(redis_url(), decode_responses=False)
+    client = aioredis.Redis(connection_pool=_blocking_pool(True))
+    client_bytes = aioredis.Redis(connection_pool=_blocking_pool(False))
     listener = await Listener.start(client, KEYS.process_channel)
     ctx = _contexts.get(id(loop))
     if ctx is not None and ctx.listener.loop is loop:  # another coroutine won the race

@@ -144,8 +144,20 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease_id: str, owner: str,
     await ctx.redis_bytes.set(KEYS.input(request_id), header + b"\n" + audio.to_bytes(samples), px=INPUT_TTL_MS)
     wake = ctx.listener.expect(f"done:{request_id}")
     try:
-        await _send("inference.run_model", [model_id, request_id, lease_id, boot, ctx.listener.channel],
-                    worker_direct(owner))
+        send = asyncio.ensure_future(_send("inference.run_model",
+                                           [model_id, request_id, lease_id, boot, ctx.listener.channel],
+                                           worker_direct(owner)))
+        try:
+            await asyncio.shield(send)
+        except asyncio.CancelledError:
+            # The client left while the task was being sent: the send goes on
+            # in its thread; once it is on the queue the worker owns the lease.
+            try:
+                await send
+                handover["sent"] = True
+            except Exception:
+                pass
+            raise
         handover["sent"] = True
         while True:
             done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
@@ -154,7 +166,7 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease_id: str, owner: str,
             if not await _worker_alive(ctx, owner, boot):
                 await ctx.redis.delete(KEYS.input(request_id))
                 return None
-        return json.loads(await ctx.redis.get(KEYS.result(request_id)))
+        return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
     finally:
         ctx.listener.forget(f"done:{request_id}")
 
@@ -200,18 +212,26 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
             load_ms += spent
             reply = await _dispatch(ctx, model_id, lease.lease_id, owner, boot, samples, sample_rate_hz, options,
                                     handover)
-            if reply is None or reply.get("kind") == "not_loaded":
-                # The owner died or lost the pool: the lease is still ours;
-                # forget the pool and load again once.
+            if reply is None:
+                # The owner stopped beating while it ran our request. It may be
+                # frozen rather than dead, so its run could still finish and
+                # release this lease later: never reuse the lease; give it back
+                # and answer 503 (R7.4).
                 handover["sent"] = False
                 await ctx.scheduler.mark_unloaded(model_id, boot, "worker lost")
+                raise ServerBusy(f"model {model_id!r}: its worker stopped responding; retry", code="worker_lost")
+            if reply.get("kind") == "not_loaded":
+                # The owner never took the run (its pool is gone): the lease is
+                # still ours alone; forget the pool and load again once.
+                handover["sent"] = False
+                await ctx.scheduler.mark_unloaded(model_id, boot, "pool lost")
                 continue
             break
         else:
-            raise ServerBusy(f"model {model_id!r}: its worker was lost twice; retry later", code="worker_lost")
+            raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
         if not reply["ok"]:
             if reply["kind"] == "invalid_input":
-                raise InvalidRequest(reply["message"])
+                raise InvalidRequest(reply["message"], param=reply.get("param"))
             if reply["kind"] == "error":  # an adapter failed on valid input: a bug, reported as such
                 raise ApplicationError(f"model {model_id!r} failed: {reply['message']}")
             raise ServerBusy(f"model {model_id!r} could not serve the request: {reply['message']}", code=reply["kind"])

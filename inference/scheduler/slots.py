@@ -215,6 +215,7 @@ class Scheduler:
         """
         loop = asyncio.get_running_loop()
         started = loop.time()
+        deadline = started + timeout_ms / 1000 if timeout_ms > 0 else None
         ticket = uuid.uuid4().hex
         base = self.keys.model(model_id)
         grant_key = f"grant:{ticket}"
@@ -224,19 +225,11 @@ class Scheduler:
         )
         try:
             reply = await asyncio.shield(enqueue)
-        except asyncio.CancelledError:
-            # The caller left while the enqueue was in flight: let it finish,
-            # then undo whatever it did, so no ticket or lease survives.
-            listener.forget(grant_key)
-            try:
-                await enqueue
-            finally:
-                outcome = _text(await self._run("cancel", [base], [ticket, self.lease_ttl_ms]))
-                if outcome == "granted":
-                    await self.release(model_id, ticket)
-            raise
         except BaseException:
+            # The caller left (or Redis failed) while the enqueue was in flight:
+            # let it finish, then undo whatever it did, so no ticket or lease survives.
             listener.forget(grant_key)
+            await self._abandon(enqueue, model_id, ticket)
             raise
         status = _text(reply[0])
         if status == "granted":
@@ -245,47 +238,58 @@ class Scheduler:
         if status == "overdue":
             listener.forget(grant_key)
             raise AdmissionOverdue(model_id, timeout_ms, int(reply[1]))
-        next_expiry_ms = int(reply[1])
-        deadline = started + timeout_ms / 1000 if timeout_ms > 0 else None
+        # Delay until the earliest lease could be reclaimed, in Redis time (R2.5).
+        reap_in_s = (int(reply[1]) - int(reply[3])) / 1000 if int(reply[1]) > 0 else None
+        settled = False
         try:
             while True:
                 wait_s = None if deadline is None else max(0.0, deadline - loop.time())
-                if next_expiry_ms > 0:
-                    # Wake when the earliest lease could be reclaimed (R2.5); a
-                    # small margin lets Redis TIME pass the expiry.
-                    now_ms = await self._redis_time_ms()
-                    reap_in_s = max(0.0, (next_expiry_ms - now_ms) / 1000) + 0.05
-                    reap_first = wait_s is None or reap_in_s < wait_s
-                    wait_s = reap_in_s if reap_first else wait_s
-                else:
-                    reap_first = False
+                reap_first = reap_in_s is not None and (wait_s is None or reap_in_s + 0.05 < wait_s)
+                if reap_first:
+                    wait_s = max(0.0, reap_in_s) + 0.05  # a small margin lets Redis TIME pass the expiry
                 done, _ = await asyncio.wait({future}, timeout=wait_s)
                 if done:
+                    settled = True
                     return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
                 if reap_first:
                     reaped = await self.reap(model_id, ticket)
-                    next_expiry_ms = int(reaped[1])
+                    reap_in_s = (int(reaped[1]) - int(reaped[3])) / 1000 if int(reaped[1]) > 0 else None
                     status = _text(reaped[2])
                     if status == "granted":  # the wake-up was lost (dropped subscription)
+                        settled = True
                         return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
-                    if status == "gone":  # granted, never noticed, and reclaimed: start over
+                    if status == "gone":  # granted, never noticed, and reclaimed
+                        settled = True
                         raise AdmissionTimeout(model_id, timeout_ms)
                     continue
                 outcome = _text(await self._run("cancel", [base], [ticket, self.lease_ttl_ms]))
+                settled = True
                 if outcome == "granted":
                     return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
                 raise AdmissionTimeout(model_id, timeout_ms)
-        except asyncio.CancelledError:
-            outcome = _text(await asyncio.shield(self._run("cancel", [base], [ticket, self.lease_ttl_ms])))
-            if outcome == "granted":
-                await asyncio.shield(self.release(model_id, ticket))
+        except BaseException:
+            if not settled:  # caller gone (R8.1) or Redis failed mid-wait: leave nothing behind
+                await self._abandon(None, model_id, ticket)
             raise
         finally:
             listener.forget(grant_key)
 
-    async def _redis_time_ms(self) -> int:
-        seconds, micros = await self.redis.time()
-        return int(seconds) * 1000 + int(micros) // 1000
+    async def _abandon(self, enqueue, model_id: str, ticket: str) -> None:
+        """Remove ``ticket`` wherever it is (queue or lease), shielded from cancellation; best effort."""
+        async def undo():
+            if enqueue is not None:
+                try:
+                    await enqueue
+                except Exception:
+                    pass
+            try:
+                outcome = _text(await self._run("cancel", [self.keys.model(model_id)], [ticket, self.lease_ttl_ms]))
+                if outcome == "granted":
+                    await self.release(model_id, ticket)
+            except Exception:
+                # Redis is unreachable: the lease (if any) expires after its TTL (R2.5).
+                pass
+        await asyncio.shield(asyncio.ensure_future(undo()))
 
     async def begin_load(self, listener: Listener, model_id: str, token: str) -> LoadDecision:
         """Single-flight load decision (R4.2); see ``lua/begin_load.lua``.

@@ -13,7 +13,7 @@
 --                                         timeout (unoccupied slots are ignored);
 --                                         for a manager, some occupied slot or
 --                                         held manager lease has
---   {'queued', next_lease_expiry_ms|-1, position (1 = head)}
+--   {'queued', next_lease_expiry_ms|-1, position (1 = head), now_ms}
 -- Clock: redis TIME.
 local base, seq_key = KEYS[1], KEYS[2]
 local ticket, chan = ARGV[1], ARGV[2]
@@ -41,4 +41,4 @@ local seq = redis.call('INCR', seq_key)
 redis.call('ZADD', base .. ':queue', seq, ticket)
 redis.call('HSET', base .. ':chan', ticket, chan)
 if is_manager then redis.call('HSET', base .. ':kind', ticket, 'manager') end
-return {'queued', next_expiry(base), redis.call('ZCARD', base .. ':queue')}
+return {'queued', next_expiry(base), redis.call('ZCARD', base .. ':queue'), now}
