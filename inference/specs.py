@@ -134,7 +134,12 @@ def _admission_table(backend: str) -> dict:
 
 def admitted_counts(family: str, task: str, mode: str, backend: str) -> int:
     """Largest k such that counts 1..k are all validated for family/task/mode on ``backend`` (R9.2)."""
-    validated = set(_admission_table(backend).get(family, {}).get(f"{task}/{mode}", [1]))
+    return consecutive_count(_admission_table(backend).get(family, {}).get(f"{task}/{mode}", [1]))
+
+
+def consecutive_count(validated) -> int:
+    """Largest k with 1..k all in ``validated`` (at least 1): [1, 2, 4] → 2 (R9.2)."""
+    validated = set(validated)
     k = 0
     while k + 1 in validated:
         k += 1

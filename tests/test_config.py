@@ -110,3 +110,68 @@ def test_serve_refuses_to_start_on_a_bad_config(tmp_path):
     assert proc.returncode != 0
     assert "models[0] (id 'vad'): key 'slots'" in proc.stderr
     assert "listening" not in proc.stdout
+
+
+# -- the parallel runtime (--parallel-jobs) ---------------------------------------------------
+def parallel(data, backend="cpu"):
+    return parse_config(data, parallel=True, backend_resolver=lambda _configured: backend)
+
+
+def parallel_problems(data, backend="cpu") -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parallel(data, backend)
+    return info.value.problems
+
+
+def test_parallel_runtime_accepts_slots_and_omitted_means_one():
+    """R1.3: slots 1..N accepted; omitted slots = 1."""
+    config = parallel({"models": [{"id": "w", "family": "whisper", "slots": 4},
+                                  {"id": "v", "family": "silero_vad"}]})
+    assert [m.slots for m in config.models] == [4, None]
+
+
+@pytest.mark.parametrize("slots", [0, -1, 17, None, True, "2", 1.5])
+def test_parallel_runtime_refuses_invalid_counts(slots):
+    """R1.3: 0, -1, 17, null, true, "2", 1.5 are start-up errors naming the model."""
+    found = parallel_problems({"models": [{"id": "v", "family": "silero_vad", "slots": slots}]})
+    assert len(found) == 1 and found[0].startswith("models[0] (id 'v'): key 'slots': must be an integer from 1 to 16")
+
+
+def test_count_above_advertised_capacity_names_the_capacity():
+    """R9.1: 5 slots of whisper against capacity 4 → message contains capacity=4."""
+    found = parallel_problems({"models": [{"id": "w", "family": "whisper", "slots": 5}]})
+    assert "capacity=4" in found[0]
+
+
+def test_only_counts_in_the_admission_table_are_served():
+    """R9.2: nothing above 1 slot on CUDA (no validated counts), and 5..16 of silero_vad on CPU."""
+    assert "not validated" in parallel_problems({"models": [{"id": "w", "family": "whisper", "slots": 2}]}, "cuda")[0]
+    assert "admitted counts are 1..4" in parallel_problems(
+        {"models": [{"id": "v", "family": "silero_vad", "slots": 8}]})[0]
+    assert parallel({"models": [{"id": "w", "family": "whisper", "slots": 1}]}, "cuda").models[0].slots == 1
+
+
+@pytest.mark.parametrize("validated, admitted", [([1, 2, 4], 2), ([1, 2, 3, 4], 4), ([2, 4], 1), ([], 1)])
+def test_admitted_counts_need_every_smaller_count_validated(validated, admitted):
+    """R9.2: only consecutively validated counts are admitted."""
+    from inference import specs
+
+    assert specs.consecutive_count(validated) == admitted
+
+
+def test_fixture_family_exists_only_when_enabled(monkeypatch):
+    """The controllable test family is never available by default."""
+    monkeypatch.delenv("AUDIOSITE_ENABLE_FIXTURE_FAMILY", raising=False)
+    assert "unknown family 'fixture'" in parallel_problems({"models": [{"id": "f", "family": "fixture"}]})[0]
+    monkeypatch.setenv("AUDIOSITE_ENABLE_FIXTURE_FAMILY", "1")
+    assert parallel({"models": [{"id": "f", "family": "fixture", "slots": 4}]}).models[0].family == "fixture"
+
+
+def test_serve_with_parallel_jobs_refuses_a_bad_count(tmp_path):
+    path = tmp_path / "server.json"
+    path.write_text(json.dumps({"models": [{"id": "vad", "family": "silero_vad", "slots": 17}]}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
+    env["AUDIOSITE_VAR_DIR"] = str(tmp_path / "var")
+    proc = subprocess.run([sys.executable, "manage.py", "serve", "--parallel-jobs", "--config", str(path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "models[0] (id 'vad'): key 'slots': must be an integer from 1 to 16" in proc.stderr

@@ -1,0 +1,332 @@
+"""``python manage.py bench_slots``: the performance report of VALIDATION.md, from one run.
+
+Starts its own servers with ``manage.py serve`` (embedded Redis, a temporary
+SQLite database; first the legacy runtime, then ``--parallel-jobs`` with the
+fixture family enabled for the scheduler measurements) and prints:
+
+- admission round trip: acquire + release of a free slot, straight on the
+  scheduler (p50/p99, ms);
+- HTTP overhead: one warm request through HTTP vs the same adapter called
+  in-process (p50, ms) for silero_vad and whisper;
+- rejection latency: a 503 overdue fail-fast while every slot is overdue,
+  without and with a waiting manager, divided by ``GET /health`` latency;
+- queue-timeout lateness: how long after its ``busy_timeout_ms`` a queued
+  request gets its 503 (p50/max, ms);
+- completion time of N requests on 1 slot (served serially) vs on N slots,
+  for whisper and silero_vad, N = 2 and 4 (median of 3 warm repeats), with
+  time saved ``100 * (serial - parallel) / serial``; legacy one-request time
+  and parallel one-slot time;
+- worker RSS after loading whisper with 1 and with 4 slots.
+
+The report is also written as JSON (``--out``, default ``var/bench_slots.json``).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import soundfile
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
+REPEATS = 3
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _q(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class Server:
+    """One ``manage.py serve`` child on a private embedded Redis and SQLite file."""
+
+    def __init__(self, workdir: Path, models: list[dict], parallel: bool):
+        self.workdir = workdir
+        self.port = _port()
+        config = {"port": self.port, "lazy_load": True, "lease_ttl_ms": 5000, "models": models}
+        (workdir / "server.json").write_text(json.dumps(config))
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")
+               and not k.startswith("AUDIOSITE_")}
+        env.update(AUDIOSITE_VAR_DIR=str(workdir / "var"), PYTHONUNBUFFERED="1", AUDIOSITE_ENABLE_FIXTURE_FAMILY="1")
+        argv = [sys.executable, "manage.py", "serve", "--config", str(workdir / "server.json")]
+        if parallel:
+            argv.append("--parallel-jobs")
+        self.log = workdir / "serve.log"
+        self.proc = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, stdout=open(self.log, "wb"),
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while b"listening on" not in self.log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise CommandError("a benchmark server did not start:\n" + self.log.read_text()[-3000:])
+            time.sleep(0.2)
+        self.redis_url = re.search(r"embedded redis-server on (\S+)", self.log.read_text()).group(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**env, "REDIS_URL": self.redis_url, "DATABASE_URL": f"sqlite:///{workdir / 'var' / 'audiosite.sqlite3'}"}
+        if parallel:
+            self.env["AUDIOSITE_PARALLEL_JOBS"] = "1"
+
+    def worker(self) -> psutil.Process:
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            if "celery" in " ".join(child.cmdline()):
+                return child
+        raise CommandError("no worker process found")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _task_body(model: str, wav: bytes, **extra) -> dict:
+    timeout = extra.pop("busy_timeout_ms", None)
+    body = {"model": model, "request": {"audio_base64": base64.b64encode(wav).decode(), "options": extra}}
+    if timeout is not None:
+        body["busy_timeout_ms"] = timeout
+    return body
+
+
+class Command(BaseCommand):
+    help = "Performance report: admission latency, HTTP overhead, rejection latency, N-slot vs serial, memory."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--out", default=str(Path(settings.VAR_DIR) / "bench_slots.json"))
+
+    def handle(self, *args, **opts):
+        import logging
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        samples, rate = soundfile.read(SAMPLE, dtype="float32")
+        inputs = [samples, np.concatenate([np.zeros(rate // 2, np.float32), samples]),
+                  np.concatenate([samples, samples[: rate]]), samples[rate // 2:]]
+        self.wavs = []
+        for x in inputs:
+            path = Path(tempfile.mkstemp(suffix=".wav")[1])
+            soundfile.write(path, x, rate)
+            self.wavs.append(path.read_bytes())
+            path.unlink()
+        report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                        "input": "LibriSpeech 6930-75918-0000 (3.5 s) and three variants, 16 kHz"}
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "legacy").mkdir()
+            legacy = Server(Path(tmp) / "legacy",
+                            [{"id": "whisper", "family": "whisper"}, {"id": "vad", "family": "silero_vad"}], False)
+            try:
+                report["legacy_one_request_ms"] = asyncio.run(self._one_request(legacy, ["whisper", "vad"]))
+            finally:
+                legacy.stop()
+            models = [{"id": "fx", "family": "fixture", "slots": 2},
+                      *[{"id": f"whisper{n}", "family": "whisper", "slots": n} for n in (1, 2, 4)],
+                      *[{"id": f"vad{n}", "family": "silero_vad", "slots": n} for n in (1, 2, 4)]]
+            (Path(tmp) / "parallel").mkdir()
+            par = Server(Path(tmp) / "parallel", models, True)
+            try:
+                report["rss_mb"] = asyncio.run(self._memory(par))  # first: before any whisper pool exists
+                report["parallel_one_slot_one_request_ms"] = asyncio.run(self._one_request(par, ["whisper1", "vad1"]))
+                report["admission_round_trip_ms"] = asyncio.run(self._admission(par))
+                report["http_overhead_ms"] = asyncio.run(self._overhead(par))
+                report["rejection"] = asyncio.run(self._rejection(par))
+                report["queue_timeout_lateness_ms"] = asyncio.run(self._lateness(par))
+                report["n_slots_vs_serial"] = asyncio.run(self._speedup(par))
+            finally:
+                par.stop()
+        Path(opts["out"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts["out"]).write_text(json.dumps(report, indent=2))
+        self._print(report)
+        self.stdout.write(f"report written to {opts['out']}")
+
+    # -- measurements ------------------------------------------------------------------
+    async def _one_request(self, server: Server, models: list[str]) -> dict:
+        out = {}
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            for model in models:
+                (await c.post("/v1/tasks/run", json=_task_body(model, self.wavs[0]))).raise_for_status()
+                times = []
+                for _ in range(REPEATS):
+                    t = time.perf_counter()
+                    (await c.post("/v1/tasks/run", json=_task_body(model, self.wavs[0]))).raise_for_status()
+                    times.append((time.perf_counter() - t) * 1000)
+                out[model.rstrip("1")] = round(statistics.median(times), 1)
+        return out
+
+    async def _admission(self, server: Server) -> dict:
+        import redis.asyncio as aioredis
+
+        from inference.scheduler import Keys, Listener, Scheduler
+
+        client = aioredis.Redis.from_url(server.redis_url, decode_responses=True)
+        scheduler = Scheduler(client, Keys("bench:"), 30000)
+        listener = await Listener.start(client, Keys("bench:").process_channel)
+        times = []
+        for _ in range(1000):
+            t = time.perf_counter()
+            lease = await scheduler.acquire(listener, "m", 1000)
+            await scheduler.release("m", lease.lease_id)
+            times.append((time.perf_counter() - t) * 1000)
+        await listener.close()
+        await client.aclose()
+        return {"p50": round(_q(times, 0.5), 3), "p99": round(_q(times, 0.99), 3), "n": len(times)}
+
+    async def _overhead(self, server: Server) -> dict:
+        from inference import specs
+        from inference.adapters import get_adapter
+        from inference.adapters.base import AudioRequest, LoadContext
+
+        out = {}
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            for family, model in (("silero_vad", "vad1"), ("whisper", "whisper1")):
+                http = []
+                for _ in range(10):
+                    t = time.perf_counter()
+                    (await c.post("/v1/tasks/run", json=_task_body(model, self.wavs[0]))).raise_for_status()
+                    http.append((time.perf_counter() - t) * 1000)
+                ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", 0, 1, {}, {})
+                adapter = get_adapter(family)
+                session = adapter.new_session(adapter.load(specs.get_spec(family), ctx), 0)
+                samples, _ = soundfile.read(SAMPLE, dtype="float32")
+                request = AudioRequest(samples, 16000, specs.request_defaults(family))
+                session.run(request)
+                direct = []
+                for _ in range(10):
+                    t = time.perf_counter()
+                    session.run(request)
+                    direct.append((time.perf_counter() - t) * 1000)
+                hp, dp = statistics.median(http), statistics.median(direct)
+                out[family] = {"http_p50": round(hp, 1), "direct_p50": round(dp, 1), "overhead_p50": round(hp - dp, 1)}
+        return out
+
+    async def _hold(self, server: Server, c: httpx.AsyncClient, barrier: str, count: int):
+        import redis
+
+        r = redis.Redis.from_url(server.redis_url, decode_responses=True)
+        tasks = [asyncio.create_task(c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], barrier=barrier)))
+                 for _ in range(count)]
+        while int(r.get(f"as:fixture:arrived:{barrier}") or 0) < count:
+            await asyncio.sleep(0.01)
+        return r, tasks
+
+    async def _rejection(self, server: Server) -> dict:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            r, holders = await self._hold(server, c, "rej", 2)
+            await asyncio.sleep(0.2)
+            health, rejected = [], []
+            for _ in range(30):
+                t = time.perf_counter()
+                (await c.get("/health")).raise_for_status()
+                health.append((time.perf_counter() - t) * 1000)
+                t = time.perf_counter()
+                resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=50))
+                rejected.append((time.perf_counter() - t) * 1000)
+                assert resp.status_code == 503, resp.text
+            manager = subprocess.Popen([sys.executable, "manage.py", "unload_model", "fx"], cwd=settings.BASE_DIR,
+                                       env=server.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            while not r.hlen("as:m:{fx}:kind"):
+                await asyncio.sleep(0.01)
+            with_manager = []
+            for _ in range(30):
+                t = time.perf_counter()
+                resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=50))
+                with_manager.append((time.perf_counter() - t) * 1000)
+                assert resp.status_code == 503, resp.text
+            r.lpush("as:fixture:release:rej", "go", "go")
+            await asyncio.gather(*holders)
+            await asyncio.to_thread(manager.wait, 60)
+        h = statistics.median(health)
+        return {"health_p50_ms": round(h, 2), "overdue_503_p50_ms": round(statistics.median(rejected), 2),
+                "overdue_503_with_waiting_manager_p50_ms": round(statistics.median(with_manager), 2),
+                "ratio_to_health": round(statistics.median(rejected) / h, 2),
+                "ratio_to_health_with_manager": round(statistics.median(with_manager) / h, 2)}
+
+    async def _lateness(self, server: Server) -> dict:
+        """Fresh holders each time, so the queued request is not refused as overdue but times out."""
+        timeout_ms = 300
+        late = []
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            for i in range(10):
+                r, holders = await self._hold(server, c, f"late{i}", 2)
+                t = time.perf_counter()
+                resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=timeout_ms))
+                late.append((time.perf_counter() - t) * 1000 - timeout_ms)
+                assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_timeout", resp.text
+                r.lpush(f"as:fixture:release:late{i}", "go", "go")
+                await asyncio.gather(*holders)
+        return {"p50": round(statistics.median(late), 2), "max": round(max(late), 2), "timeout_ms": timeout_ms}
+
+    async def _memory(self, server: Server) -> dict:
+        worker = server.worker()
+        out = {"worker_idle": round(worker.memory_info().rss / 2**20, 1)}
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            for n in (1, 4):
+                before = worker.memory_info().rss
+                (await c.post("/v1/tasks/run", json=_task_body(f"whisper{n}", self.wavs[0]))).raise_for_status()
+                out[f"whisper_{n}_slot_load_delta"] = round((worker.memory_info().rss - before) / 2**20, 1)
+        return out
+
+    async def _speedup(self, server: Server) -> dict:
+        out = {}
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            for family in ("whisper", "vad"):
+                for n in (2, 4):
+                    batch = [self.wavs[i % len(self.wavs)] for i in range(n)]
+                    row = {}
+                    for model in (f"{family}1", f"{family}{n}"):
+                        await asyncio.gather(*[c.post("/v1/tasks/run", json=_task_body(model, w)) for w in batch])
+                        times = []
+                        for _ in range(REPEATS):
+                            t = time.perf_counter()
+                            resps = await asyncio.gather(*[c.post("/v1/tasks/run", json=_task_body(model, w))
+                                                           for w in batch])
+                            times.append((time.perf_counter() - t) * 1000)
+                            assert all(r.status_code == 200 for r in resps)
+                        row["serial_ms" if model.endswith("1") else "parallel_ms"] = round(statistics.median(times), 1)
+                    row["speedup"] = round(row["serial_ms"] / row["parallel_ms"], 2)
+                    row["time_saved_pct"] = round(100 * (row["serial_ms"] - row["parallel_ms"]) / row["serial_ms"], 1)
+                    out[f"{family}_n{n}"] = row
+        return out
+
+    def _print(self, report: dict) -> None:
+        w = self.stdout.write
+        w(f"machine: {report['machine']['cpus']} CPUs, Python {report['machine']['python']}")
+        w(f"legacy one request (ms, median of {REPEATS}): {report['legacy_one_request_ms']}")
+        w(f"parallel 1-slot one request (ms): {report['parallel_one_slot_one_request_ms']}")
+        a = report["admission_round_trip_ms"]
+        w(f"admission acquire+release round trip: p50 {a['p50']} ms, p99 {a['p99']} ms (n={a['n']})")
+        for family, row in report["http_overhead_ms"].items():
+            w(f"HTTP vs direct {family}: http p50 {row['http_p50']} ms, direct p50 {row['direct_p50']} ms, "
+              f"overhead {row['overhead_p50']} ms")
+        rj = report["rejection"]
+        w(f"503 fail-fast p50 {rj['overdue_503_p50_ms']} ms = {rj['ratio_to_health']}x /health "
+          f"({rj['health_p50_ms']} ms); with a waiting manager {rj['overdue_503_with_waiting_manager_p50_ms']} ms "
+          f"= {rj['ratio_to_health_with_manager']}x")
+        lt = report["queue_timeout_lateness_ms"]
+        w(f"queue-timeout lateness after {lt['timeout_ms']} ms: p50 {lt['p50']} ms, max {lt['max']} ms")
+        m = report["rss_mb"]
+        w(f"worker RSS: idle {m['worker_idle']} MB; +{m['whisper_1_slot_load_delta']} MB loading whisper with 1 slot, "
+          f"+{m['whisper_4_slot_load_delta']} MB with 4 slots")
+        w(f"{'batch':<12} {'serial ms':>10} {'N slots ms':>11} {'speedup':>8} {'saved %':>8}")
+        for name, row in report["n_slots_vs_serial"].items():
+            w(f"{name:<12} {row['serial_ms']:>10} {row['parallel_ms']:>11} {row['speedup']:>8} {row['time_saved_pct']:>8}")
