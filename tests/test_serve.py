@@ -14,21 +14,29 @@ import pytest
 from .conftest import ROOT, free_port
 
 
-@pytest.mark.stack
-def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
+def start_embedded(tmp_path, *args: str) -> tuple[subprocess.Popen, object]:
+    """``manage.py serve <args>`` with no DATABASE_URL/REDIS_URL, waited until it listens."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("DATABASE_URL", "REDIS_URL") and not k.startswith("AUDIOSITE_")}
     env.update(AUDIOSITE_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1")
-    port = free_port()
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", "serve", "--port", str(port)], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "manage.py", "serve", *args], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while b"listening on" not in log_path.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(log_path.read_text())
+        time.sleep(0.2)
+    return proc, log_path
+
+
+@pytest.mark.stack
+def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
+    port = free_port()
+    proc, log_path = start_embedded(tmp_path, "--port", str(port))
     try:
-        deadline = time.monotonic() + 180
-        while b"listening on" not in log_path.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
         output = log_path.read_text()
         assert f"audiosite listening on http://127.0.0.1:{port}" in output
         assert "embedded redis-server" in output and "sqlite3" in output
@@ -62,20 +70,10 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
 @pytest.mark.stack
 def test_serve_stops_everything_and_fails_when_a_child_dies(tmp_path):
     """If the web process dies, serve stops the rest and exits non-zero (docs/operations.md)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DATABASE_URL", "REDIS_URL") and not k.startswith("AUDIOSITE_")}
-    env.update(AUDIOSITE_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1")
     config = tmp_path / "server.json"
     config.write_text('{"lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", "serve", "--config", str(config),
-                                 "--port", str(free_port())], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(free_port()))
     try:
-        deadline = time.monotonic() + 180
-        while b"listening on" not in log_path.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
         children = psutil.Process(proc.pid).children(recursive=True)
         web = next(c for c in children if "daphne" in " ".join(c.cmdline()))
         web.kill()
