@@ -212,6 +212,8 @@ BAD_INPUTS = [
     ("one sample at 384 kHz", lambda c, s: transcribe(c, wav_bytes(np.zeros(1, dtype=np.float32), 384000)), 400),
     ("chunked body without length", lambda c, s: c.post("/v1/tasks/run", content=iter([b'{"model": "vad"}']),
                                                         headers={"content-type": "application/json"}), 411),
+    ("multipart without boundary", lambda c, s: c.post("/v1/audio/transcriptions", content=b"--x\r\n\r\n",
+                                                      headers={"content-type": "multipart/form-data"}), 400),
     ("an hour of compressed silence (over max_audio_seconds)", lambda c, s: transcribe(
         c, wav_bytes(np.zeros(16000 * 3600, dtype=np.float32), 16000, "FLAC", "PCM_16"), filename="a.flac"), 413),
 ]

@@ -43,7 +43,7 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
         assert (tmp_path / "var" / "audiosite.sqlite3").exists()
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        assert "redis-server" in names and "celery" in names and "daphne" in names
+        assert "redis-server" in names and "celery" in names and "audiosite.web" in names
 
         sample = ROOT / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
@@ -75,7 +75,7 @@ def test_serve_stops_everything_and_fails_when_a_child_dies(tmp_path):
     proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(free_port()))
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
-        web = next(c for c in children if "daphne" in " ".join(c.cmdline()))
+        web = next(c for c in children if "audiosite.web" in " ".join(c.cmdline()))
         web.kill()
         assert proc.wait(timeout=60) != 0
         gone, alive = psutil.wait_procs(children, timeout=10)

@@ -92,7 +92,7 @@ class Command(BaseCommand):
                     sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
                     "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle", "--loglevel", "INFO",
                 ], env)
-            self._spawn("web", [sys.executable, "-m", "daphne", "-b", config.host, "-p", str(config.port),
+            self._spawn("web", [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
             self._run_once(env, ["load_models"])
