@@ -560,3 +560,64 @@ def test_seeded_random_stress_keeps_every_invariant(redis_client, slots):
             snap = (await rig.scheduler.snapshot(["m"]))["m"]
             assert (snap["active_leases"], snap["queued"], snap["manager_leases"], snap["queued_managers"]) == (0, 0, 0, 0)
     run(scenario())
+
+
+# -- building blocks for bulk unload and eviction (R5, R6) -----------------------------------------
+def test_bulk_manager_publication_orders_overlapping_and_reversed_selections(redis_client):
+    """R5.1/R5.2: one atomic publication per bulk call; overlapping calls in either selection
+    order are served in publication order on every shared model, without deadlock; unrelated
+    models keep serving requests at once."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix())) as rig:
+            request_b = await rig.acquire("b", 0)  # b is busy, a is idle
+            first = await rig.scheduler.acquire_many(rig.listener, ["a", "b"])
+            second = await rig.scheduler.acquire_many(rig.listener, ["b", "a"])  # reversed selection
+            assert first["a"].done() and not first["b"].done()
+            assert not second["a"].done() and not second["b"].done()
+            unrelated = await asyncio.wait_for(rig.acquire("c", 100), 0.2)  # never waits on bulk work
+            await rig.scheduler.release("c", unrelated.lease_id)
+            order: list[str] = []
+            for name, futures in (("first", first), ("second", second)):
+                for model_id, future in futures.items():
+                    future.add_done_callback(lambda _f, n=name, m=model_id: order.append(f"{n}:{m}"))
+            await rig.scheduler.release("a", (await first["a"]).lease_id)
+            await asyncio.wait_for(second["a"], 1)
+            await rig.scheduler.release("a", second["a"].result().lease_id)
+            await rig.scheduler.release("b", request_b.lease_id)
+            await asyncio.wait_for(first["b"], 1)
+            assert not second["b"].done()
+            await rig.scheduler.release("b", first["b"].result().lease_id)
+            await asyncio.wait_for(second["b"], 1)
+            await rig.scheduler.release("b", second["b"].result().lease_id)
+            assert order.index("first:b") < order.index("second:b")
+            for model_id in ("a", "b", "c"):
+                snap = (await rig.scheduler.snapshot([model_id]))[model_id]
+                assert (snap["active_leases"], snap["queued"], snap["manager_leases"], snap["queued_managers"]) == (0, 0, 0, 0)
+    run(scenario())
+
+
+def test_try_acquire_takes_only_a_ready_idle_model_and_never_waits(redis_client):
+    """R6.1/R6.4: eviction and idle retirement never wait and never interrupt work."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            assert await rig.scheduler.try_acquire("m") is None  # not loaded (state unloaded)
+            await rig.redis.hset(keys.model("m") + ":load", mapping={"state": "ready"})
+            busy = await rig.acquire("m", 0)
+            started = time.monotonic()
+            assert await rig.scheduler.try_acquire("m") is None  # a request holds a slot
+            assert time.monotonic() - started < 0.05
+            waiter = asyncio.create_task(rig.acquire("m", 0))
+            await asyncio.sleep(0.02)
+            await rig.scheduler.release("m", busy.lease_id)
+            queued_then_held = await waiter
+            assert await rig.scheduler.try_acquire("m") is None
+            await rig.scheduler.release("m", queued_then_held.lease_id)
+            lease = await rig.scheduler.try_acquire("m")
+            assert lease is not None and lease.kind == "manager"
+            blocked = asyncio.create_task(rig.acquire("m", 0))
+            await asyncio.sleep(0.05)
+            assert not blocked.done()  # the evicting manager holds the model
+            await rig.scheduler.release("m", lease.lease_id)
+            await rig.scheduler.release("m", (await blocked).lease_id)
+    run(scenario())

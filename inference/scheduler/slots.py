@@ -22,6 +22,7 @@ _LIB = (LUA_DIR / "lib.lua").read_text()
 _SCRIPT_NAMES = (
     "enqueue", "cancel", "release", "renew", "reap",
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
+    "enqueue_managers", "try_acquire",
 )
 
 
@@ -273,6 +274,57 @@ class Scheduler:
             raise
         finally:
             listener.forget(grant_key)
+
+    async def try_acquire(self, model_id: str, state: str = "ready") -> Lease | None:
+        """Take the model's manager lease only if it is free right now (R6.1, R6.4).
+
+        Never waits and never interrupts: returns None when the model is not
+        in ``state``, holds any lease, or has anything queued.
+        """
+        lease_id = uuid.uuid4().hex
+        granted = await self._run("try_acquire", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms, state])
+        return Lease(model_id, lease_id, 0, 0.0, "manager") if int(granted) else None
+
+    async def acquire_many(self, listener: Listener, model_ids: list[str]) -> dict[str, asyncio.Future]:
+        """Publish a manager ticket on every model in one atomic step (bulk, R5.1/R5.2).
+
+        Args:
+            model_ids: distinct model ids (the caller removes duplicates).
+
+        Returns:
+            ``{model_id: future}``; each future resolves to that model's manager
+            :class:`Lease` when granted (at once for idle models). Bulk managers
+            wait without bound (R3.4). Cancel the futures' consumers with
+            :meth:`abandon` for every model not yet released.
+        """
+        tickets = {model_id: uuid.uuid4().hex for model_id in model_ids}
+        waits = {model_id: listener.expect(f"grant:{ticket}") for model_id, ticket in tickets.items()}
+        keys = [self.keys.model(m) for m in model_ids] + [self.keys.seq]
+        try:
+            granted = await self._run("enqueue_managers", keys,
+                                      [listener.channel, self.lease_ttl_ms, *tickets.values()])
+        except BaseException:
+            for model_id, ticket in tickets.items():
+                listener.forget(f"grant:{ticket}")
+                await self._abandon(None, model_id, ticket)
+            raise
+        loop = asyncio.get_running_loop()
+        out: dict[str, asyncio.Future] = {}
+        for (model_id, ticket), now in zip(tickets.items(), granted):
+            future = loop.create_future()
+            lease = Lease(model_id, ticket, 0, 0.0, "manager")
+            if int(now):
+                listener.forget(f"grant:{ticket}")
+                future.set_result(lease)
+            else:
+                waits[model_id].add_done_callback(
+                    lambda done, f=future, lease=lease: f.cancelled() or f.done() or f.set_result(lease))
+            out[model_id] = future
+        return out
+
+    async def abandon(self, model_id: str, ticket: str) -> None:
+        """Give up a ticket or lease wherever it is (queued, granted or gone)."""
+        await self._abandon(None, model_id, ticket)
 
     async def _abandon(self, enqueue, model_id: str, ticket: str) -> None:
         """Remove ``ticket`` wherever it is (queue or lease), shielded from cancellation; best effort."""

@@ -1,0 +1,18 @@
+-- try_acquire.lua: take a model's manager lease only if that needs no waiting
+-- and interrupts nothing (eviction and idle retirement, CONTRACT R6.1/R6.4).
+-- KEYS[1] base key of the model
+-- ARGV[1] lease id   ARGV[2] lease TTL in ms
+-- ARGV[3] required lifecycle state ('' = any), e.g. 'ready'
+-- Returns 1 if the manager lease was granted: the model was in the required
+-- state, held no lease of any kind and had an empty queue. Else 0, and
+-- nothing changed.
+local base, lease, ttl_ms, want = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local now = now_ms()
+reap(base, now)
+if want ~= '' and (redis.call('HGET', base .. ':load', 'state') or 'unloaded') ~= want then return 0 end
+if redis.call('ZCARD', base .. ':queue') > 0 or redis.call('HLEN', base .. ':leases') > 0
+    or redis.call('HLEN', base .. ':mleases') > 0 then
+  return 0
+end
+grant(base, lease, now, ttl_ms, true)
+return 1
