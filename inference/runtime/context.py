@@ -27,7 +27,9 @@ def redis_url() -> str:
         ImproperlyConfigured: unset (only ``manage.py serve`` starts a Redis of its own).
     """
     if not settings.REDIS_URL:
-        raise ImproperlyConfigured("REDIS_URL is not set; start the server with `python manage.py serve` or set REDIS_URL")
+        raise ImproperlyConfigured(
+            "REDIS_URL is not set: set it to the deployment's Redis (with the embedded default, "
+            "`manage.py serve` prints it at start: 'redis: embedded redis-server on redis://…')")
     return settings.REDIS_URL
 
 
