@@ -170,8 +170,18 @@ class WorkerState:
             old = self.pools.pop(model_id, None)
             self.pools[model_id] = pool
         if old is not None:
-            old.close()
+            # Close the replaced pool off the load's path: it waits for steps
+            # still running on it (a frozen worker's orphans) up to a minute.
+            threading.Thread(target=old.close, name=f"close {model_id}", daemon=True).start()
         return pool
+
+    def discard(self, model_id: str, pool: Pool) -> None:
+        """Unpublish and close ``pool`` if it is still the published one (a stale load's result)."""
+        with self.lock:
+            if self.pools.get(model_id) is not pool:
+                return
+            del self.pools[model_id]
+        threading.Thread(target=pool.close, name=f"close {model_id}", daemon=True).start()
 
     def remove(self, model_id: str) -> Pool | None:
         """Unpublish a pool locally and return it (the caller closes it)."""

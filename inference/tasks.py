@@ -105,6 +105,7 @@ def load_model(model_id: str, token: str, channel: str) -> None:
         log.exception("recording the start of a load failed")
     error = ""
     capacity = 0
+    built = None
     try:
         if meta_json is None:
             raise LookupError(f"model {model_id!r} is no longer registered")
@@ -112,12 +113,18 @@ def load_model(model_id: str, token: str, channel: str) -> None:
                        scheduler.lease_ttl_ms / 3000):
             pool = WORKER.build(model_id, json.loads(meta_json), meta_json, barrier=barrier)
             capacity = pool.capacity
+            built = pool
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         log.exception("loading %s failed", model_id)
     duration_ms = int((time.monotonic() - started) * 1000)
     ok = not error
-    scheduler.finish_load(model_id, token, ok, WORKER.hostname, WORKER.boot, error, capacity)
+    if scheduler.finish_load(model_id, token, ok, WORKER.hostname, WORKER.boot, error, capacity) == "stale":
+        # Our claim was replaced or abandoned (an unload, a takeover): publish nothing.
+        if built is not None:
+            WORKER.discard(model_id, built)
+        ok, error = False, "the load was abandoned or superseded"
+        log.info("load of %s (token %s) finished after its claim was gone; discarded", model_id, token)
     try:
         registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=WORKER.hostname or "")
     except Exception:

@@ -350,3 +350,56 @@ def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
     if family == "whisper":
         assert peak == min(n, len(inputs))  # the requests really overlapped
     pstack.wait_idle(model)
+
+
+# -- found by adversarial testing -----------------------------------------------------------------
+def _kill_web_subscriptions(pstack) -> int:
+    """Drop the web process's pub/sub connection(s), as a network blip would (they resubscribe)."""
+    killed = 0
+    for client_info in pstack.redis.client_list():
+        if client_info.get("name") == "audiosite-web" and int(client_info.get("sub", 0)) > 0 \
+                and client_info.get("db") == "13":
+            killed += pstack.redis.execute_command("CLIENT", "KILL", "ID", client_info["id"])
+    return killed
+
+
+def test_a_lost_completion_wake_up_does_not_hang_the_request(pstack):
+    """R7.3/R2.4: if the `done:` message is lost with a dropped subscription, the waiter still
+    finds the result at its next watchdog check (10 s) instead of hanging."""
+    async def scenario():
+        async with client(pstack) as c:
+            task = asyncio.create_task(post(c, "fx2", barrier="lost-done"))
+            await until(lambda: pstack.arrived("lost-done") == 1)
+            assert _kill_web_subscriptions(pstack) >= 1
+            pstack.release("lost-done")  # the completion is published while the listener reconnects
+            started = time.monotonic()
+            resp, _, _ = await asyncio.wait_for(task, 30)
+            return resp, time.monotonic() - started
+    resp, waited_s = asyncio.run(scenario())
+    assert resp.status_code == 200
+    assert waited_s < 15
+    pstack.wait_idle("fx2")
+
+
+def test_unload_waits_for_a_load_in_progress_instead_of_skipping_it(pstack):
+    """F2/R4.5: an unload that finds an orphaned load in progress waits for it and unloads its pool;
+    nothing stays loaded and no second load starts."""
+    assert pstack.manage("unload_model", "fx-cold").returncode == 0
+    before = pstack.arrived("cold-load")
+
+    async def scenario():
+        async with client(pstack, timeout=httpx.Timeout(120, read=1.0)) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await post(c, "fx-cold")  # starts the load, then the client leaves
+        await until(lambda: pstack.arrived("cold-load") == before + 1)
+        await until(lambda: pstack.counters("fx-cold") == {"leases": 0, "queued": 0})
+        manager = pstack.manage_async("unload_model", "fx-cold")
+        await asyncio.sleep(2.5)
+        assert manager.poll() is None  # waiting for the load, not skipping it
+        pstack.release("cold-load")
+        out, _ = await asyncio.to_thread(manager.communicate, timeout=60)
+        return manager.returncode, out
+    code, out = asyncio.run(scenario())
+    assert code == 0 and "pool destroyed" in out
+    assert status(pstack, "fx-cold")["state"] == "unloaded"
+    assert pstack.arrived("cold-load") == before + 1

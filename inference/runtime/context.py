@@ -70,13 +70,14 @@ _contexts: dict[int, AsyncContext] = {}
 # burst beyond the pool waits for a free connection instead of failing
 # (redis-py's default pool raises MaxConnectionsError at 100).
 ASYNC_POOL_CONNECTIONS = 256
+WEB_CLIENT_NAME = "audiosite-web"  # CLIENT LIST shows which connections are ours
 ASYNC_POOL_WAIT_S = 30
 
 
 def _blocking_pool(decode_responses: bool) -> aioredis.BlockingConnectionPool:
     return aioredis.BlockingConnectionPool.from_url(
         redis_url(), max_connections=ASYNC_POOL_CONNECTIONS, timeout=ASYNC_POOL_WAIT_S,
-        decode_responses=decode_responses)
+        decode_responses=decode_responses, client_name=WEB_CLIENT_NAME)
 
 
 async def async_context() -> AsyncContext:

@@ -36,7 +36,7 @@ from audiosite.serverconfig import get_config
 from inference import audio
 from inference.pools import LIVENESS_TTL_MS
 from inference.runtime.context import KEYS, AsyncContext
-from inference.scheduler import AdmissionOverdue, AdmissionTimeout, effective_timeout_ms
+from inference.scheduler import AdmissionExpired, AdmissionOverdue, AdmissionTimeout, effective_timeout_ms
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class Outcome:
 
 
 def _busy(exc: Exception) -> ServerBusy:
+    if isinstance(exc, AdmissionExpired):
+        return ServerBusy(f"server busy: {exc}", code="grant_expired")
     if isinstance(exc, AdmissionOverdue):
         return ServerBusy(f"server busy: {exc} (overdue fail-fast)", code="overdue")
     return ServerBusy(f"server busy: {exc} (queue timeout)", code="queue_timeout")
@@ -113,8 +115,8 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, pickup_timeout_s: floa
             sent_at = time.monotonic()
             while True:
                 done, _ = await asyncio.wait({wake}, timeout=min(WATCHDOG_S, pickup_timeout_s))
-                if done:
-                    break
+                if done or await ctx.redis.exists(KEYS.load_result(token)):
+                    break  # (a wake-up lost with a dropped subscription is caught by the check)
                 if await ctx.scheduler.load_picked_up(model_id, token):
                     continue  # a worker is loading and renewing its claim
                 if time.monotonic() - sent_at >= pickup_timeout_s:
@@ -161,8 +163,8 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease_id: str, owner: str,
         handover["sent"] = True
         while True:
             done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
-            if done:
-                break
+            if done or await ctx.redis.exists(KEYS.result(request_id)):
+                break  # (a wake-up lost with a dropped subscription is caught by the check)
             if not await _worker_alive(ctx, owner, boot):
                 await ctx.redis.delete(KEYS.input(request_id))
                 return None
@@ -201,7 +203,7 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
     timeout_ms = effective_timeout_ms(request_timeout_ms, ceiling)
     try:
         lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms)
-    except (AdmissionOverdue, AdmissionTimeout) as exc:
+    except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise _busy(exc) from None
     renewer = asyncio.create_task(_renew_forever(ctx, model_id, lease.lease_id))
     handover = {"sent": False}
@@ -242,33 +244,39 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
             await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
 
 
-async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: str = "") -> bool:
+async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: str = "") -> str:
     """Unload ``model_id`` as a manager (R4.5), on either runtime.
 
-    Waits behind every older request (and is a barrier for later ones, R2.2),
-    clears the logical residency first (state ``unloading``, owner
-    forgotten), has the owning worker destroy sessions then weights, records
-    ``unloaded`` and releases the manager lease. Idempotent.
+    Waits behind every older request (and is a barrier for later ones, R2.2).
+    A load still in progress (its requesters may have left) is waited for, not
+    skipped, so its pool is unloaded too. Then clears the logical residency
+    first (state ``unloading``, owner forgotten), has the owning worker
+    destroy sessions then weights, records ``unloaded`` and releases the
+    manager lease. Idempotent.
 
     Args:
         timeout_ms: manager admission bound (0 = wait without bound, R3.4).
 
     Returns:
-        True if a loaded pool was destroyed, False if there was none.
+        'destroyed' (a pool was destroyed), 'not_loaded' (there was none), or
+        'worker_lost' (the owner stopped beating; its pool dies with it).
 
     Raises:
         ServerBusy: admission timeout or fail-fast (R3.4).
     """
     try:
         lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind="manager")
-    except (AdmissionOverdue, AdmissionTimeout) as exc:
+    except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise _busy(exc) from None
     renewer = asyncio.create_task(_renew_forever(ctx, model_id, lease.lease_id))
     try:
+        await _wait_for_load_in_progress(ctx, model_id)
         load = await ctx.redis.hgetall(KEYS.model(model_id) + ":load")
         owner, boot = load.get("owner"), load.get("boot")
         await ctx.scheduler.set_state(model_id, "unloading")
-        destroyed = False
+        outcome = "not_loaded"
+        if owner and boot:
+            outcome = "worker_lost"
         if owner and boot and await _worker_alive(ctx, owner, boot):
             token = uuid.uuid4().hex
             wake = ctx.listener.expect(f"load:{token}")
@@ -277,14 +285,36 @@ async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: s
                             worker_direct(owner))
                 while True:
                     done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
-                    if done or not await _worker_alive(ctx, owner, boot):
+                    if done or await ctx.redis.exists(KEYS.load_result(token)):
+                        break
+                    if not await _worker_alive(ctx, owner, boot):
                         break
             finally:
                 ctx.listener.forget(f"load:{token}")
-            outcome = json.loads(await ctx.redis.get(KEYS.load_result(token)) or "{}")
-            destroyed = bool(outcome.get("had_pool"))
+            reply = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or "{}")
+            outcome = "destroyed" if reply.get("had_pool") else ("not_loaded" if reply else "worker_lost")
         await ctx.scheduler.set_state(model_id, "unloaded")
-        return destroyed
+        return outcome
     finally:
         renewer.cancel()
         await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+
+async def _wait_for_load_in_progress(ctx: AsyncContext, model_id: str) -> None:
+    """Block while a live loader is building the model's pool (its claim keeps being renewed)."""
+    key = KEYS.model(model_id) + ":load"
+    while True:
+        load = await ctx.redis.hgetall(key)
+        if load.get("state") != "loading" or not load.get("loader"):
+            return
+        token = uuid.uuid4().hex
+        wake = ctx.listener.expect(f"load:{token}")
+        try:
+            await ctx.redis.hset(KEYS.model(model_id) + ":loadwait", token, ctx.listener.channel)
+            await asyncio.wait({wake}, timeout=WATCHDOG_S)
+        finally:
+            ctx.listener.forget(f"load:{token}")
+        load = await ctx.redis.hgetall(key)
+        if load.get("state") == "loading" and int(load.get("loader_expires_ms") or 0) < \
+                int((await ctx.redis.time())[0]) * 1000:
+            return  # the loader died: nothing to wait for

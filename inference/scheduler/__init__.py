@@ -5,6 +5,7 @@ can be tested and reasoned about alone (DESIGN.md).
 """
 from .keys import Keys
 from .slots import (
+    AdmissionExpired,
     AdmissionOverdue,
     AdmissionTimeout,
     Lease,
@@ -16,6 +17,7 @@ from .slots import (
 from .listener import Listener
 
 __all__ = [
+    "AdmissionExpired",
     "AdmissionOverdue",
     "AdmissionTimeout",
     "Keys",

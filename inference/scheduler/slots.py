@@ -39,6 +39,16 @@ class AdmissionTimeout(SchedulerError):
         self.timeout_ms = timeout_ms
 
 
+class AdmissionExpired(SchedulerError):
+    """The slot granted to this ticket was reclaimed before the waiting process claimed it (R2.5):
+    the process stalled for longer than the lease TTL."""
+
+    def __init__(self, model_id: str, lease_ttl_ms: int):
+        super().__init__(f"model {model_id!r}: the slot granted to this request was reclaimed because this "
+                         f"server process did not claim it within lease_ttl_ms={lease_ttl_ms}")
+        self.model_id = model_id
+
+
 class AdmissionOverdue(SchedulerError):
     """Fail-fast (R3.3): every occupied slot has run longer than the effective timeout."""
 
@@ -183,7 +193,7 @@ class Scheduler:
         if state in ("unloading", "unloaded"):
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(key, mapping={"state": state, "error": error})
-            pipe.hdel(key, "owner", "boot")
+            pipe.hdel(key, "owner", "boot", "loader", "loader_expires_ms", "loader_host")
             return pipe.execute()
         return self.redis.hset(key, mapping={"state": state, "error": error})
 
@@ -261,7 +271,7 @@ class Scheduler:
                         return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
                     if status == "gone":  # granted, never noticed, and reclaimed
                         settled = True
-                        raise AdmissionTimeout(model_id, timeout_ms)
+                        raise AdmissionExpired(model_id, self.lease_ttl_ms)
                     continue
                 outcome = _text(await self._run("cancel", [base], [ticket, self.lease_ttl_ms]))
                 settled = True

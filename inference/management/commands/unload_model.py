@@ -30,12 +30,14 @@ class Command(BaseCommand):
         if options["timeout_ms"] < 0:
             raise CommandError("--timeout-ms must be ≥ 0")
         try:
-            destroyed = asyncio.run(self._unload(options["model_id"], options["timeout_ms"]))
+            outcome = asyncio.run(self._unload(options["model_id"], options["timeout_ms"]))
         except ApplicationError as exc:
             raise CommandError(exc.message) from None
-        self.stdout.write(f"unloaded {options['model_id']} ({'pool destroyed' if destroyed else 'was not loaded'})")
+        words = {"destroyed": "pool destroyed", "not_loaded": "was not loaded",
+                 "worker_lost": "its worker had stopped responding; its pool goes with it"}
+        self.stdout.write(f"unloaded {options['model_id']} ({words[outcome]})")
 
-    async def _unload(self, model_id: str, timeout_ms: int) -> bool:
+    async def _unload(self, model_id: str, timeout_ms: int) -> str:
         ctx = await async_context()
         try:
             if await model_meta_get(ctx, model_id) is None:

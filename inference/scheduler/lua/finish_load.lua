@@ -3,11 +3,14 @@
 -- ARGV[1] loader token   ARGV[2] 'ready' or 'failed'
 -- ARGV[3] owner (Celery hostname) ARGV[4] owner boot id   ARGV[5] error text
 -- ARGV[6] the pool's advertised capacity (slots it could run)
--- Returns 'ok', or 'stale' when another loader took over (nothing changed).
+-- Returns 'ok', or 'stale' when another loader took over or the load was
+-- abandoned (state no longer 'loading'): nothing changed then.
 -- Wakes every waiter registered by begin_load ('load:<token>').
 local base = KEYS[1]
 local key = base .. ':load'
-if redis.call('HGET', key, 'loader') ~= ARGV[1] then return 'stale' end
+if redis.call('HGET', key, 'loader') ~= ARGV[1] or redis.call('HGET', key, 'state') ~= 'loading' then
+  return 'stale'
+end
 if ARGV[2] == 'ready' then
   redis.call('HSET', key, 'state', 'ready', 'owner', ARGV[3], 'boot', ARGV[4], 'error', '', 'capacity', ARGV[6])
 else
