@@ -32,6 +32,9 @@ LIVENESS_EVERY_S = 2.0
 class Pool:
     """A published pool: shared weights plus one session per slot.
 
+    ``request_defaults`` are the spec's option defaults overlaid with the
+    registration's ``default_request_options`` (merged once, at build).
+
     ``free`` holds the indices of idle slots. Admission (Redis) never grants
     more leases than slots, and a run puts its slot back before its lease is
     released, so a granted run always finds a free slot.
@@ -43,6 +46,7 @@ class Pool:
     shared: Any
     sessions: list
     capacity: int
+    request_defaults: dict = field(default_factory=dict)
     free: "queue.SimpleQueue[int]" = field(default_factory=queue.SimpleQueue)
     loaded_at: float = field(default_factory=time.time)
 
@@ -165,7 +169,8 @@ class WorkerState:
                 session.close()
             adapter.unload(shared)
             raise
-        pool = Pool(model_id, meta_json, adapter, shared, sessions, capacity)
+        defaults = {**specs.request_defaults(meta["family"]), **(meta.get("default_request_options") or {})}
+        pool = Pool(model_id, meta_json, adapter, shared, sessions, capacity, defaults)
         with self.lock:
             old = self.pools.pop(model_id, None)
             self.pools[model_id] = pool

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from celery import shared_task, signals
 
 from audiosite.serverconfig import get_config
-from inference import audio, specs
+from inference import audio
 from inference.adapters.base import AudioRequest, InvalidInput
 from inference.pools import WORKER
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
@@ -169,8 +169,7 @@ def _run(pool, request_id: str) -> dict:
         return {"ok": False, "kind": "expired", "message": "the request's input expired before it ran"}
     header, _, body = raw.partition(b"\n")
     info = json.loads(header)
-    meta = json.loads(pool.meta_json)
-    options = {**specs.request_defaults(meta["family"]), **(meta.get("default_request_options") or {}), **info["options"]}
+    options = {**pool.request_defaults, **info["options"]}
     request = AudioRequest(audio.from_bytes(body), int(info["sample_rate_hz"]), options)
     with pool.slot() as slot:
         started = time.monotonic()

@@ -15,13 +15,19 @@ from inference.runtime.context import async_context
 from .selectors import model_meta_all, model_status_list
 
 
+_backend: str | None = None
+
+
 class HealthApi(APIView):
     """``GET /health``."""
 
     async def get(self, request):
         ctx = await async_context()
         models = await model_meta_all(ctx)
-        backend = await asyncio.to_thread(resolve_backend, get_config().backend)
+        global _backend
+        if _backend is None:  # probing may load onnxruntime: once, off the event loop
+            _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
+        backend = _backend
         return Response({"status": "ok", "runtime": runtime_name(), "backend": backend, "models": len(models),
                          "ui": False, "ui_management": False})
 

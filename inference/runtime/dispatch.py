@@ -72,6 +72,24 @@ async def _send(task_name: str, args: list, queue) -> None:
     await asyncio.to_thread(celery_app.send_task, task_name, args=args, queue=queue)
 
 
+async def _await_reply(ctx: AsyncContext, wake: asyncio.Future, reply_key: str, keep_waiting,
+                       tick_s: float = WATCHDOG_S) -> bool:
+    """Wait for a worker's reply: the pushed wake-up, or ``reply_key`` found at a watchdog tick.
+
+    The key check catches a wake-up lost with a dropped subscription. At each
+    tick without a reply, ``await keep_waiting()`` decides whether to go on.
+
+    Returns:
+        True when the reply is there, False when ``keep_waiting`` said stop.
+    """
+    while True:
+        done, _ = await asyncio.wait({wake}, timeout=tick_s)
+        if done or await ctx.redis.exists(reply_key):
+            return True
+        if not await keep_waiting():
+            return False
+
+
 async def ensure_loaded(ctx: AsyncContext, model_id: str, pickup_timeout_s: float | None = None) -> tuple[str, str, float]:
     """Return ``(owner, boot, load_ms)`` of a loaded pool, loading it if needed (single flight).
 
@@ -113,17 +131,19 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, pickup_timeout_s: floa
             loaded_here = True
             await _send("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
             sent_at = time.monotonic()
-            while True:
-                done, _ = await asyncio.wait({wake}, timeout=min(WATCHDOG_S, pickup_timeout_s))
-                if done or await ctx.redis.exists(KEYS.load_result(token)):
-                    break  # (a wake-up lost with a dropped subscription is caught by the check)
+
+            async def picked_up_in_time(token=token, sent_at=sent_at) -> bool:
                 if await ctx.scheduler.load_picked_up(model_id, token):
-                    continue  # a worker is loading and renewing its claim
-                if time.monotonic() - sent_at >= pickup_timeout_s:
-                    await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
-                    raise ServerBusy(f"model {model_id!r}: no worker started its load within "
-                                     f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
-            outcome = json.loads(await ctx.redis.get(KEYS.load_result(token)) or '{"ok": false, "error": "lost"}')
+                    return True  # a worker is loading and renewing its claim
+                if time.monotonic() - sent_at < pickup_timeout_s:
+                    return True
+                await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
+                raise ServerBusy(f"model {model_id!r}: no worker started its load within "
+                                 f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
+
+            await _await_reply(ctx, wake, KEYS.load_result(token), picked_up_in_time,
+                               tick_s=min(WATCHDOG_S, pickup_timeout_s))
+            outcome = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or '{"ok": false, "error": "lost"}')
             if not outcome["ok"]:
                 raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
         finally:
@@ -161,13 +181,9 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease_id: str, owner: str,
                 pass
             raise
         handover["sent"] = True
-        while True:
-            done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
-            if done or await ctx.redis.exists(KEYS.result(request_id)):
-                break  # (a wake-up lost with a dropped subscription is caught by the check)
-            if not await _worker_alive(ctx, owner, boot):
-                await ctx.redis.delete(KEYS.input(request_id))
-                return None
+        if not await _await_reply(ctx, wake, KEYS.result(request_id), lambda: _worker_alive(ctx, owner, boot)):
+            await ctx.redis.delete(KEYS.input(request_id))
+            return None
         return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
     finally:
         ctx.listener.forget(f"done:{request_id}")
@@ -283,12 +299,7 @@ async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: s
             try:
                 await _send("inference.unload_model", [model_id, boot, token, ctx.listener.channel, actor],
                             worker_direct(owner))
-                while True:
-                    done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
-                    if done or await ctx.redis.exists(KEYS.load_result(token)):
-                        break
-                    if not await _worker_alive(ctx, owner, boot):
-                        break
+                await _await_reply(ctx, wake, KEYS.load_result(token), lambda: _worker_alive(ctx, owner, boot))
             finally:
                 ctx.listener.forget(f"load:{token}")
             reply = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or "{}")
