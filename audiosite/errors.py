@@ -71,6 +71,20 @@ class NotFound(ApplicationError):
     type = "not_found"
 
 
+class Forbidden(ApplicationError):
+    """403: management disabled (``ui_management`` off) or the caller lacks ``registry.manage_models``."""
+
+    status = 403
+    type = "forbidden"
+
+
+class Conflict(ApplicationError):
+    """409: a state conflict that cannot queue (e.g. the model changed family while a request waited)."""
+
+    status = 409
+    type = "conflict"
+
+
 class ServerBusy(ApplicationError):
     """503 ``server_busy``: admission timeout, overdue fail-fast, lost worker, shutting down."""
 
@@ -97,6 +111,12 @@ class ModelLoadFailed(ApplicationError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": "1"}
+
+
+class InsufficientMemory(ServerBusy):
+    """503 ``insufficient_memory``: the memory guard refused a load (R6.5)."""
+
+    type = "insufficient_memory"
 
 
 def error_response(error: ApplicationError) -> Response:
@@ -136,7 +156,8 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
         else:
             message = str(detail)
         body = {"error": {"message": message, "type": err_type, "param": None, "code": None}}
-        return Response(body, status=status)
+        headers = {"WWW-Authenticate": exc.auth_header} if getattr(exc, "auth_header", None) else None
+        return Response(body, status=status, headers=headers)
     if isinstance(exc, redis.exceptions.RedisError):
         log.error("coordination store error in %s: %s", context.get("view"), exc)
         busy = ServerBusy(f"the coordination store (Redis) is unavailable or overloaded: {type(exc).__name__}",

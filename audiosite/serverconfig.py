@@ -6,7 +6,7 @@ per-family option blocks. Every problem is reported at once, each message
 naming the key and, for model entries, the model id.
 
 Keys documented in API.md that this version does not implement yet
-(residency limits, UI, voices, live ingest, slots on the parallel runtime)
+(the browser UI, CORS, voices, spec overrides, live ingest)
 are refused with a message that says so, instead of being accepted and
 silently ignored.
 
@@ -27,11 +27,7 @@ from inference import specs
 
 # Keys of API.md that later issues implement; refused until then.
 NOT_YET_SUPPORTED_TOP = {
-    "max_loaded_models": "residency limits",
-    "idle_unload_ms": "idle retirement",
-    "min_free_memory_mb": "the memory guard",
     "ui": "the management UI",
-    "ui_management": "management routes",
     "cors_origins": "CORS",
     "voice_dir": "speech synthesis voices",
     "model_spec_override": "spec overrides",
@@ -94,7 +90,16 @@ class ServerConfig(_Strict):
     max_request_body_bytes: int = Field(default=104857600, ge=1024)
     max_audio_seconds: float = Field(default=1800.0, gt=0, le=86400)
     media_roots: list[str] = Field(default_factory=list)
+    ui_management: bool = False
+    max_loaded_models: int = Field(default=0, ge=0)
+    idle_unload_ms: int = Field(default=0, ge=0)
+    min_free_memory_mb: int = Field(default=0, ge=0)
     models: list[ModelConfig] = Field(default_factory=list)
+
+    @property
+    def residency_limited(self) -> bool:
+        """True when a residency or memory limit is set: cold loads then pass one guard (R6.6)."""
+        return bool(self.max_loaded_models or self.min_free_memory_mb)
 
     def model(self, model_id: str) -> ModelConfig | None:
         """Return the entry with ``model_id`` or None."""
@@ -195,6 +200,9 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
                     task = entry.task or specs.default_task(entry.family)
                     problems.extend(f"{who}: {p}" for p in specs.slots_problems(
                         entry.family, task, entry.mode, raw["slots"], backend_resolver(config.backend)))
+        if not config.models and not config.ui_management:
+            problems.append("key 'models': the list may be empty only with ui_management on (models are then "
+                            "registered through POST /v1/models/load)")
         for root in config.media_roots:
             if not os.path.isabs(root):
                 problems.append(f"key 'media_roots': {root!r} is not an absolute path")

@@ -8,7 +8,11 @@ from registry import apis as registry_apis
 urlpatterns = [
     path("health", registry_apis.HealthApi.as_view()),
     path("v1/models", registry_apis.ModelListApi.as_view()),
+    path("v1/models/load", registry_apis.ModelLoadApi.as_view()),
+    path("v1/models/unload", registry_apis.ModelUnloadApi.as_view()),
     path("v1/models/<str:model_id>", registry_apis.ModelDetailApi.as_view()),
+    path("v1/tasks/unload_models", registry_apis.UnloadModelsApi.as_view()),
+    path("v1/tasks/unload_all_models", registry_apis.UnloadAllModelsApi.as_view()),
     path("v1/audio/transcriptions", inference_apis.TranscriptionApi.as_view()),
     path("v1/tasks/run", inference_apis.TaskRunApi.as_view()),
     path("admin/", admin.site.urls),

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
@@ -110,12 +112,21 @@ class WorkerState:
         """Start the thread that keeps ``as:worker:<hostname>`` = boot id alive."""
         self.hostname = hostname
         key = keys.worker_live(hostname)
-        redis_client.set(key, self.boot, px=LIVENESS_TTL_MS)
+
+        def publish():
+            # psutil's "available": memory usable without swapping (MemAvailable on Linux).
+            available_mb = psutil.virtual_memory().available // (1024 * 1024)
+            pipe = redis_client.pipeline(transaction=False)
+            pipe.set(key, self.boot, px=LIVENESS_TTL_MS)
+            pipe.hset(keys.worker_memory, hostname, available_mb)
+            pipe.execute()
+
+        publish()
 
         def beat():
             while not self._stop.wait(LIVENESS_EVERY_S):
                 try:
-                    redis_client.set(key, self.boot, px=LIVENESS_TTL_MS)
+                    publish()
                 except Exception:
                     log.exception("liveness beat failed")
 
@@ -128,6 +139,7 @@ class WorkerState:
             key = keys.worker_live(self.hostname)
             if redis_client.get(key) == self.boot:
                 redis_client.delete(key)
+                redis_client.hdel(keys.worker_memory, self.hostname)
 
     # -- pools ---------------------------------------------------------------------
     def build(self, model_id: str, meta: dict, meta_json: str, barrier=None) -> Pool:

@@ -126,6 +126,20 @@ def advertised_capacity(family: str, backend: str) -> int:
     return min(MAX_SLOTS, int(get_spec(family).get("capacity", {}).get(backend, 1)))
 
 
+def estimated_footprint_mb(family: str, slots: int, load_options: dict | None = None) -> int:
+    """Estimated host memory of a loaded pool in MB: ``weights + slots × per_slot`` (R6.5).
+
+    The two numbers are the spec's ``memory_mb`` block, rough resident-set
+    growth seen when loading the family on CPU (docs/benchmarks.md); 0 when a
+    spec gives none. The test family takes its estimate from the
+    ``footprint_mb`` load option when given.
+    """
+    if load_options and "footprint_mb" in load_options and get_spec(family).get("test_only"):
+        return int(load_options["footprint_mb"])
+    block = get_spec(family).get("memory_mb") or {}
+    return int(block.get("weights", 0)) + max(1, slots) * int(block.get("per_slot", 0))
+
+
 @functools.lru_cache(maxsize=None)
 def _admission_table(backend: str) -> dict:
     path = ADMISSION_DIR / f"{backend}.json"

@@ -37,11 +37,73 @@ def _worker_identity(sender, instance, **kwargs):
     check_runtime(sync_redis(), KEYS, warn=False)  # the web process prints the R1.5 warning
     WORKER.start_liveness(sender, sync_redis(), KEYS)
     log.info("worker %s boot %s is alive", sender, WORKER.boot)
+    idle_ms = get_config().idle_unload_ms
+    if idle_ms:
+        threading.Thread(target=_retire_idle_forever, args=(idle_ms,), name="idle retirement", daemon=True).start()
+
+
+_STOP_RETIRING = threading.Event()
+
+
+def _retire_idle_forever(idle_ms: int) -> None:
+    """Check this worker's pools every ``min(1 s, idle_ms / 4)`` and retire idle ones (R6.4)."""
+    every_s = max(0.05, min(1.0, idle_ms / 4000))
+    while not _STOP_RETIRING.wait(every_s):
+        for model_id in list(WORKER.pools):
+            try:
+                retire_if_idle(model_id, idle_ms)
+            except Exception:
+                log.exception("idle retirement of %s failed", model_id)
+
+
+def retire_if_idle(model_id: str, idle_ms: int) -> bool:
+    """Unload this worker's pool of ``model_id`` if it has been idle for ``idle_ms`` (R6.4).
+
+    Idle = ready, no lease of any kind, empty queue, and the last work
+    (``last_used_ms``, set when a lease is released or a load finishes)
+    ended at least ``idle_ms`` ago in Redis time. Takes the manager lease by
+    try-acquire, so a busy or queued model is skipped, never interrupted.
+
+    Returns:
+        True when the pool was retired.
+    """
+    from registry.services import registration_record_unload
+
+    scheduler = sync_scheduler()
+    lease = scheduler.try_acquire_now(model_id, "ready", idle_ms)
+    if lease is None:
+        return False
+    try:
+        load = sync_redis().hgetall(KEYS.model(model_id) + ":load")
+        if load.get("owner") != WORKER.hostname or load.get("boot") != WORKER.boot:
+            return False  # another worker's pool: it retires its own
+        started = time.monotonic()
+        scheduler.set_state(model_id, "unloading")  # logical residency first (R4.5)
+        pool = WORKER.remove(model_id)
+        error = ""
+        if pool is not None:
+            try:
+                pool.close()
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                log.exception("closing the pool of %s failed", model_id)
+        scheduler.set_state(model_id, "unloaded")
+        try:
+            registration_record_unload(model_id, not error, detail=error or f"idle for at least {idle_ms} ms",
+                                       duration_ms=int((time.monotonic() - started) * 1000),
+                                       actor="idle retirement", event="idle_retire")
+        except Exception:
+            log.exception("recording an idle retirement failed")
+        log.info("retired %s after %d ms idle", model_id, idle_ms)
+        return True
+    finally:
+        scheduler.release(model_id, lease.lease_id)
 
 
 @signals.worker_shutdown.connect
 def _worker_shutdown(**kwargs):
     """Destroy pools (after Celery's warm shutdown drained tasks) and drop liveness."""
+    _STOP_RETIRING.set()
     scheduler = sync_scheduler()
     lost = WORKER.close_all()
     for model_id in lost:

@@ -1,17 +1,23 @@
-"""Service and status routes: ``/health``, ``/v1/models``, ``/v1/models/{id}``."""
+"""Service, status and management routes (API.md): ``/health``, ``/v1/models[/{id}]``, ``/v1/models/load``,
+``/v1/models/unload``, ``/v1/tasks/unload_models``, ``/v1/tasks/unload_all_models``. Views only translate
+HTTP ↔ ``registry.services``."""
 from __future__ import annotations
 
 import asyncio
 
 from adrf.views import APIView
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.exceptions import NotAuthenticated
+from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
-from audiosite.errors import NotFound
+from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
 from inference.backend import resolve_backend
 from inference.runtime import runtime_name
 from inference.runtime.context import async_context
 
+from . import services
 from .selectors import model_meta_all, model_status_list
 
 
@@ -29,7 +35,7 @@ class HealthApi(APIView):
             _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
         backend = _backend
         return Response({"status": "ok", "runtime": runtime_name(), "backend": backend, "models": len(models),
-                         "ui": False, "ui_management": False})
+                         "ui": False, "ui_management": get_config().ui_management})
 
 
 class ModelListApi(APIView):
@@ -41,7 +47,7 @@ class ModelListApi(APIView):
 
 
 class ModelDetailApi(APIView):
-    """``GET /v1/models/{id}``."""
+    """``GET /v1/models/{id}`` (open) and ``DELETE /v1/models/{id}`` (management: unregister)."""
 
     async def get(self, request, model_id: str):
         ctx = await async_context()
@@ -49,3 +55,106 @@ class ModelDetailApi(APIView):
         if not entries:
             raise NotFound(f"model {model_id!r} is not registered", param="model")
         return Response(entries[0])
+
+    async def delete(self, request, model_id: str):
+        ctx = await async_context()
+        return Response(await services.model_unregister(ctx, model_id, ManagementApi.actor(request)))
+
+    def get_authenticators(self):
+        if self.request is not None and self.request.method == "DELETE":
+            return [TokenAuthentication(), SessionAuthentication()]
+        return []
+
+    def get_permissions(self):
+        if self.request is not None and self.request.method == "DELETE":
+            return [ManagementGate()]
+        return []
+
+    def get_authenticate_header(self, request):
+        return "Token"
+
+
+# -- management routes (gated: ui_management on AND registry.manage_models) ---------------------------
+
+class ManagementGate(BasePermission):
+    """Gate of every management route (API.md).
+
+    ``ui_management`` off → 403 ``forbidden`` (for everyone, before any
+    credential check); no or invalid credentials → 401
+    ``authentication_error``; an authenticated caller without
+    ``registry.manage_models`` → 403 ``forbidden``.
+    """
+
+    def has_permission(self, request, view) -> bool:
+        if not get_config().ui_management:
+            raise Forbidden("management is disabled: start the server with --ui-management "
+                            "(or \"ui_management\": true in server.json)", code="management_disabled")
+        user = request.user
+        if user is None or not user.is_authenticated:
+            raise NotAuthenticated("management routes need credentials: 'Authorization: Token <key>' "
+                                   "(python manage.py issue_token USER) or a Django admin session")
+        if not user.has_perm("registry.manage_models"):
+            raise Forbidden(f"user {user.get_username()!r} lacks the registry.manage_models permission",
+                            code="permission_denied")
+        return True
+
+
+class ManagementApi(APIView):
+    """Base of the management views: token or session auth, then :class:`ManagementGate`."""
+
+    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    permission_classes = [ManagementGate]
+
+    def get_authenticate_header(self, request):
+        return "Token"
+
+    @staticmethod
+    def actor(request) -> str:
+        return request.user.get_username()
+
+
+def _json_body(request) -> dict:
+    data = request.data
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return dict(data)
+
+
+class ModelLoadApi(ManagementApi):
+    """``POST /v1/models/load``: register a new id or reconfigure an existing one (R4.4, R4.6)."""
+
+    async def post(self, request):
+        ctx = await async_context()
+        return Response(await services.model_register_or_reconfigure(ctx, _json_body(request), self.actor(request)))
+
+
+class ModelUnloadApi(ManagementApi):
+    """``POST /v1/models/unload`` ``{"id"}`` → ``{"id", "loaded": false}`` (idempotent, R4.5)."""
+
+    async def post(self, request):
+        body = _json_body(request)
+        model_id = body.get("id")
+        if not isinstance(model_id, str) or not model_id:
+            raise InvalidRequest("key 'id': a model id (string) is required", param="id")
+        ctx = await async_context()
+        return Response(await services.model_unload(ctx, model_id, self.actor(request)))
+
+
+class UnloadModelsApi(ManagementApi):
+    """``POST /v1/tasks/unload_models`` ``{"model_ids": [...]}`` (R5)."""
+
+    async def post(self, request):
+        body = _json_body(request)
+        ids = body.get("model_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise InvalidRequest("key 'model_ids': a list of model ids (strings) is required", param="model_ids")
+        ctx = await async_context()
+        return Response(await services.models_bulk_unload(ctx, ids, self.actor(request)))
+
+
+class UnloadAllModelsApi(ManagementApi):
+    """``POST /v1/tasks/unload_all_models`` (R5)."""
+
+    async def post(self, request):
+        ctx = await async_context()
+        return Response(await services.models_bulk_unload(ctx, None, self.actor(request)))

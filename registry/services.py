@@ -7,16 +7,27 @@ metadata without touching the database on the request path.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
+from dataclasses import dataclass
 
+from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils import timezone
+from pydantic import ValidationError
 
-from audiosite.serverconfig import ModelConfig, ServerConfig
+from audiosite.errors import InvalidRequest, NotFound
+from audiosite.serverconfig import ModelConfig, ServerConfig, get_config
 from inference import specs
+from inference.backend import resolve_backend
+from inference.runtime import dispatch, runtime_name
+from inference.runtime.context import KEYS
+from inference.scheduler import Lease
 
 from .models import LifecycleEvent, LifecycleState, ModelRegistration
+from .selectors import model_meta_all, model_meta_get
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +181,355 @@ def runtime_claim(redis_client, keys, runtime: str) -> None:
 
 
 def registration_record_unload(model_id: str, ok: bool, *, detail: str = "", duration_ms: int | None = None,
-                               actor: str = "") -> None:
-    """Record an unload: state ``unloaded`` and an audit row."""
+                               actor: str = "", event: str = "teardown") -> None:
+    """Record a pool's destruction: state ``unloaded`` and an audit row (``event``: teardown, idle_retire)."""
     ModelRegistration.objects.filter(model_id=model_id).update(
         state=LifecycleState.UNLOADED, last_error="" if ok else detail, updated_at=timezone.now()
     )
-    lifecycle_event_create(model_id, "unload", ok, actor=actor, detail=detail, duration_ms=duration_ms)
+    lifecycle_event_create(model_id, event, ok, actor=actor, detail=detail, duration_ms=duration_ms)
+
+
+# -- management transitions (CONTRACT R4–R5; the routes of registry.apis call these) ----------------
+#
+# Each transition runs under the model's manager lease (a barrier, R2.2):
+# older requests drain first, later ones bind the configuration it leaves
+# (R2.3). Database writes run in a thread (sync_to_async); Redis holds the
+# published metadata every process reads.
+
+MANAGEMENT_FIELDS = ("id", "family", "path", "task", "mode", "slots", "busy_timeout_ms", "lazy",
+                     "load_options", "session_options", "default_request_options")
+
+
+@dataclass(frozen=True)
+class ValidatedEntry:
+    """A management body that passed private validation (R4.4, R4.6).
+
+    ``entry`` is the parsed model entry; ``slots`` the requested count
+    (None when omitted); ``count_problem`` is set when the count is a valid
+    integer the model cannot run (above the advertised ``capacity=N`` or the
+    admitted counts): refused for an existing id, registered-but-unloaded
+    for a new one.
+    """
+
+    entry: ModelConfig
+    slots: int | None
+    count_problem: str | None
+
+
+def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
+    """Check a ``POST /v1/models/load`` body privately: nothing live is touched (R4.4, R7.1).
+
+    Checks the shape and types (strict), the family, task and mode, the
+    option blocks against the family schema, that ``path`` (or the packaged
+    default checkpoint) exists, and the slot count (R1.2, R1.3, R9).
+
+    Args:
+        body: the decoded JSON object.
+        runtime: 'legacy' or 'parallel'.
+        backend: the resolved backend ('cpu' or 'cuda') for the capacity probe.
+
+    Raises:
+        InvalidRequest: the first problem found, with ``param`` naming the key.
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object with at least 'id' and 'family'")
+    unknown = sorted(set(body) - set(MANAGEMENT_FIELDS))
+    if unknown:
+        raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(MANAGEMENT_FIELDS)}", param=unknown[0])
+    if "slots" in body and runtime != "parallel":
+        raise InvalidRequest("slots requires --parallel-jobs: the legacy runtime serves one session per model and "
+                             "refuses any explicit slots, including 1 and null (R1.2)", param="slots")
+    try:
+        entry = ModelConfig.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or None
+        message = "required" if err["type"] == "missing" else err["msg"]
+        raise InvalidRequest(f"key {key!r}: {message}", param=key) from None
+    problems = specs.check_model_entry(entry.model_dump())
+    if problems:
+        raise InvalidRequest(problems[0], param=problems[0].split("'")[1] if problems[0].startswith("key '") else None)
+    try:
+        specs.resolve_checkpoint(entry.family, entry.path)
+    except FileNotFoundError as exc:
+        raise InvalidRequest(f"key 'path': {exc}", param="path") from None
+    slots = body.get("slots")
+    count_problem = None
+    if "slots" in body:
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= specs.MAX_SLOTS:
+            raise InvalidRequest(f"key 'slots': must be an integer from 1 to {specs.MAX_SLOTS}, not "
+                                 f"{json.dumps(slots)}", param="slots")
+        task = entry.task or specs.default_task(entry.family)
+        found = specs.slots_problems(entry.family, task, entry.mode, slots, backend)
+        count_problem = found[0] if found else None
+    return ValidatedEntry(entry, slots, count_problem)
+
+
+def _meta_of(entry: ModelConfig, source: str) -> dict:
+    """The metadata a registration publishes (same keys as ``ModelRegistration.as_meta``)."""
+    fields = _entry_fields(entry)
+    return {"id": entry.id, "family": fields["family"], "task": fields["task"], "mode": fields["mode"],
+            "path": fields["path"] or None, **fields["options"], "busy_timeout_ms": fields["busy_timeout_ms"],
+            "slots": fields["slots"], "lazy": fields["lazy"], "source": source}
+
+
+def _same_configuration(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
+
+
+@transaction.atomic
+def _registration_save(entry: ModelConfig, actor: str, event: str) -> ModelRegistration:
+    fields = _entry_fields(entry)
+    row = ModelRegistration.objects.select_for_update().filter(model_id=entry.id).first()
+    if row is None:
+        row = ModelRegistration.objects.create(model_id=entry.id, source=ModelRegistration.Source.API, **fields)
+    else:
+        for key, value in fields.items():
+            setattr(row, key, value)
+        row.state = LifecycleState.UNLOADED
+        row.save()
+    lifecycle_event_create(entry.id, event, True, actor=actor, detail=json.dumps(fields))
+    return row
+
+
+def _registration_set_state(model_id: str, state: str, error: str | None = None) -> None:
+    updates = {"state": state, "updated_at": timezone.now()}
+    if error is not None:
+        updates["last_error"] = error
+    ModelRegistration.objects.filter(model_id=model_id).update(**updates)
+
+
+@transaction.atomic
+def _registration_remove(model_id: str, actor: str, duration_ms: int) -> None:
+    ModelRegistration.objects.filter(model_id=model_id).delete()
+    lifecycle_event_create(model_id, "unregister", True, actor=actor, duration_ms=duration_ms)
+
+
+def _first_load_published(model_id: str) -> bool:
+    return ModelRegistration.objects.filter(model_id=model_id, loaded_at__isnull=False).exists()
+
+
+async def _publish_meta(ctx, model_id: str, meta: dict, runtime: str) -> None:
+    """Publish one entry and its slot count in one MULTI (every process sees old or new, R4.7)."""
+    pipe = ctx.redis.pipeline(transaction=True)
+    pipe.hset(KEYS.models_meta, model_id, json.dumps(meta, sort_keys=True))
+    pipe.set(KEYS.model(model_id) + ":cap", (meta.get("slots") or 1) if runtime == "parallel" else 1)
+    await pipe.execute()
+
+
+def _ceiling_ms(meta: dict | None) -> int:
+    config = get_config()
+    if meta is not None and meta.get("busy_timeout_ms") is not None:
+        return meta["busy_timeout_ms"]
+    return config.busy_timeout_ms
+
+
+async def _load_now(ctx, model_id: str, meta: dict) -> bool:
+    """Load under the caller's manager lease unless the entry is lazy. Returns whether it is loaded.
+
+    Raises:
+        ModelLoadFailed, ServerBusy, InsufficientMemory: the load failed; the
+            entry stays registered and unloaded (R4.2, R4.4, R4.6).
+    """
+    lazy = meta["lazy"] if meta.get("lazy") is not None else get_config().lazy_load
+    if lazy:
+        return False
+    await dispatch.ensure_loaded(ctx, model_id)
+    return True
+
+
+async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
+    """``POST /v1/models/load``: register a new id (R4.6) or reconfigure an existing one (R4.4).
+
+    New id: validate privately, take the id's manager lease (a second
+    registration of the same id queues on it), publish one complete entry
+    (visible as ``loading``/``unloaded`` while its first load runs), then load
+    unless lazy. A count the model cannot run registers the entry unloaded
+    and answers 400 with ``capacity=``; a failed first load leaves the entry
+    registered and unloaded.
+
+    Existing id: validate privately (an unsupported count is refused with
+    400 and nothing changes), take the manager lease under the model's busy
+    timeout (older requests drain), then: same configuration → just make
+    sure it is loaded (``reconfigured: false``); otherwise retire the old
+    pool (state ``reconfiguring``), commit the new metadata, load the
+    replacement. A post-commit load failure leaves the new metadata
+    registered and unloaded; the next request retries.
+
+    Returns:
+        ``{"id", "loaded": bool, "reconfigured": bool}``.
+
+    Raises:
+        InvalidRequest: invalid body or unsupported count (R4.4, R1.2).
+        ServerBusy: manager admission timeout or fail-fast (R3.4).
+        ModelLoadFailed / InsufficientMemory / ServerBusy: the (re)load failed after commit.
+    """
+    runtime = runtime_name()
+    backend = await asyncio.to_thread(resolve_backend, get_config().backend)
+    valid = await asyncio.to_thread(registration_validate, body, runtime, backend)
+    entry, model_id = valid.entry, valid.entry.id
+    existing = await model_meta_get(ctx, model_id)
+    if existing is not None and valid.count_problem:
+        raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
+    lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(existing))
+    started = time.monotonic()
+    try:
+        async with dispatch.renewing(ctx, model_id, lease.lease_id):
+            existing = await model_meta_get(ctx, model_id)  # may have changed while we queued
+            if existing is None:
+                meta = _meta_of(entry, ModelRegistration.Source.API)
+                await sync_to_async(_registration_save)(entry, actor, "register")
+                await ctx.scheduler.set_state(model_id, "unloaded")
+                await _publish_meta(ctx, model_id, meta, runtime)
+                if valid.count_problem:
+                    await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED,
+                                                                 valid.count_problem)
+                    raise InvalidRequest(valid.count_problem + f"; model {model_id!r} is registered but stays "
+                                         "unloaded until it is reconfigured with a supported count", param="slots")
+                return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+            if valid.count_problem:
+                raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
+            meta = _meta_of(entry, existing.get("source") or ModelRegistration.Source.API)
+            if _same_configuration(meta, existing):
+                return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+            # Commit point: retire the old pool, then publish the complete new metadata (R4.4).
+            await sync_to_async(_registration_set_state)(model_id, LifecycleState.RECONFIGURING)
+            await dispatch.unload_held(ctx, model_id, actor=f"reconfigure by {actor}", state="reconfiguring")
+            await sync_to_async(_registration_save)(entry, actor, "reconfigure")
+            await _publish_meta(ctx, model_id, meta, runtime)
+            await ctx.scheduler.set_state(model_id, "unloaded")
+            loaded = await _load_now(ctx, model_id, meta)
+            log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
+            return {"id": model_id, "loaded": loaded, "reconfigured": True}
+    finally:
+        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+
+async def model_unload(ctx, model_id: str, actor: str) -> dict:
+    """``POST /v1/models/unload``: unload one model as a manager (R4.5). Idempotent.
+
+    Returns:
+        ``{"id", "loaded": false}``.
+
+    Raises:
+        NotFound: the id is not registered.
+        ServerBusy: manager admission timeout or fail-fast (R3.4).
+    """
+    meta = await model_meta_get(ctx, model_id)
+    if meta is None:
+        raise NotFound(f"model {model_id!r} is not registered", param="id")
+    started = time.monotonic()
+    outcome = await dispatch.unload(ctx, model_id, _ceiling_ms(meta), actor=actor)
+    await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail=outcome,
+                                                duration_ms=int((time.monotonic() - started) * 1000))
+    return {"id": model_id, "loaded": False}
+
+
+async def model_unregister(ctx, model_id: str, actor: str) -> dict:
+    """``DELETE /v1/models/{id}``: barrier, unload, then remove the registration.
+
+    Requests queued behind the barrier then answer 404. An entry of the
+    config file comes back at the next start (the file is the source of
+    truth for its entries).
+
+    Returns:
+        ``{"id", "deleted": true}``.
+
+    Raises:
+        NotFound: the id is not registered.
+        ServerBusy: manager admission timeout or fail-fast (R3.4).
+    """
+    meta = await model_meta_get(ctx, model_id)
+    if meta is None:
+        raise NotFound(f"model {model_id!r} is not registered", param="id")
+    lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(meta))
+    started = time.monotonic()
+    try:
+        async with dispatch.renewing(ctx, model_id, lease.lease_id):
+            if await model_meta_get(ctx, model_id) is None:
+                raise NotFound(f"model {model_id!r} is not registered", param="id")
+            await dispatch.unload_held(ctx, model_id, actor=f"unregister by {actor}")
+            pipe = ctx.redis.pipeline(transaction=True)
+            pipe.hdel(KEYS.models_meta, model_id)
+            pipe.delete(KEYS.model(model_id) + ":load", KEYS.model(model_id) + ":cap")
+            await pipe.execute()
+            await sync_to_async(_registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
+            return {"id": model_id, "deleted": True}
+    finally:
+        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+
+async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> dict:
+    """Bulk unload (R5): ``POST /v1/tasks/unload_models`` (a selection) or ``unload_all_models`` (None).
+
+    Snapshot of the selected registered models (unknown ids go to
+    ``not_found``; duplicates count once; later registrations are not
+    covered, R5.3), then one manager ticket on every selected model in one
+    atomic publication (R5.1, R5.2), then unload the models granted at once
+    (ready-idle) first and the rest as their older work drains. Waits without
+    bound (R3.4). On the legacy runtime, models whose first load is still
+    running are skipped (R5.4) and listed in ``skipped``. If the caller goes
+    away, every ticket and lease still held is given back.
+
+    Returns:
+        ``{"unloaded": [ids, in selection order], "not_found": [ids], "skipped": [ids]}``.
+    """
+    metas = await model_meta_all(ctx)
+    if model_ids is None:
+        wanted = list(metas)
+    else:
+        wanted = list(dict.fromkeys(model_ids))
+    selected = [m for m in wanted if m in metas]
+    not_found = [m for m in wanted if m not in metas]
+    skipped: list[str] = []
+    if runtime_name() == "legacy" and selected:
+        snapshot = await ctx.scheduler.snapshot(selected)
+        for model_id in selected:
+            if snapshot[model_id]["state"] == "loading" and not await sync_to_async(_first_load_published)(model_id):
+                skipped.append(model_id)
+        selected = [m for m in selected if m not in skipped]
+    tickets: dict[str, str] = {}
+    futures = await ctx.scheduler.acquire_many(ctx.listener, selected, tickets) if selected else {}
+    pending = dict(futures)  # not yet unloaded (granted or still queued)
+    unloaded: set[str] = set()
+
+    async def keep_alive() -> None:
+        """Renew granted leases that wait their turn; reap for queued tickets (R2.5, lost wake-ups)."""
+        every_s = ctx.scheduler.lease_ttl_ms / 3000
+        while True:
+            await asyncio.sleep(every_s)
+            for model_id, future in list(pending.items()):
+                if future.done():
+                    await ctx.scheduler.renew(model_id, tickets[model_id])
+                    continue
+                reaped = await ctx.scheduler.reap(model_id, tickets[model_id])
+                if reaped[2] == "granted" and not future.done():  # the wake-up was lost
+                    future.set_result(Lease(model_id, tickets[model_id], 0, 0.0, "manager"))
+
+    async def unload_one(model_id: str) -> None:
+        lease = pending[model_id].result()
+        try:
+            await dispatch.unload_held(ctx, model_id, actor=f"bulk unload by {actor}")
+            unloaded.add(model_id)
+        finally:
+            pending.pop(model_id)
+            await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+    started = time.monotonic()
+    keeper = asyncio.create_task(keep_alive())
+    try:
+        for model_id in [m for m, f in futures.items() if f.done()]:  # ready-idle first (R5.1)
+            await unload_one(model_id)
+        while pending:
+            await asyncio.wait(set(pending.values()), return_when=asyncio.FIRST_COMPLETED)
+            for model_id in [m for m, f in pending.items() if f.done()]:
+                await unload_one(model_id)
+    finally:
+        keeper.cancel()
+        for model_id in list(pending):  # caller gone or an error: leave nothing behind
+            await ctx.scheduler.abandon(model_id, tickets[model_id])
+    duration_ms = int((time.monotonic() - started) * 1000)
+    for model_id in unloaded:
+        await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail="bulk unload",
+                                                    duration_ms=duration_ms)
+    return {"unloaded": [m for m in selected if m in unloaded], "not_found": not_found, "skipped": skipped}

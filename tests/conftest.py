@@ -113,9 +113,9 @@ class Stack:
     media_root: Path
     env: dict
 
-    def manage(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run ``manage.py <args>`` against this stack (its database, Redis and runtime)."""
-        return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env,
+    def manage(self, *args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+        """Run ``manage.py <args>`` against this stack (its database and Redis; ``env`` adds variables)."""
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env={**self.env, **(env or {})},
                               capture_output=True, text=True, timeout=timeout)
 
     def manage_async(self, *args: str) -> subprocess.Popen:

@@ -26,9 +26,27 @@ def test_shipped_default_config_is_valid():
 
 
 def test_defaults_follow_api_md():
-    config = parse_config({"models": []})
+    config = parse_config({"models": [], "ui_management": True})
     assert (config.host, config.backend, config.threads, config.lazy_load) == ("127.0.0.1", "auto", 1, False)
     assert config.max_request_body_bytes == 104857600 and config.shutdown_timeout_ms == 30000
+    assert (config.max_loaded_models, config.idle_unload_ms, config.min_free_memory_mb) == (0, 0, 0)
+    assert not config.residency_limited
+
+
+def test_an_empty_model_list_needs_ui_management():
+    """API.md: ``models`` may be empty only with ``ui_management`` (models then come from the API)."""
+    found = problems_of({"models": []})
+    assert found == ["key 'models': the list may be empty only with ui_management on (models are then "
+                     "registered through POST /v1/models/load)"]
+
+
+@pytest.mark.parametrize("key, value", [("max_loaded_models", -1), ("idle_unload_ms", "1000"),
+                                        ("min_free_memory_mb", 1.5), ("ui_management", "yes")])
+def test_residency_and_management_keys_are_typed(key, value):
+    """R6: residency limits are non-negative integers; ui_management is a boolean."""
+    found = problems_of({key: value, "ui_management": True, "models": []} if key != "ui_management"
+                        else {key: value, "models": [{"id": "v", "family": "silero_vad"}]})
+    assert any(p.startswith(f"key '{key}'") for p in found), found
 
 
 @pytest.mark.parametrize("slots", [1, None, 2, 0, "2"])
@@ -64,7 +82,7 @@ def test_wrong_model_types_are_refused(key, value):
 @pytest.mark.parametrize("key, value", [("port", "8080"), ("port", 0), ("backend", "tpu"), ("lazy_load", 1),
                                         ("lease_ttl_ms", 10), ("media_roots", "/tmp")])
 def test_wrong_top_level_types_are_refused(key, value):
-    found = problems_of({key: value, "models": []})
+    found = problems_of({key: value, "models": [{"id": "v", "family": "silero_vad"}]})
     assert any(p.startswith(f"key '{key}'") for p in found), found
 
 
@@ -87,8 +105,8 @@ def test_family_task_mode_and_options_are_checked_against_the_spec():
 
 
 def test_keys_of_later_features_are_refused_not_ignored():
-    found = problems_of({"max_loaded_models": 1, "models": []})
-    assert found == ["key 'max_loaded_models': residency limits is not supported by this version of audiosite"]
+    found = problems_of({"cors_origins": "*", "models": [{"id": "v", "family": "silero_vad"}]})
+    assert found == ["key 'cors_origins': CORS is not supported by this version of audiosite"]
 
 
 def test_invalid_json_file_names_the_line(tmp_path):

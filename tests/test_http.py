@@ -267,8 +267,8 @@ async def _wait_for(predicate, timeout_s=10.0):
 
 @pytest.fixture(scope="module")
 def slow_audio(speech) -> bytes:
-    """About 12 s of speech: several seconds of Whisper work on one CPU thread."""
-    return long_speech(speech, 12)
+    """About 40 s of speech: a few seconds of Whisper work even on a fast CPU (12 s once took < 0.75 s)."""
+    return long_speech(speech, 40)
 
 
 def test_second_request_waits_for_the_first(stack, speech, slow_audio):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from celery.utils import worker_direct
 
 from audiosite.celery import app as celery_app
-from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, ServerBusy
+from audiosite.errors import ApplicationError, Conflict, InvalidRequest, ModelLoadFailed, NotFound, ServerBusy
 from audiosite.serverconfig import get_config
 from inference import audio
 from inference.pools import LIVENESS_TTL_MS
@@ -92,6 +92,33 @@ async def _await_reply(ctx: AsyncContext, wake: asyncio.Future, reply_key: str, 
 
 async def ensure_loaded(ctx: AsyncContext, model_id: str, pickup_timeout_s: float | None = None) -> tuple[str, str, float]:
     """Return ``(owner, boot, load_ms)`` of a loaded pool, loading it if needed (single flight).
+
+    With a residency or memory limit set, a cold load first passes the cold
+    load guard (one at a time, FIFO) and makes room (R6.1, R6.5, R6.6); a
+    model that is ready, or being loaded by someone else, never touches the
+    guard, so warm traffic never waits on it.
+
+    Raises:
+        ModelLoadFailed, ServerBusy: see :func:`_load_single_flight`.
+        ServerBusy: (code ``residency_full``) not enough models could be evicted.
+        InsufficientMemory: the memory guard refused the load.
+    """
+    if get_config().residency_limited:
+        state = (await ctx.scheduler.snapshot([model_id]))[model_id]["state"]
+        if state not in ("ready", "loading"):
+            from inference.runtime.residency import cold_load_guard, make_room
+
+            async with cold_load_guard(ctx):
+                started = time.monotonic()
+                await make_room(ctx, model_id)
+                owner, boot, load_ms = await _load_single_flight(ctx, model_id, pickup_timeout_s)
+                return owner, boot, (time.monotonic() - started) * 1000 if load_ms else 0.0
+    return await _load_single_flight(ctx, model_id, pickup_timeout_s)
+
+
+async def _load_single_flight(ctx: AsyncContext, model_id: str,
+                              pickup_timeout_s: float | None = None) -> tuple[str, str, float]:
+    """Return ``(owner, boot, load_ms)`` of a loaded pool, loading it if needed (single flight, R4.2).
 
     Args:
         pickup_timeout_s: how long a load task may wait for a worker to start
@@ -212,6 +239,8 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
             worker was lost twice.
         ModelLoadFailed: the model could not be loaded.
         InvalidRequest: the adapter refused the request's options.
+        NotFound: the model was unregistered while the request waited.
+        Conflict: the model changed family or task while the request waited.
     """
     config = get_config()
     model_id = meta["id"]
@@ -224,6 +253,14 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
     renewer = asyncio.create_task(_renew_forever(ctx, model_id, lease.lease_id))
     handover = {"sent": False}
     try:
+        # A manager ahead of us may have unregistered or reconfigured the model (R2.3).
+        current = await ctx.redis.hget(KEYS.models_meta, model_id)
+        if current is None:
+            raise NotFound(f"model {model_id!r} was unregistered while the request waited", param="model")
+        current = json.loads(current)
+        if (current["family"], current["task"]) != (meta["family"], meta["task"]):
+            raise Conflict(f"model {model_id!r} was reconfigured to {current['family']}/{current['task']} while "
+                           "the request waited; its input was prepared for the old family; retry", param="model")
         load_ms = 0.0
         for _attempt in range(2):
             owner, boot, spent = await ensure_loaded(ctx, model_id)
@@ -263,52 +300,87 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
 async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: str = "") -> str:
     """Unload ``model_id`` as a manager (R4.5), on either runtime.
 
-    Waits behind every older request (and is a barrier for later ones, R2.2).
-    A load still in progress (its requesters may have left) is waited for, not
-    skipped, so its pool is unloaded too. Then clears the logical residency
-    first (state ``unloading``, owner forgotten), has the owning worker
-    destroy sessions then weights, records ``unloaded`` and releases the
-    manager lease. Idempotent.
+    Waits behind every older request (and is a barrier for later ones, R2.2),
+    then runs :func:`unload_held` and releases the manager lease. Idempotent.
 
     Args:
         timeout_ms: manager admission bound (0 = wait without bound, R3.4).
 
     Returns:
-        'destroyed' (a pool was destroyed), 'not_loaded' (there was none), or
-        'worker_lost' (the owner stopped beating; its pool dies with it).
+        See :func:`unload_held`.
+
+    Raises:
+        ServerBusy: admission timeout or fail-fast (R3.4).
+    """
+    lease = await acquire_manager(ctx, model_id, timeout_ms)
+    try:
+        async with renewing(ctx, model_id, lease.lease_id):
+            return await unload_held(ctx, model_id, actor)
+    finally:
+        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+
+async def acquire_manager(ctx: AsyncContext, model_id: str, timeout_ms: int):
+    """Take ``model_id``'s exclusive manager lease (a barrier, R2.2) under ``timeout_ms`` (0 = unbounded).
 
     Raises:
         ServerBusy: admission timeout or fail-fast (R3.4).
     """
     try:
-        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind="manager")
+        return await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind="manager")
     except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise _busy(exc) from None
-    renewer = asyncio.create_task(_renew_forever(ctx, model_id, lease.lease_id))
-    try:
-        await _wait_for_load_in_progress(ctx, model_id)
-        load = await ctx.redis.hgetall(KEYS.model(model_id) + ":load")
-        owner, boot = load.get("owner"), load.get("boot")
-        await ctx.scheduler.set_state(model_id, "unloading")
-        outcome = "not_loaded"
-        if owner and boot:
-            outcome = "worker_lost"
-        if owner and boot and await _worker_alive(ctx, owner, boot):
-            token = uuid.uuid4().hex
-            wake = ctx.listener.expect(f"load:{token}")
-            try:
-                await _send("inference.unload_model", [model_id, boot, token, ctx.listener.channel, actor],
-                            worker_direct(owner))
-                await _await_reply(ctx, wake, KEYS.load_result(token), lambda: _worker_alive(ctx, owner, boot))
-            finally:
-                ctx.listener.forget(f"load:{token}")
-            reply = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or "{}")
-            outcome = "destroyed" if reply.get("had_pool") else ("not_loaded" if reply else "worker_lost")
-        await ctx.scheduler.set_state(model_id, "unloaded")
-        return outcome
-    finally:
-        renewer.cancel()
-        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+
+class renewing:
+    """``async with renewing(ctx, model_id, lease_id):`` keeps a lease renewed while the block runs."""
+
+    def __init__(self, ctx: AsyncContext, model_id: str, lease_id: str):
+        self.args = (ctx, model_id, lease_id)
+        self.task: asyncio.Task | None = None
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(_renew_forever(*self.args))
+        return self
+
+    async def __aexit__(self, *exc):
+        self.task.cancel()
+        return False
+
+
+async def unload_held(ctx: AsyncContext, model_id: str, actor: str = "", state: str = "unloading") -> str:
+    """Unload ``model_id`` while the caller holds its manager lease (R4.5).
+
+    A load still in progress (its requesters may have left) is waited for, not
+    skipped, so its pool is unloaded too. Clears the logical residency first
+    (``state``: ``unloading``, or ``reconfiguring`` for a reconfiguration;
+    owner forgotten), has the owning worker destroy sessions then weights,
+    and records ``unloaded``. The lease stays held.
+
+    Returns:
+        'destroyed' (a pool was destroyed), 'not_loaded' (there was none), or
+        'worker_lost' (the owner stopped beating; its pool dies with it).
+    """
+    await _wait_for_load_in_progress(ctx, model_id)
+    load = await ctx.redis.hgetall(KEYS.model(model_id) + ":load")
+    owner, boot = load.get("owner"), load.get("boot")
+    await ctx.scheduler.set_state(model_id, state)
+    outcome = "not_loaded"
+    if owner and boot:
+        outcome = "worker_lost"
+    if owner and boot and await _worker_alive(ctx, owner, boot):
+        token = uuid.uuid4().hex
+        wake = ctx.listener.expect(f"load:{token}")
+        try:
+            await _send("inference.unload_model", [model_id, boot, token, ctx.listener.channel, actor],
+                        worker_direct(owner))
+            await _await_reply(ctx, wake, KEYS.load_result(token), lambda: _worker_alive(ctx, owner, boot))
+        finally:
+            ctx.listener.forget(f"load:{token}")
+        reply = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or "{}")
+        outcome = "destroyed" if reply.get("had_pool") else ("not_loaded" if reply else "worker_lost")
+    await ctx.scheduler.set_state(model_id, "unloaded")
+    return outcome
 
 
 async def _wait_for_load_in_progress(ctx: AsyncContext, model_id: str) -> None:

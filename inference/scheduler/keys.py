@@ -28,6 +28,19 @@ class Keys:
         """Liveness key of one worker."""
         return self.worker_live_prefix + hostname
 
+    @property
+    def worker_memory(self) -> str:
+        """HASH worker hostname -> available host memory in MB, refreshed with each liveness beat (R6.5)."""
+        return f"{self.prefix}wmem"
+
+    @property
+    def cold_guard(self) -> str:
+        """Pseudo model id whose one slot serializes cold loads under residency limits (R6.6).
+
+        Model ids must start with a letter or digit, so no registration can take it.
+        """
+        return "__coldload__"
+
     def process_channel(self, process_id: str) -> str:
         """Pub/sub channel on which one web process receives grants, load and result notices."""
         return f"{self.prefix}proc:{process_id}"

@@ -186,11 +186,11 @@ class Scheduler:
     def set_state(self, model_id: str, state: str, error: str = ""):
         """Record a lifecycle state chosen by a manager holding the model's exclusive lease.
 
-        'unloading' and 'unloaded' also forget the owner, so the logical
-        residency is cleared first (R4.5).
+        'unloading', 'reconfiguring' and 'unloaded' also forget the owner, so
+        the logical residency is cleared first (R4.5).
         """
         key = self.keys.model(model_id) + ":load"
-        if state in ("unloading", "unloaded"):
+        if state in ("unloading", "reconfiguring", "unloaded"):
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(key, mapping={"state": state, "error": error})
             pipe.hdel(key, "owner", "boot", "loader", "loader_expires_ms", "loader_host")
@@ -285,21 +285,33 @@ class Scheduler:
         finally:
             listener.forget(grant_key)
 
-    async def try_acquire(self, model_id: str, state: str = "ready") -> Lease | None:
-        """Take the model's manager lease only if it is free right now (R6.1, R6.4).
+    async def try_acquire(self, model_id: str, state: str = "ready", idle_ms: int = 0) -> Lease | None:
+        """Take the model's manager lease only if it is free right now (R6.1, R6.4); async client.
 
         Never waits and never interrupts: returns None when the model is not
-        in ``state``, holds any lease, or has anything queued.
+        in ``state``, holds any lease, has anything queued, or (``idle_ms`` > 0)
+        finished its last work less than ``idle_ms`` ms ago (Redis clock).
         """
         lease_id = uuid.uuid4().hex
-        granted = await self._run("try_acquire", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms, state])
+        granted = await self._run("try_acquire", [self.keys.model(model_id)],
+                                  [lease_id, self.lease_ttl_ms, state, idle_ms])
         return Lease(model_id, lease_id, 0, 0.0, "manager") if int(granted) else None
 
-    async def acquire_many(self, listener: Listener, model_ids: list[str]) -> dict[str, asyncio.Future]:
+    def try_acquire_now(self, model_id: str, state: str = "ready", idle_ms: int = 0) -> Lease | None:
+        """:meth:`try_acquire` for a synchronous client (worker threads)."""
+        lease_id = uuid.uuid4().hex
+        granted = self._run("try_acquire", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms, state, idle_ms])
+        return Lease(model_id, lease_id, 0, 0.0, "manager") if int(granted) else None
+
+    async def acquire_many(self, listener: Listener, model_ids: list[str],
+                           tickets_out: dict[str, str] | None = None) -> dict[str, asyncio.Future]:
         """Publish a manager ticket on every model in one atomic step (bulk, R5.1/R5.2).
 
         Args:
             model_ids: distinct model ids (the caller removes duplicates).
+            tickets_out: if given, filled with ``{model_id: ticket}`` before
+                publication, so the caller can :meth:`abandon` tickets whose
+                futures are still pending.
 
         Returns:
             ``{model_id: future}``; each future resolves to that model's manager
@@ -308,6 +320,8 @@ class Scheduler:
             :meth:`abandon` for every model not yet released.
         """
         tickets = {model_id: uuid.uuid4().hex for model_id in model_ids}
+        if tickets_out is not None:
+            tickets_out.update(tickets)
         waits = {model_id: listener.expect(f"grant:{ticket}") for model_id, ticket in tickets.items()}
         keys = [self.keys.model(m) for m in model_ids] + [self.keys.seq]
         try:
@@ -375,7 +389,8 @@ class Scheduler:
         Returns:
             ``{model_id: {"state": str, "active_leases": int (request leases),
             "queued": int (queued requests), "error": str, "capacity": int,
-            "manager_leases": int, "queued_managers": int, "loaded_capacity": int (0 = not loaded)}}``.
+            "manager_leases": int, "queued_managers": int, "loaded_capacity": int (0 = not loaded),
+            "last_used_ms": int (Redis-clock ms at the end of the last work; 0 = never)}}``.
         """
         if not model_ids:
             return {}
@@ -386,6 +401,7 @@ class Scheduler:
         return {
             model_id: {"state": _text(row[0]), "active_leases": int(row[1]), "queued": int(row[2]),
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
-                       "queued_managers": int(row[6]), "loaded_capacity": int(row[7])}
+                       "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
+                       "last_used_ms": int(row[8])}
             for model_id, row in zip(model_ids, result)
         }

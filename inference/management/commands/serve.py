@@ -46,6 +46,12 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int)
         parser.add_argument("--backend", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--busy-timeout-ms", type=int, dest="busy_timeout_ms")
+        parser.add_argument("--ui-management", action="store_true", dest="ui_management", default=None,
+                            help="enable the management routes (token or session auth with registry.manage_models)")
+        parser.add_argument("--max-loaded-models", type=int, dest="max_loaded_models",
+                            help="residency limit: models loaded at once, LRU eviction (0 = unlimited)")
+        parser.add_argument("--idle-unload-ms", type=int, dest="idle_unload_ms",
+                            help="unload a model idle this long, in ms (0 = never)")
         parser.add_argument("--workers", type=int, default=1, help="Celery GPU worker processes (default 1)")
         parser.add_argument("--parallel-jobs", action="store_true", dest="parallel_jobs",
                             help="the parallel runtime: per-model FIFO slot pools (also AUDIOSITE_PARALLEL_JOBS=1)")
@@ -53,7 +59,8 @@ class Command(BaseCommand):
     def handle(self, *args, **opts):
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.stopping = False
-        overrides = {k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms") if opts.get(k) is not None}
+        overrides = {k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms", "ui_management",
+                                           "max_loaded_models", "idle_unload_ms") if opts.get(k) is not None}
         config_path = opts.get("config") or os.environ.get("AUDIOSITE_CONFIG")
         if opts["parallel_jobs"]:
             os.environ["AUDIOSITE_PARALLEL_JOBS"] = "1"
@@ -84,7 +91,7 @@ class Command(BaseCommand):
             call_command("migrate", interactive=False, verbosity=0)
             self._sync(env)
             # One thread per slot of every model, plus room for loads and unloads.
-            concurrency = max(8, sum((m.slots or 1) if runtime_name() == "parallel" else 1
+            concurrency = max(32, sum((m.slots or 1) if runtime_name() == "parallel" else 1
                                      for m in config.models) + 4)
             for index in range(opts["workers"]):
                 name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"

@@ -5,6 +5,7 @@
 -- ARGV[6] the pool's advertised capacity (slots it could run)
 -- Returns 'ok', or 'stale' when another loader took over or the load was
 -- abandoned (state no longer 'loading'): nothing changed then.
+-- A ready outcome also sets last_used_ms = now (a fresh load is recent work).
 -- Wakes every waiter registered by begin_load ('load:<token>').
 local base = KEYS[1]
 local key = base .. ':load'
@@ -12,7 +13,8 @@ if redis.call('HGET', key, 'loader') ~= ARGV[1] or redis.call('HGET', key, 'stat
   return 'stale'
 end
 if ARGV[2] == 'ready' then
-  redis.call('HSET', key, 'state', 'ready', 'owner', ARGV[3], 'boot', ARGV[4], 'error', '', 'capacity', ARGV[6])
+  redis.call('HSET', key, 'state', 'ready', 'owner', ARGV[3], 'boot', ARGV[4], 'error', '', 'capacity', ARGV[6],
+              'last_used_ms', now_ms())
 else
   redis.call('HSET', key, 'state', 'unloaded', 'error', ARGV[5])
   redis.call('HDEL', key, 'owner', 'boot')

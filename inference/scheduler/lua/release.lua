@@ -3,10 +3,15 @@
 -- KEYS[1] base key of the model
 -- ARGV[1] lease id     ARGV[2] lease TTL in ms (for leases granted by the pass)
 -- Returns 1 if the lease (request or manager) was held, else 0. Runs the grant pass.
+-- When a lease was held, records the end of work in ':load' last_used_ms
+-- (LRU order and idle age, R6.1/R6.4; status reads never write it).
 local base, lease, ttl_ms = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local now = now_ms()
 local held = redis.call('HDEL', base .. ':leases', lease) + redis.call('HDEL', base .. ':mleases', lease)
 redis.call('ZREM', base .. ':expiry', lease)
+if held > 0 and redis.call('EXISTS', base .. ':load') == 1 then
+  redis.call('HSET', base .. ':load', 'last_used_ms', now)
+end
 reap(base, now)
 grant_pass(base, now, ttl_ms)
 return held

@@ -3,7 +3,7 @@
 -- Returns, per model in order:
 --   {state, active_request_leases, queued_requests, error, capacity (slots),
 --    manager_leases, queued_managers, loaded_capacity (the pool's advertised
---    capacity while ready, else 0)}
+--    capacity while ready, else 0), last_used_ms (end of the last work; 0 = never)}
 -- where a 'ready' state whose owner is no longer alive reads as 'unloaded'.
 local live_prefix = KEYS[#KEYS]
 local out = {}
@@ -23,6 +23,7 @@ for i = 1, #KEYS - 1 do
   out[i] = {state, redis.call('HLEN', base .. ':leases'),
             redis.call('ZCARD', base .. ':queue') - queued_managers,
             redis.call('HGET', key, 'error') or '', capacity(base),
-            redis.call('HLEN', base .. ':mleases'), queued_managers, loaded_capacity}
+            redis.call('HLEN', base .. ':mleases'), queued_managers, loaded_capacity,
+            tonumber(redis.call('HGET', key, 'last_used_ms') or '0')}
 end
 return out

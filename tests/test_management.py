@@ -1,0 +1,568 @@
+"""Management routes end to end (CONTRACT R4, R5, R1.2/R1.4 for dynamic registration):
+register, reconfigure, unload, unregister and bulk unload over HTTP, on a
+``serve --parallel-jobs --ui-management`` stack (Redis db 12) and a legacy
+``--ui-management`` stack (Redis db 11), with the fixture family's barriers.
+Real PostgreSQL, Redis and Celery worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from .conftest import run_stack
+from .test_parallel import body, post, until
+
+pytestmark = pytest.mark.stack
+
+FIXTURE_ENV = {"AUDIOSITE_ENABLE_FIXTURE_FAMILY": "1"}
+M_MODELS = [
+    {"id": "fx-base", "family": "fixture", "slots": 2, "load_options": {"version": "v1"}},
+    {"id": "whisper-lazy", "family": "whisper", "slots": 2, "lazy": True},
+]
+
+
+@pytest.fixture(scope="module")
+def mstack(tmp_path_factory):
+    yield from run_stack(tmp_path_factory.mktemp("mstack"), M_MODELS, redis_db=12, name="mgmt", parallel=True,
+                         extra_env=FIXTURE_ENV, extra_config={"ui_management": True})
+
+
+@pytest.fixture(scope="module")
+def token(mstack) -> str:
+    done = mstack.manage("issue_token", "operator")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def mclient(stack, token: str | None, **kw) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Token {token}"} if token else {}
+    return httpx.AsyncClient(base_url=stack.url, timeout=kw.pop("timeout", 120), headers=headers,
+                             limits=httpx.Limits(max_connections=64), **kw)
+
+
+def entry_of(stack, model_id: str) -> dict:
+    with stack.client() as c:
+        return c.get(f"/v1/models/{model_id}").json()
+
+
+def events_of(stack, model_id: str) -> list[tuple[str, str, str]]:
+    return stack.sql("SELECT event, outcome, actor FROM registry_lifecycleevent WHERE model_id = %s ORDER BY id",
+                     model_id)
+
+
+def fx(model_id: str, slots: int | None = None, **load_options) -> dict:
+    entry = {"id": model_id, "family": "fixture", "load_options": load_options}
+    if slots is not None:
+        entry["slots"] = slots
+    return entry
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# -- the gate ----------------------------------------------------------------------------------
+def test_gate_needs_credentials_and_the_permission(mstack, token):
+    """API.md gate: no/invalid credentials → 401; a user without registry.manage_models → 403;
+    a permitted token passes; unknown ids → 404 on unload and DELETE; status stays open."""
+    shell = mstack.manage("shell", "--no-imports", "-c", (
+        "from django.contrib.auth.models import User; from rest_framework.authtoken.models import Token;"
+        "u, _ = User.objects.get_or_create(username='viewer'); print(Token.objects.get_or_create(user=u)[0].key)"))
+    assert shell.returncode == 0, shell.stderr
+    viewer = shell.stdout.strip().splitlines()[-1]
+
+    async def scenario():
+        async with mclient(mstack, None) as anon, mclient(mstack, "0" * 40) as bad, \
+                mclient(mstack, viewer) as view, mclient(mstack, token) as op:
+            for c, status, err in ((anon, 401, "authentication_error"), (bad, 401, "authentication_error"),
+                                   (view, 403, "forbidden")):
+                for method, url, payload in (("POST", "/v1/models/load", fx("gate-x")),
+                                             ("POST", "/v1/models/unload", {"id": "fx-base"}),
+                                             ("POST", "/v1/tasks/unload_models", {"model_ids": ["fx-base"]}),
+                                             ("POST", "/v1/tasks/unload_all_models", None),
+                                             ("DELETE", "/v1/models/fx-base", None)):
+                    resp = await c.request(method, url, json=payload)
+                    assert resp.status_code == status, (method, url, resp.text)
+                    assert resp.json()["error"]["type"] == err
+            assert (await anon.get("/v1/models/fx-base")).status_code == 200  # status reads stay open
+            resp = await op.post("/v1/models/unload", json={"id": "nope"})
+            assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found"
+            resp = await op.delete("/v1/models/nope")
+            assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found"
+            health = (await anon.get("/health")).json()
+            assert health["ui_management"] is True
+    run(scenario())
+    assert entry_of(mstack, "fx-base")["state"] == "ready"  # nothing happened to it
+    assert mstack.sql("SELECT count(*) FROM registry_modelregistration WHERE model_id = 'gate-x'") == [(0,)]
+
+
+@pytest.mark.parametrize("payload, param", [
+    ({"family": "fixture"}, "id"),
+    ({"id": "bad id!", "family": "fixture"}, "id"),
+    ({"id": "b1", "family": "nope"}, "family"),
+    ({"id": "b2", "family": "fixture", "load_options": {"colour": 1}}, "load_options"),
+    ({"id": "b3", "family": "fixture", "slots": 0}, "slots"),
+    ({"id": "b4", "family": "fixture", "slots": "2"}, "slots"),
+    ({"id": "b5", "family": "fixture", "slots": None}, "slots"),
+    ({"id": "b6", "family": "fixture", "slots": True}, "slots"),
+    ({"id": "b7", "family": "fixture", "slots": 1.5}, "slots"),
+    ({"id": "b8", "family": "fixture", "slots": 17}, "slots"),
+    ({"id": "b9", "family": "silero_vad", "path": "/nonexistent/model.onnx"}, "path"),
+    ({"id": "b10", "family": "fixture", "flavour": "x"}, "flavour"),
+    ({"id": "b11", "family": "fixture", "busy_timeout_ms": -1}, "busy_timeout_ms"),
+])
+def test_invalid_registrations_are_refused_and_register_nothing(mstack, token, payload, param):
+    """R1.3/R4.6/R7.1: a bad body → 400 naming the key; nothing is registered."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            return await op.post("/v1/models/load", json=payload)
+    resp = run(scenario())
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    if isinstance(payload.get("id"), str):
+        assert entry_of(mstack, payload["id"])["error"]["type"] == "not_found"
+
+
+def test_gate_off_refuses_everyone(stack):
+    """API.md: with ui_management off every management route answers 403, even for a permitted token."""
+    done = stack.manage("issue_token", "operator")
+    assert done.returncode == 0, done.stderr
+    key = done.stdout.strip()
+
+    async def scenario():
+        async with mclient(stack, key) as op, mclient(stack, None) as anon:
+            for c in (op, anon):
+                resp = await c.post("/v1/models/unload", json={"id": "vad"})
+                assert resp.status_code == 403 and resp.json()["error"]["type"] == "forbidden"
+                assert "--ui-management" in resp.json()["error"]["message"]
+                resp = await c.delete("/v1/models/vad")
+                assert resp.status_code == 403
+                resp = await c.post("/v1/tasks/unload_all_models")
+                assert resp.status_code == 403
+    run(scenario())
+    assert entry_of(stack, "vad")["state"] == "ready"
+
+
+# -- registration (R4.6) --------------------------------------------------------------------------
+def test_registration_is_visible_while_its_first_load_runs_and_duplicates_queue(mstack, token):
+    """R4.6: the new entry is published before its load (state loading); a second registration of
+    the same id queues on the entry and then finds it registered (reconfigured: false)."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            first = asyncio.create_task(op.post("/v1/models/load", json=fx("reg1", 2, load_barrier="reg1-load",
+                                                                               version="r1")))
+            await until(lambda: mstack.arrived("reg1-load") == 1)
+            entry = entry_of(mstack, "reg1")
+            assert (entry["state"], entry["loaded"], entry["slots"]) == ("loading", False, 2)
+            second = asyncio.create_task(op.post("/v1/models/load", json=fx("reg1", 2, load_barrier="reg1-load",
+                                                                                version="r1")))
+            await until(lambda: mstack.managers("reg1")["queued"] == 1)
+            request = asyncio.create_task(post(op, "reg1", tag="after"))
+            await until(lambda: mstack.counters("reg1")["queued"] == 1)
+            assert not first.done() and not second.done()
+            mstack.release("reg1-load")
+            r1, r2 = await first, await second
+            assert r1.status_code == 200 and r1.json() == {"id": "reg1", "loaded": True, "reconfigured": False}
+            assert r2.status_code == 200 and r2.json() == {"id": "reg1", "loaded": True, "reconfigured": False}
+            resp, _, _ = await request
+            assert resp.status_code == 200 and resp.json()["config_version"] == "r1"
+    run(scenario())
+    assert mstack.arrived("reg1-load") == 1  # loaded once
+    assert mstack.sql("SELECT source, state FROM registry_modelregistration WHERE model_id = 'reg1'") == [("api", "ready")]
+    assert [e[0] for e in events_of(mstack, "reg1")] == ["register", "load"]
+    assert events_of(mstack, "reg1")[0][2] == "operator"
+
+
+def test_failed_first_load_leaves_the_entry_registered_and_unloaded(mstack, token):
+    """R4.6/R4.2: a failed first load → 503 load_failed; the entry stays registered and unloaded;
+    a later reconfiguration (or request) retries."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json=fx("reg-fail", 1, fail_load=True))
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "load_failed"
+            entry = entry_of(mstack, "reg-fail")
+            assert (entry["state"], entry["loaded"]) == ("unloaded", False)
+            resp = await op.post("/v1/models/load", json=fx("reg-fail", 1, version="fixed"))
+            assert resp.status_code == 200 and resp.json() == {"id": "reg-fail", "loaded": True, "reconfigured": True}
+            resp, _, _ = await post(op, "reg-fail")
+            assert resp.json()["config_version"] == "fixed"
+    run(scenario())
+    row = mstack.sql("SELECT state, last_error FROM registry_modelregistration WHERE model_id = 'reg-fail'")
+    assert row == [("ready", "")]
+    assert ("load", "failed") in [(e[0], e[1]) for e in events_of(mstack, "reg-fail")]
+
+
+def test_unsupported_count_on_a_new_registration_registers_it_unloaded(mstack, token):
+    """R4.6/R9: a count above the capacity on a *new* id → 400 with capacity=, registered and unloaded;
+    a valid resize afterwards works."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json={"id": "w5", "family": "whisper", "slots": 5})
+            assert resp.status_code == 400 and "capacity=4" in resp.json()["error"]["message"]
+            entry = entry_of(mstack, "w5")
+            assert (entry["state"], entry["slots"]) == ("unloaded", 5)
+            resp = await op.post("/v1/models/load", json={"id": "w5", "family": "whisper", "slots": 1, "lazy": True})
+            assert resp.status_code == 200 and resp.json() == {"id": "w5", "loaded": False, "reconfigured": True}
+            assert entry_of(mstack, "w5")["slots"] == 1
+    run(scenario())
+
+
+# -- reconfiguration (R4.4) ----------------------------------------------------------------------
+def test_older_requests_drain_before_reconfigure_and_later_ones_bind_the_new_configuration(mstack, token):
+    """R4.4/R2.2/R2.3: two running requests and one queued bind v1; the reconfiguration waits for
+    them (a barrier); requests after it bind v2 on the new pool with the new count."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=fx("rc", 2, version="v1"))).status_code == 200
+            running = [asyncio.create_task(post(op, "rc", barrier="rc-run")) for _ in range(2)]
+            await until(lambda: mstack.arrived("rc-run") == 2)
+            queued = asyncio.create_task(post(op, "rc", tag="older"))
+            await until(lambda: mstack.counters("rc")["queued"] == 1)
+            manager = asyncio.create_task(op.post("/v1/models/load", json=fx("rc", 3, version="v2")))
+            await until(lambda: mstack.managers("rc")["queued"] == 1)
+            later = [asyncio.create_task(post(op, "rc", tag=f"later{i}")) for i in range(3)]
+            await until(lambda: mstack.counters("rc")["queued"] == 4)
+            await asyncio.sleep(0.3)
+            assert not manager.done() and entry_of(mstack, "rc")["state"] == "ready"
+            mstack.release("rc-run", 2)
+            old = [(await t)[0].json() for t in running] + [(await queued)[0].json()]
+            resp = await manager
+            assert resp.status_code == 200 and resp.json() == {"id": "rc", "loaded": True, "reconfigured": True}
+            new = [(await t)[0].json() for t in later]
+            assert {r["config_version"] for r in old} == {"v1"} and len({r["pool_id"] for r in old}) == 1
+            assert {r["config_version"] for r in new} == {"v2"} and len({r["pool_id"] for r in new}) == 1
+            assert new[0]["pool_id"] != old[0]["pool_id"]
+            entry = entry_of(mstack, "rc")
+            assert (entry["slots"], entry["state"], entry["active_slots"], entry["queued_requests"]) == (3, "ready", 0, 0)
+    run(scenario())
+    assert [e[0] for e in events_of(mstack, "rc")] == ["register", "load", "teardown", "reconfigure", "load"]
+
+
+def test_invalid_reconfiguration_preserves_live_state(mstack, token):
+    """R4.4/R7.1: bad options, unknown family and an unsupported count (400 with capacity=) leave
+    the old pool, count, metadata and residency; the next request is served by the same pool."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            before, _, _ = await post(op, "fx-base")
+            for payload in (fx("fx-base", 2, colour="red"),
+                            {"id": "fx-base", "family": "nope"},
+                            {"id": "whisper-lazy", "family": "whisper", "slots": 5}):
+                resp = await op.post("/v1/models/load", json=payload)
+                assert resp.status_code == 400, resp.text
+            resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 5})
+            assert "capacity=4" in resp.json()["error"]["message"]
+            after, _, _ = await post(op, "fx-base")
+            assert after.json()["pool_id"] == before.json()["pool_id"]
+            assert mstack.managers("fx-base") == {"held": 0, "queued": 0}
+    run(scenario())
+    base, lazy = entry_of(mstack, "fx-base"), entry_of(mstack, "whisper-lazy")
+    assert (base["state"], base["slots"], base["max_parallel_slots"]) == ("ready", 2, 16)
+    assert (lazy["state"], lazy["slots"]) == ("unloaded", 2)
+
+
+def test_a_valid_resize_works_after_an_unsupported_one(mstack, token):
+    """R4.4/R9: after slots=5 is refused on an existing whisper model, slots=1 → 2 loads and serves."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 5})
+            assert resp.status_code == 400 and "capacity=4" in resp.json()["error"]["message"]
+            resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 1})
+            assert resp.status_code == 200 and resp.json() == {"id": "whisper-lazy", "loaded": True, "reconfigured": True}
+            entry = entry_of(mstack, "whisper-lazy")
+            assert (entry["slots"], entry["max_parallel_slots"], entry["state"]) == (1, 4, "ready")
+            resp = await op.post("/v1/models/unload", json={"id": "whisper-lazy"})
+            assert resp.json() == {"id": "whisper-lazy", "loaded": False}
+    run(scenario())
+
+
+def test_count_changes_keep_the_parallel_lifecycle(mstack, token):
+    """R1.4/R4.4: 1→2→1→4→1 on one id; each step serves from a new pool with exactly that many
+    slots in use at most, also at count one (the parallel runtime's lifecycle, never legacy)."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            pools = []
+            for step, n in enumerate([1, 2, 1, 4, 1]):
+                resp = await op.post("/v1/models/load", json=fx("cc", n, version=f"s{step}"))
+                assert resp.status_code == 200 and resp.json()["reconfigured"] == (step > 0)
+                holders = [asyncio.create_task(post(op, "cc", barrier=f"cc{step}")) for _ in range(n)]
+                await until(lambda: mstack.arrived(f"cc{step}") == n)
+                extra = asyncio.create_task(post(op, "cc", tag="extra"))
+                await until(lambda: mstack.counters("cc")["queued"] == 1)  # slot n+1 does not exist
+                entry = entry_of(mstack, "cc")
+                assert (entry["slots"], entry["active_slots"], entry["queued_requests"]) == (n, n, 1)
+                mstack.release(f"cc{step}", n)
+                served = [(await h)[0].json() for h in holders] + [(await extra)[0].json()]
+                assert {r["slot"] for r in served[:n]} == set(range(n))
+                assert {r["config_version"] for r in served} == {f"s{step}"}
+                pools.append(served[0]["pool_id"])
+            assert len(set(pools)) == 5
+    run(scenario())
+
+
+# -- unload (R4.5) and unregister --------------------------------------------------------------
+def test_unload_drains_older_requests_clears_residency_first_and_is_idempotent(mstack, token):
+    """R4.5: unload waits for the running request; during a slow teardown the model already reads
+    loaded=false with max_parallel_slots null; a second unload answers 200 loaded=false."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json=fx("ul", 2, teardown_barrier="ul-down"))
+            assert resp.status_code == 200
+            running = asyncio.create_task(post(op, "ul", barrier="ul-run"))
+            await until(lambda: mstack.arrived("ul-run") == 1)
+            unload = asyncio.create_task(op.post("/v1/models/unload", json={"id": "ul"}))
+            await until(lambda: mstack.managers("ul")["queued"] == 1)
+            await asyncio.sleep(0.2)
+            assert entry_of(mstack, "ul")["loaded"] is True and not unload.done()
+            mstack.release("ul-run")
+            assert (await running)[0].status_code == 200
+            await until(lambda: mstack.arrived("ul-down") == 1)  # teardown held
+            entry = entry_of(mstack, "ul")
+            assert (entry["state"], entry["loaded"], entry["max_parallel_slots"]) == ("unloading", False, None)
+            mstack.release("ul-down")
+            resp = await unload
+            assert resp.status_code == 200 and resp.json() == {"id": "ul", "loaded": False}
+            again = await op.post("/v1/models/unload", json={"id": "ul"})
+            assert again.status_code == 200 and again.json() == {"id": "ul", "loaded": False}
+            assert entry_of(mstack, "ul")["state"] == "unloaded"
+            resp, _, _ = await post(op, "ul")  # the next request loads it again
+            assert resp.status_code == 200
+            mstack.release("ul-down")  # let its next teardown (a later bulk unload) pass
+    run(scenario())
+
+
+def test_unregister_is_a_barrier_and_later_requests_get_404(mstack, token):
+    """DELETE /v1/models/{id}: older requests finish; the entry goes from status and the database;
+    a request queued behind the barrier answers 404, holding nothing."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=fx("gone", 1))).status_code == 200
+            running = asyncio.create_task(post(op, "gone", barrier="gone-run"))
+            await until(lambda: mstack.arrived("gone-run") == 1)
+            delete = asyncio.create_task(op.delete("/v1/models/gone"))
+            await until(lambda: mstack.managers("gone")["queued"] == 1)
+            later = asyncio.create_task(post(op, "gone"))
+            await until(lambda: mstack.counters("gone")["queued"] == 1)
+            mstack.release("gone-run")
+            assert (await running)[0].status_code == 200
+            resp = await delete
+            assert resp.status_code == 200 and resp.json() == {"id": "gone", "deleted": True}
+            late, _, _ = await later
+            assert late.status_code == 404 and late.json()["error"]["type"] == "not_found"
+            assert (await op.get("/v1/models/gone")).status_code == 404
+    run(scenario())
+    assert mstack.counters("gone") == {"leases": 0, "queued": 0}
+    assert mstack.managers("gone") == {"held": 0, "queued": 0}
+    assert mstack.sql("SELECT count(*) FROM registry_modelregistration WHERE model_id = 'gone'") == [(0,)]
+    assert events_of(mstack, "gone")[-1][0] == "unregister"
+
+
+def test_overlapping_managers_keep_their_order(mstack, token):
+    """R2.1/R4.3: reconfigure v2, unload, reconfigure v3 queued behind a running request run in
+    arrival order; the model ends loaded at v3."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=fx("ord", 1, version="v1"))).status_code == 200
+            running = asyncio.create_task(post(op, "ord", barrier="ord-run"))
+            await until(lambda: mstack.arrived("ord-run") == 1)
+            calls = []
+            for i, (method, url, payload) in enumerate((("POST", "/v1/models/load", fx("ord", 1, version="v2")),
+                                                        ("POST", "/v1/models/unload", {"id": "ord"}),
+                                                        ("POST", "/v1/models/load", fx("ord", 1, version="v3")))):
+                calls.append(asyncio.create_task(op.request(method, url, json=payload)))
+                await until(lambda: mstack.managers("ord")["queued"] == i + 1)
+            mstack.release("ord-run")
+            results = [await c for c in calls]
+            assert [r.status_code for r in results] == [200, 200, 200]
+            assert results[1].json()["loaded"] is False and results[2].json()["reconfigured"] is True
+            resp, _, _ = await post(op, "ord")
+            assert resp.json()["config_version"] == "v3"
+    run(scenario())
+    assert [e[0] for e in events_of(mstack, "ord")] == [
+        "register", "load", "teardown", "reconfigure", "load", "teardown", "unload", "reconfigure", "load"]
+
+
+def test_dynamic_registrations_survive_a_registry_resync(mstack, token):
+    """R4.6 persistence: sync_config (what serve runs at every start) keeps API registrations and
+    publishes them again."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json=fx("keep", 1, version="k") | {"lazy": True})
+            assert resp.status_code == 200 and resp.json()["loaded"] is False
+    run(scenario())
+    mstack.redis.hdel("as:models", "keep")  # as if Redis had been restarted
+    done = mstack.manage("sync_config", env={"AUDIOSITE_PARALLEL_JOBS": "1",
+                                             "AUDIOSITE_CONFIG": str(mstack.log_path.parent / "server.json")})
+    assert done.returncode == 0, done.stderr
+    entry = entry_of(mstack, "keep")
+    assert entry["id"] == "keep" and entry["state"] == "unloaded"
+    assert entry_of(mstack, "fx-base")["id"] == "fx-base"  # the config file's entries stay too
+
+
+# -- bulk unload (R5) ------------------------------------------------------------------------------
+def test_bulk_unload_frees_an_idle_model_before_a_loading_one_finishes(mstack, token):
+    """R5.1: duplicates once, unknown ids in not_found; the idle model is unloaded at once while the
+    other is still loading; the call returns after both, listing each once."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=fx("bk-idle", 1))).status_code == 200
+            resp = await op.post("/v1/models/load", json=fx("bk-slow", 1, load_barrier="bk-load") | {"lazy": True})
+            assert resp.status_code == 200
+            loading = asyncio.create_task(post(op, "bk-slow"))
+            await until(lambda: mstack.arrived("bk-load") == 1)
+            bulk = asyncio.create_task(op.post("/v1/tasks/unload_models", json={
+                "model_ids": ["bk-slow", "nope", "bk-idle", "bk-slow"]}))
+            await until(lambda: entry_of(mstack, "bk-idle")["state"] == "unloaded")
+            assert entry_of(mstack, "bk-slow")["state"] == "loading" and not bulk.done()
+            mstack.release("bk-load")
+            assert (await loading)[0].status_code == 200  # the older request is served first
+            resp = await bulk
+            assert resp.status_code == 200
+            assert resp.json() == {"unloaded": ["bk-slow", "bk-idle"], "not_found": ["nope"], "skipped": []}
+            assert entry_of(mstack, "bk-slow")["state"] == "unloaded"
+    run(scenario())
+
+
+def test_overlapping_reversed_and_duplicate_bulk_selections_do_not_deadlock(mstack, token):
+    """R5.2: two bulk calls over [a, b] and [b, a, b] while b is busy both finish; a request to an
+    unrelated model meanwhile never waits on them."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            for name in ("ov-a", "ov-b"):
+                assert (await op.post("/v1/models/load", json=fx(name, 1))).status_code == 200
+            busy = asyncio.create_task(post(op, "ov-b", barrier="ov-run"))
+            await until(lambda: mstack.arrived("ov-run") == 1)
+            first = asyncio.create_task(op.post("/v1/tasks/unload_models", json={"model_ids": ["ov-a", "ov-b"]}))
+            await until(lambda: mstack.managers("ov-b")["queued"] == 1)
+            second = asyncio.create_task(op.post("/v1/tasks/unload_models",
+                                                 json={"model_ids": ["ov-b", "ov-a", "ov-b"]}))
+            await until(lambda: mstack.managers("ov-b")["queued"] == 2)
+            started = time.monotonic()
+            resp, _, _ = await post(op, "fx-base")
+            assert resp.status_code == 200 and time.monotonic() - started < 5
+            mstack.release("ov-run")
+            assert (await busy)[0].status_code == 200
+            r1, r2 = await asyncio.wait_for(first, 30), await asyncio.wait_for(second, 30)
+            assert r1.json() == {"unloaded": ["ov-a", "ov-b"], "not_found": [], "skipped": []}
+            assert r2.json() == {"unloaded": ["ov-b", "ov-a"], "not_found": [], "skipped": []}
+    run(scenario())
+    for name in ("ov-a", "ov-b"):
+        assert mstack.managers(name) == {"held": 0, "queued": 0}
+
+
+def test_unload_all_lists_every_registered_model_including_never_loaded(mstack, token):
+    """R5.1/R5.3: unload_all_models lists each registered model once (lazy, never loaded ones too);
+    afterwards nothing is loaded and the next request loads again."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            registered = {e["id"] for e in (await op.get("/v1/models")).json()["data"]}
+            resp = await op.post("/v1/tasks/unload_all_models")
+            assert resp.status_code == 200
+            assert sorted(resp.json()["unloaded"]) == sorted(registered) and resp.json()["not_found"] == []
+            states = {e["id"]: e["state"] for e in (await op.get("/v1/models")).json()["data"]}
+            assert set(states.values()) == {"unloaded"}, states
+            resp, _, _ = await post(op, "fx-base")
+            assert resp.status_code == 200
+    run(scenario())
+
+
+# -- the "done when" scenario -----------------------------------------------------------------------
+def test_operator_lifecycle_under_continuous_traffic_from_four_clients(mstack, token):
+    """R2.3/R4.4–R4.6/R5: four clients send requests without pause while the operator registers a
+    model, resizes it 1→4→2, unloads it and bulk-unloads everything. Every answer is 200 from a
+    complete pool of one configuration (slot < that configuration's count) or a documented 503."""
+    counts = {"c1": 1, "c4": 4, "c2": 2}
+    answers: list[httpx.Response] = []
+
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            stop = asyncio.Event()
+            resp = await op.post("/v1/models/load", json=fx("live", 1, version="c1"))
+            assert resp.status_code == 200
+
+            async def traffic():
+                async with mclient(mstack, None) as c:
+                    while not stop.is_set():
+                        resp = await c.post("/v1/tasks/run", json=body("live", sleep_ms=20, busy_timeout_ms=20000))
+                        answers.append(resp)
+
+            clients = [asyncio.create_task(traffic()) for _ in range(4)]
+            await asyncio.sleep(0.5)
+            for version, n in (("c4", 4), ("c2", 2)):
+                resp = await op.post("/v1/models/load", json=fx("live", n, version=version))
+                assert resp.status_code == 200 and resp.json()["reconfigured"] is True
+                await asyncio.sleep(0.5)
+            assert (await op.post("/v1/models/unload", json={"id": "live"})).status_code == 200
+            await asyncio.sleep(0.5)
+            resp = await op.post("/v1/tasks/unload_all_models")
+            assert resp.status_code == 200 and "live" in resp.json()["unloaded"]
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*clients)
+    run(scenario())
+    assert len(answers) > 40
+    seen = set()
+    for resp in answers:
+        if resp.status_code == 200:
+            result = resp.json()
+            assert result["slot"] < counts[result["config_version"]], result
+            seen.add(result["config_version"])
+        else:
+            assert resp.status_code == 503 and resp.json()["error"]["type"] == "server_busy", resp.text
+    assert seen == {"c1", "c4", "c2"}
+    assert mstack.counters("live") == {"leases": 0, "queued": 0}
+
+
+# -- legacy runtime ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lstack(tmp_path_factory):
+    models = [{"id": "lfx", "family": "fixture", "load_options": {"version": "l1"}}]
+    yield from run_stack(tmp_path_factory.mktemp("lstack"), models, redis_db=11, name="lmgmt",
+                         extra_env=FIXTURE_ENV, extra_config={"ui_management": True})
+
+
+def test_legacy_refuses_slots_and_manages_one_session_models(lstack):
+    """R1.2: on the legacy runtime any explicit slots (1 and null too) → 400 "slots requires
+    --parallel-jobs"; registration, reconfiguration and unload work without it; no slot fields."""
+    key = lstack.manage("issue_token", "operator").stdout.strip()
+
+    async def scenario():
+        async with mclient(lstack, key) as op:
+            for slots in (1, None, 2):
+                resp = await op.post("/v1/models/load", json=fx("lnew", slots) | {"slots": slots})
+                assert resp.status_code == 400 and "slots requires --parallel-jobs" in resp.json()["error"]["message"]
+            assert (await op.get("/v1/models/lnew")).status_code == 404
+            resp = await op.post("/v1/models/load", json=fx("lnew", version="a"))
+            assert resp.json() == {"id": "lnew", "loaded": True, "reconfigured": False}
+            resp = await op.post("/v1/models/load", json=fx("lnew", version="b"))
+            assert resp.json() == {"id": "lnew", "loaded": True, "reconfigured": True}
+            served, _, _ = await post(op, "lnew")
+            assert served.json()["config_version"] == "b"
+            entry = (await op.get("/v1/models/lnew")).json()
+            assert "slots" not in entry and entry["state"] == "ready"
+            resp = await op.post("/v1/models/unload", json={"id": "lnew"})
+            assert resp.json() == {"id": "lnew", "loaded": False}
+    run(scenario())
+
+
+def test_legacy_bulk_unload_skips_an_unpublished_first_load(lstack):
+    """R5.4: on legacy, bulk unload does not wait for a model whose first load is still running; it
+    is listed in skipped; the loaded model is unloaded."""
+    key = lstack.manage("issue_token", "operator").stdout.strip()
+
+    async def scenario():
+        async with mclient(lstack, key) as op:
+            resp = await op.post("/v1/models/load", json=fx("lslow", load_barrier="lslow-load") | {"lazy": True})
+            assert resp.status_code == 200
+            first = asyncio.create_task(post(op, "lslow"))
+            await until(lambda: lstack.arrived("lslow-load") == 1)
+            resp = await asyncio.wait_for(op.post("/v1/tasks/unload_all_models"), 20)
+            assert resp.status_code == 200
+            assert "lslow" in resp.json()["skipped"] and "lslow" not in resp.json()["unloaded"]
+            assert "lfx" in resp.json()["unloaded"]
+            lstack.release("lslow-load")
+            assert (await first)[0].status_code == 200
+    run(scenario())
