@@ -1,0 +1,235 @@
+"""Residency limits end to end (CONTRACT R6): ``max_loaded_models`` with LRU eviction by
+try-acquire, the cold-load guard, the memory guard and idle retirement, on parallel
+``--ui-management`` stacks with the fixture family (Redis dbs 10 and 9).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from .conftest import run_stack
+from .test_management import FIXTURE_ENV, entry_of, fx, mclient, run
+from .test_parallel import post, until
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["limit1", "limit2"])
+def rstack(request, tmp_path_factory):
+    """A stack with ``max_loaded_models`` = 1 or 2 and the memory guard on (1 MB headroom)."""
+    limit = request.param
+    models = [{"id": "keeper", "family": "fixture", "slots": 1, "lazy": True}]
+    for stack in run_stack(tmp_path_factory.mktemp(f"rstack{limit}"), models, redis_db=10, name=f"res{limit}",
+                           parallel=True, extra_env=FIXTURE_ENV,
+                           extra_config={"ui_management": True, "max_loaded_models": limit, "min_free_memory_mb": 1}):
+        stack.limit = limit
+        done = stack.manage("issue_token", "operator")
+        assert done.returncode == 0, done.stderr
+        stack.token = done.stdout.strip()
+        yield stack
+
+
+def loaded(stack) -> set[str]:
+    with stack.client() as c:
+        return {e["id"] for e in c.get("/v1/models").json()["data"] if e["state"] in ("ready", "loading")}
+
+
+async def reset(op, stack) -> None:
+    resp = await op.post("/v1/tasks/unload_all_models")
+    assert resp.status_code == 200
+    assert loaded(stack) == set()
+
+
+def test_lru_eviction_picks_the_least_recently_used_idle_model(rstack):
+    """R6.1: at the limit, a cold load evicts the least recently used ready, idle model (one), and
+    no more than needed."""
+    limit = rstack.limit
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            names = [f"lru{i}" for i in range(limit + 1)]
+            for name in names:
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+            for name in names[:limit]:
+                assert (await post(op, name))[0].status_code == 200
+            if limit == 2:
+                assert (await post(op, names[0]))[0].status_code == 200  # lru0 is now more recent than lru1
+            assert loaded(rstack) == set(names[:limit])
+            resp, _, _ = await post(op, names[limit])
+            assert resp.status_code == 200
+            victim = names[1] if limit == 2 else names[0]
+            assert loaded(rstack) == set(names) - {victim}
+            assert entry_of(rstack, victim)["state"] == "unloaded"
+    run(scenario())
+    rows = rstack.sql("SELECT model_id, actor FROM registry_lifecycleevent WHERE event = 'teardown' "
+                      "AND actor LIKE 'eviction%%' AND model_id LIKE 'lru%%'")
+    assert rows == [(f"lru{1 if rstack.limit == 2 else 0}", f"eviction for lru{rstack.limit}")]
+
+
+def test_eviction_never_picks_a_busy_or_queued_model_and_answers_503(rstack):
+    """R6.1/R6.3: every loaded model is running or has a queued request → the cold load gets 503
+    server_busy (residency_full), nothing is interrupted; once idle, the load evicts."""
+    limit = rstack.limit
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            busy = [f"busy{i}" for i in range(limit)]
+            for name in busy + ["cold"]:
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+            # busy0 is loaded on behalf of a request that is still running (R6.3) ...
+            running = [asyncio.create_task(post(op, busy[0], barrier="ev-run"))]
+            await until(lambda: rstack.arrived("ev-run") == 1)
+            if limit == 2:  # ... busy1 is idle-but-queued: one request runs, one waits behind it
+                running.append(asyncio.create_task(post(op, busy[1], barrier="ev-run2")))
+                await until(lambda: rstack.arrived("ev-run2") == 1)
+                running.append(asyncio.create_task(post(op, busy[1], tag="queued")))
+                await until(lambda: rstack.counters(busy[1])["queued"] == 1)
+            resp, _, _ = await post(op, "cold")
+            assert resp.status_code == 503, resp.text
+            error = resp.json()["error"]
+            assert error["type"] == "server_busy" and error["code"] == "residency_full"
+            assert resp.headers["retry-after"]
+            assert loaded(rstack) == set(busy) and entry_of(rstack, "cold")["state"] == "unloaded"
+            rstack.release("ev-run")
+            if limit == 2:
+                rstack.release("ev-run2")
+            for task in running:
+                assert (await task)[0].status_code == 200
+            resp, _, _ = await post(op, "cold")
+            assert resp.status_code == 200
+            assert "cold" in loaded(rstack) and len(loaded(rstack)) == limit
+    run(scenario())
+    assert rstack.counters("cold") == {"leases": 0, "queued": 0}
+
+
+def test_a_model_in_slow_teardown_does_not_count_toward_the_limit(rstack):
+    """R6.2: while A's teardown is held, A no longer counts: loading B under the limit does not
+    evict the unrelated loaded model C (limit 2), and B loads at once (limit 1)."""
+    limit = rstack.limit
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            assert (await op.post("/v1/models/load", json=fx("tdA", 1, teardown_barrier="tdA-down"))).status_code == 200
+            for name in ("tdB", "tdC"):
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+            if limit == 2:
+                assert (await post(op, "tdC"))[0].status_code == 200
+            assert loaded(rstack) == ({"tdA", "tdC"} if limit == 2 else {"tdA"})
+            unload = asyncio.create_task(op.post("/v1/models/unload", json={"id": "tdA"}))
+            await until(lambda: rstack.arrived("tdA-down") == 1)
+            assert entry_of(rstack, "tdA")["state"] == "unloading"
+            resp, _, _ = await post(op, "tdB")
+            assert resp.status_code == 200, resp.text
+            assert loaded(rstack) == ({"tdB", "tdC"} if limit == 2 else {"tdB"})
+            rstack.release("tdA-down")
+            assert (await unload).status_code == 200
+    run(scenario())
+
+
+def test_warm_traffic_progresses_while_a_cold_load_holds_the_guard(rstack):
+    """R6.6: model A's cold load is held (it owns the cold-load guard); requests to the loaded model
+    B keep being served; a second cold load (C) does not start until A's finishes."""
+    if rstack.limit < 2:
+        pytest.skip("needs room for two loaded models")
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            assert (await op.post("/v1/models/load", json=fx("warmB", 1))).status_code == 200
+            for name, barrier in (("coldA", "coldA-load"), ("coldC", "coldC-load")):
+                payload = fx(name, 1, load_barrier=barrier) | {"lazy": True}
+                assert (await op.post("/v1/models/load", json=payload)).status_code == 200
+            first = asyncio.create_task(post(op, "coldA"))
+            await until(lambda: rstack.arrived("coldA-load") == 1)
+            second = asyncio.create_task(post(op, "coldC"))
+            for _ in range(5):
+                started = time.monotonic()
+                resp, _, _ = await post(op, "warmB")
+                assert resp.status_code == 200 and time.monotonic() - started < 2
+            assert rstack.arrived("coldC-load") == 0  # the second cold load waits on the guard
+            rstack.release("coldA-load")
+            assert (await first)[0].status_code == 200
+            # then C loads, evicting the least recently used idle model (limit 2).
+            await until(lambda: rstack.arrived("coldC-load") == 1)
+            rstack.release("coldC-load")
+            assert (await second)[0].status_code == 200
+    run(scenario())
+
+
+def test_memory_guard_refuses_a_load_that_does_not_fit(rstack):
+    """R6.5: estimated footprint + min_free_memory_mb above the workers' available memory → 503
+    insufficient_memory; the entry stays registered and unloaded; a small model loads."""
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            resp = await op.post("/v1/models/load", json=fx("huge", 1, footprint_mb=10 ** 9))
+            assert resp.status_code == 503, resp.text
+            error = resp.json()["error"]
+            assert error["type"] == "insufficient_memory" and "min_free_memory_mb" in error["message"]
+            assert resp.headers["retry-after"]
+            assert entry_of(rstack, "huge")["state"] == "unloaded"
+            resp = await op.post("/v1/models/load", json=fx("small", 1, footprint_mb=1))
+            assert resp.status_code == 200 and resp.json()["loaded"] is True
+    run(scenario())
+
+
+# -- idle retirement (R6.4) ------------------------------------------------------------------------
+IDLE_MS = 1500
+
+
+@pytest.fixture(scope="module")
+def istack(tmp_path_factory):
+    models = [{"id": "idle1", "family": "fixture", "slots": 2}, {"id": "idle2", "family": "fixture", "slots": 1}]
+    yield from run_stack(tmp_path_factory.mktemp("istack"), models, redis_db=9, name="idle", parallel=True,
+                         extra_env=FIXTURE_ENV, extra_config={"idle_unload_ms": IDLE_MS})
+
+
+def test_idle_retirement_counts_from_the_end_of_work_and_ignores_status_reads(istack):
+    """R6.4: a model whose request runs longer than idle_unload_ms is not retired while it works;
+    it is retired about idle_unload_ms after the work ends (not before), while status reads poll it
+    all along; afterwards the next request loads it again."""
+    async def scenario():
+        async with mclient(istack, None) as c:
+            resp, _, _ = await post(c, "idle1")  # make sure it is loaded
+            assert resp.status_code == 200
+            work = asyncio.create_task(post(c, "idle1", sleep_ms=IDLE_MS + 1000))
+            await until(lambda: istack.counters("idle1")["leases"] == 1)
+            while not work.done():
+                assert entry_of(istack, "idle1")["state"] == "ready"  # busy: never retired
+                await asyncio.sleep(0.1)
+            resp, _, ended = await work
+            assert resp.status_code == 200
+            retired_at = None
+            while time.monotonic() - ended < IDLE_MS / 1000 + 3:
+                if entry_of(istack, "idle1")["state"] == "unloaded":  # status reads are not activity
+                    retired_at = time.monotonic()
+                    break
+                await asyncio.sleep(0.05)
+            assert retired_at is not None, "not retired"
+            idle_s = retired_at - ended
+            assert IDLE_MS / 1000 - 0.2 <= idle_s <= IDLE_MS / 1000 + 1.5, idle_s
+            resp, _, _ = await post(c, "idle1")
+            assert resp.status_code == 200 and resp.json()["slot"] in (0, 1)
+    run(scenario())
+    rows = istack.sql("SELECT event, actor FROM registry_lifecycleevent WHERE model_id = 'idle1' "
+                      "AND event = 'idle_retire'")
+    assert rows and rows[0] == ("idle_retire", "idle retirement")
+
+
+def test_idle_retirement_skips_a_model_with_queued_work(istack):
+    """R6.4: a model that keeps receiving requests is never retired; an idle one next to it is."""
+    async def scenario():
+        async with mclient(istack, None) as c:
+            for name in ("idle1", "idle2"):
+                assert (await post(c, name))[0].status_code == 200
+            deadline = time.monotonic() + IDLE_MS / 1000 * 2
+            while time.monotonic() < deadline:
+                assert (await post(c, "idle1", sleep_ms=100))[0].status_code == 200
+                assert entry_of(istack, "idle1")["state"] == "ready"
+            assert entry_of(istack, "idle2")["state"] == "unloaded"
+    run(scenario())
