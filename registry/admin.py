@@ -1,18 +1,58 @@
-"""Django admin: registrations and the lifecycle log, read-only where the runtime owns the truth."""
-from django.contrib import admin
+"""Django admin: registrations and the lifecycle log.
 
+Rows are never edited directly: the admin's actions (load, unload) and its
+reconfigure page call the same ``registry.services`` transitions as the
+management routes, under the same gate (``ui_management`` on and the
+``registry.manage_models`` permission). They run outside any admin
+transaction, because a transition waits for older requests and for the
+worker, which writes the same rows.
+"""
+import json
+
+from asgiref.sync import async_to_sync
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import get_object_or_404, redirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+
+from audiosite.errors import ApplicationError
+from audiosite.serverconfig import get_config
+
+from . import services
 from .models import LifecycleEvent, ModelRegistration
+
+
+def _check_gate(request) -> None:
+    if not get_config().ui_management:
+        raise PermissionDenied("management is disabled: start the server with --ui-management")
+    if not request.user.has_perm("registry.manage_models"):
+        raise PermissionDenied("you lack the registry.manage_models permission")
+
+
+async def _ctx():
+    from inference.runtime.context import async_context
+
+    return await async_context()
+
+
+class ReconfigureForm(forms.Form):
+    """The complete ``POST /v1/models/load`` body of one model (omitted keys take their defaults)."""
+
+    entry = forms.JSONField(widget=forms.Textarea(attrs={"rows": 16, "cols": 90}),
+                            help_text="The model's complete entry; the id cannot change here.")
 
 
 @admin.register(ModelRegistration)
 class ModelRegistrationAdmin(admin.ModelAdmin):
-    list_display = ("model_id", "family", "task", "mode", "state", "source", "busy_timeout_ms", "updated_at")
+    list_display = ("model_id", "family", "task", "mode", "slots", "state", "source", "busy_timeout_ms", "updated_at")
     list_filter = ("family", "task", "state", "source")
     search_fields = ("model_id", "family")
     readonly_fields = ("state", "last_error", "created_at", "updated_at", "loaded_at", "source")
+    actions = ["load_selected", "unload_selected"]
+    change_form_template = "admin/registry/modelregistration/change_form.html"
 
-    # Registrations change only through registry.services (config sync now,
-    # management routes later), never by editing rows here.
     def has_add_permission(self, request):
         return False
 
@@ -21,6 +61,75 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+    def get_urls(self):
+        own = [path("<path:object_id>/reconfigure/", self.admin_site.admin_view(self.reconfigure_view),
+                    name="registry_modelregistration_reconfigure")]
+        return own + super().get_urls()
+
+    @admin.action(description="Load selected models (through the management services)")
+    def load_selected(self, request, queryset):
+        _check_gate(request)
+        for row in queryset:
+            body = _body_of(row)
+            try:
+                outcome = async_to_sync(self._load)(body, request.user.get_username())
+                self.message_user(request, f"{row.model_id}: loaded={outcome['loaded']}")
+            except ApplicationError as exc:
+                self.message_user(request, f"{row.model_id}: {exc.message}", messages.ERROR)
+
+    @admin.action(description="Unload selected models (bulk unload)")
+    def unload_selected(self, request, queryset):
+        _check_gate(request)
+        ids = [row.model_id for row in queryset]
+        outcome = async_to_sync(self._bulk_unload)(ids, request.user.get_username())
+        self.message_user(request, f"unloaded {outcome['unloaded']}" +
+                          (f"; skipped {outcome['skipped']}" if outcome["skipped"] else ""))
+
+    def reconfigure_view(self, request, object_id):
+        """GET: the current entry as JSON; POST: reconfigure through the service (R4.4)."""
+        _check_gate(request)
+        row = get_object_or_404(ModelRegistration, pk=object_id)
+        if request.method == "POST":
+            form = ReconfigureForm(request.POST)
+            if form.is_valid():
+                body = form.cleaned_data["entry"]
+                if not isinstance(body, dict) or body.get("id") != row.model_id:
+                    form.add_error("entry", f"a JSON object whose id is {row.model_id!r}")
+                else:
+                    try:
+                        outcome = async_to_sync(self._load)(body, request.user.get_username())
+                        self.message_user(request, f"{row.model_id}: reconfigured={outcome['reconfigured']}, "
+                                                   f"loaded={outcome['loaded']}")
+                        return redirect(reverse("admin:registry_modelregistration_change", args=[row.pk]))
+                    except ApplicationError as exc:
+                        form.add_error("entry", exc.message)
+        else:
+            form = ReconfigureForm(initial={"entry": _body_of(row)})
+        context = {**self.admin_site.each_context(request), "opts": self.model._meta, "original": row,
+                   "form": form, "title": f"Reconfigure {row.model_id}"}
+        return TemplateResponse(request, "admin/registry/modelregistration/reconfigure.html", context)
+
+    @staticmethod
+    async def _load(body: dict, actor: str) -> dict:
+        return await services.model_register_or_reconfigure(await _ctx(), body, actor)
+
+    @staticmethod
+    async def _bulk_unload(ids: list[str], actor: str) -> dict:
+        return await services.models_bulk_unload(await _ctx(), ids, actor)
+
+
+def _body_of(row: ModelRegistration) -> dict:
+    """The management body that re-registers ``row`` as it is."""
+    meta = row.as_meta()
+    body = {"id": meta["id"], "family": meta["family"], "task": meta["task"], "mode": meta["mode"]}
+    for key in ("path", "busy_timeout_ms", "lazy", "slots"):
+        if meta[key] is not None:
+            body[key] = meta[key]
+    for key in ("load_options", "session_options", "default_request_options"):
+        if meta[key]:
+            body[key] = meta[key]
+    return json.loads(json.dumps(body))
 
 
 @admin.register(LifecycleEvent)

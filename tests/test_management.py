@@ -7,6 +7,8 @@ Real PostgreSQL, Redis and Celery worker.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import httpx
@@ -566,3 +568,53 @@ def test_legacy_bulk_unload_skips_an_unpublished_first_load(lstack):
             lstack.release("lslow-load")
             assert (await first)[0].status_code == 200
     run(scenario())
+
+
+# -- the Django admin goes through the same services -----------------------------------------------
+def _admin_session(stack) -> httpx.Client:
+    made = stack.manage("shell", "--no-imports", "-c", (
+        "from django.contrib.auth.models import User\n"
+        "u, _ = User.objects.get_or_create(username='admin', defaults={'is_staff': True, 'is_superuser': True})\n"
+        "u.is_staff = u.is_superuser = True; u.set_password('pw-admin-1'); u.save()"))
+    assert made.returncode == 0, made.stderr
+    c = stack.client(follow_redirects=False)
+    page = c.get("/admin/login/")
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
+    resp = c.post("/admin/login/?next=/admin/", data={"username": "admin", "password": "pw-admin-1",
+                                                       "csrfmiddlewaretoken": token})
+    assert resp.status_code == 302, resp.text[:500]
+    return c
+
+
+def _csrf(c: httpx.Client, url: str) -> str:
+    return re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', c.get(url).text).group(1)
+
+
+def test_admin_actions_and_reconfigure_page_use_the_services(mstack, token):
+    """R4.4/R4.5 via the Django admin: the unload action unloads through the bulk service, the
+    reconfigure page validates privately (an invalid entry changes nothing) and reconfigures."""
+    async def setup():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=fx("adm", 1, version="a1"))).status_code == 200
+    run(setup())
+    pk = mstack.sql("SELECT id FROM registry_modelregistration WHERE model_id = 'adm'")[0][0]
+    c = _admin_session(mstack)
+    try:
+        changelist = "/admin/registry/modelregistration/"
+        resp = c.post(changelist, data={"action": "unload_selected", "_selected_action": [str(pk)],
+                                        "csrfmiddlewaretoken": _csrf(c, changelist)})
+        assert resp.status_code == 302
+        assert entry_of(mstack, "adm")["state"] == "unloaded"
+        page = f"/admin/registry/modelregistration/{pk}/reconfigure/"
+        bad = json.dumps({"id": "adm", "family": "fixture", "slots": 2, "load_options": {"colour": "red"}})
+        resp = c.post(page, data={"entry": bad, "csrfmiddlewaretoken": _csrf(c, page)})
+        assert resp.status_code == 200 and "colour" in resp.text
+        assert entry_of(mstack, "adm")["slots"] == 1
+        good = json.dumps({"id": "adm", "family": "fixture", "slots": 2, "load_options": {"version": "a2"}})
+        resp = c.post(page, data={"entry": good, "csrfmiddlewaretoken": _csrf(c, page)})
+        assert resp.status_code == 302, resp.text[:2000]
+    finally:
+        c.close()
+    entry = entry_of(mstack, "adm")
+    assert (entry["slots"], entry["state"]) == (2, "ready")
+    assert ("reconfigure", "ok", "admin") in events_of(mstack, "adm")

@@ -6,6 +6,7 @@ token on every call; ``--rotate`` replaces it).
 """
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
+from django.core.management import call_command
 from django.core.management.base import BaseCommand
 from rest_framework.authtoken.models import Token
 
@@ -18,6 +19,7 @@ class Command(BaseCommand):
         parser.add_argument("--rotate", action="store_true", help="replace the user's existing token")
 
     def handle(self, *args, **options):
+        call_command("migrate", interactive=False, verbosity=0)  # works before the first `serve`, too
         user_model = get_user_model()
         user, created = user_model.objects.get_or_create(username=options["username"])
         if created:
