@@ -214,34 +214,40 @@ def test_unsupported_count_on_a_new_registration_registers_it_unloaded(mstack, t
 
 
 # -- reconfiguration (R4.4) ----------------------------------------------------------------------
-def test_older_requests_drain_before_reconfigure_and_later_ones_bind_the_new_configuration(mstack, token):
-    """R4.4/R2.2/R2.3: two running requests and one queued bind v1; the reconfiguration waits for
-    them (a barrier); requests after it bind v2 on the new pool with the new count."""
+@pytest.mark.parametrize("n, new_n", [(1, 2), (2, 4), (4, 1)])
+def test_older_requests_drain_before_reconfigure_and_later_ones_bind_the_new_configuration(mstack, token, n, new_n):
+    """R4.4/R2.2/R2.3 at counts 1, 2, 4: n running requests and one queued bind v1; the
+    reconfiguration waits for them (a barrier, spare slots unused); requests after it bind v2 on
+    the new pool with the new count."""
+    model = f"rc{n}"
+
     async def scenario():
         async with mclient(mstack, token) as op:
-            assert (await op.post("/v1/models/load", json=fx("rc", 2, version="v1"))).status_code == 200
-            running = [asyncio.create_task(post(op, "rc", barrier="rc-run")) for _ in range(2)]
-            await until(lambda: mstack.arrived("rc-run") == 2)
-            queued = asyncio.create_task(post(op, "rc", tag="older"))
-            await until(lambda: mstack.counters("rc")["queued"] == 1)
-            manager = asyncio.create_task(op.post("/v1/models/load", json=fx("rc", 3, version="v2")))
-            await until(lambda: mstack.managers("rc")["queued"] == 1)
-            later = [asyncio.create_task(post(op, "rc", tag=f"later{i}")) for i in range(3)]
-            await until(lambda: mstack.counters("rc")["queued"] == 4)
+            assert (await op.post("/v1/models/load", json=fx(model, n, version="v1"))).status_code == 200
+            running = [asyncio.create_task(post(op, model, barrier=f"{model}-run")) for _ in range(n)]
+            await until(lambda: mstack.arrived(f"{model}-run") == n)
+            queued = asyncio.create_task(post(op, model, tag="older"))
+            await until(lambda: mstack.counters(model)["queued"] == 1)
+            manager = asyncio.create_task(op.post("/v1/models/load", json=fx(model, new_n, version="v2")))
+            await until(lambda: mstack.managers(model)["queued"] == 1)
+            later = [asyncio.create_task(post(op, model, tag=f"later{i}")) for i in range(3)]
+            await until(lambda: mstack.counters(model)["queued"] == 4)
             await asyncio.sleep(0.3)
-            assert not manager.done() and entry_of(mstack, "rc")["state"] == "ready"
-            mstack.release("rc-run", 2)
+            assert not manager.done() and entry_of(mstack, model)["state"] == "ready"
+            mstack.release(f"{model}-run", n)
             old = [(await t)[0].json() for t in running] + [(await queued)[0].json()]
             resp = await manager
-            assert resp.status_code == 200 and resp.json() == {"id": "rc", "loaded": True, "reconfigured": True}
+            assert resp.status_code == 200 and resp.json() == {"id": model, "loaded": True, "reconfigured": True}
             new = [(await t)[0].json() for t in later]
             assert {r["config_version"] for r in old} == {"v1"} and len({r["pool_id"] for r in old}) == 1
             assert {r["config_version"] for r in new} == {"v2"} and len({r["pool_id"] for r in new}) == 1
             assert new[0]["pool_id"] != old[0]["pool_id"]
-            entry = entry_of(mstack, "rc")
-            assert (entry["slots"], entry["state"], entry["active_slots"], entry["queued_requests"]) == (3, "ready", 0, 0)
+            assert all(r["slot"] < new_n for r in new)
+            entry = entry_of(mstack, model)
+            assert (entry["slots"], entry["state"], entry["active_slots"], entry["queued_requests"]) == \
+                (new_n, "ready", 0, 0)
     run(scenario())
-    assert [e[0] for e in events_of(mstack, "rc")] == ["register", "load", "teardown", "reconfigure", "load"]
+    assert [e[0] for e in events_of(mstack, model)] == ["register", "load", "teardown", "reconfigure", "load"]
 
 
 def test_invalid_reconfiguration_preserves_live_state(mstack, token):

@@ -61,10 +61,10 @@ def _q(values: list[float], q: float) -> float:
 class Server:
     """One ``manage.py serve`` child on a private embedded Redis and SQLite file."""
 
-    def __init__(self, workdir: Path, models: list[dict], parallel: bool):
+    def __init__(self, workdir: Path, models: list[dict], parallel: bool, extra_config: dict | None = None):
         self.workdir = workdir
         self.port = _port()
-        config = {"port": self.port, "lazy_load": True, "lease_ttl_ms": 5000, "models": models}
+        config = {"port": self.port, "lazy_load": True, "lease_ttl_ms": 5000, "models": models, **(extra_config or {})}
         (workdir / "server.json").write_text(json.dumps(config))
         env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")
                and not k.startswith("AUDIOSITE_")}
