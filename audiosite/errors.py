@@ -168,6 +168,13 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
     return Response(body, status=500)
 
 
+class OnlyServerErrors(logging.Filter):
+    """Logging filter for ``django.request``: keep HTTP 500 records (bugs), drop expected 4xx/503."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "status_code", 500) == 500
+
+
 def not_found_view(request, exception=None) -> JsonResponse:
     """Django ``handler404``: unknown route in the API.md shape."""
     body = NotFound(f"no route for {request.method} {request.path}").body()

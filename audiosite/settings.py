@@ -190,9 +190,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"only_500": {"()": "audiosite.errors.OnlyServerErrors"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"},
+                 "server_errors": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["only_500"]}},
     "root": {"handlers": ["console"], "level": "INFO"},
-    # django.request would log every expected 503 (busy) as an ERROR; real 500s are
-    # logged by audiosite.errors.drf_exception_handler instead.
-    "loggers": {"django.request": {"level": "CRITICAL"}, "faster_whisper": {"level": "WARNING"}},
+    # django.request logs every 4xx/503 too; only real 500s (with their traceback) are
+    # worth a line. 500s inside DRF views are logged by audiosite.errors.drf_exception_handler.
+    "loggers": {"django.request": {"level": "ERROR", "handlers": ["server_errors"], "propagate": False},
+                "faster_whisper": {"level": "WARNING"}},
 }

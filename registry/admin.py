@@ -62,8 +62,19 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None):
         return False
 
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        if not (get_config().ui_management and request.user.has_perm("registry.manage_models")):
+            actions.pop("load_selected", None)
+            actions.pop("unload_selected", None)
+        return actions
+
+    def render_change_form(self, request, context, *args, **kwargs):
+        context["can_manage"] = get_config().ui_management and request.user.has_perm("registry.manage_models")
+        return super().render_change_form(request, context, *args, **kwargs)
+
     def get_urls(self):
-        own = [path("<path:object_id>/reconfigure/", self.admin_site.admin_view(self.reconfigure_view),
+        own = [path("<int:object_id>/reconfigure/", self.admin_site.admin_view(self.reconfigure_view),
                     name="registry_modelregistration_reconfigure")]
         return own + super().get_urls()
 
@@ -83,8 +94,9 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
         _check_gate(request)
         ids = [row.model_id for row in queryset]
         outcome = async_to_sync(self._bulk_unload)(ids, request.user.get_username())
-        self.message_user(request, f"unloaded {outcome['unloaded']}" +
-                          (f"; skipped {outcome['skipped']}" if outcome["skipped"] else ""))
+        self.message_user(request, "unloaded: " + (", ".join(outcome["unloaded"]) or "nothing") +
+                          ("; skipped (first load still running): " + ", ".join(outcome["skipped"])
+                           if outcome["skipped"] else ""))
 
     def reconfigure_view(self, request, object_id):
         """GET: the current entry as JSON; POST: reconfigure through the service (R4.4)."""

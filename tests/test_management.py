@@ -612,6 +612,9 @@ def test_admin_actions_and_reconfigure_page_use_the_services(mstack, token):
         assert resp.status_code == 302
         assert entry_of(mstack, "adm")["state"] == "unloaded"
         page = f"/admin/registry/modelregistration/{pk}/reconfigure/"
+        odd = c.get("/admin/registry/modelregistration/abc/reconfigure/", follow_redirects=True)
+        assert odd.status_code == 200 and "doesn’t exist" in odd.text  # Django's own "no such object" page
+        assert c.get("/admin/registry/modelregistration/999999/reconfigure/").status_code == 404
         bad = json.dumps({"id": "adm", "family": "fixture", "slots": 2, "load_options": {"colour": "red"}})
         resp = c.post(page, data={"entry": bad, "csrfmiddlewaretoken": _csrf(c, page)})
         assert resp.status_code == 200 and "colour" in resp.text
