@@ -405,6 +405,14 @@ async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
         await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
 
 
+async def _registered_meta(ctx, model_id: str) -> dict:
+    """Published metadata of ``model_id``; raises NotFound (404, param ``id``) when it is not registered."""
+    meta = await model_meta_get(ctx, model_id)
+    if meta is None:
+        raise NotFound(f"model {model_id!r} is not registered", param="id")
+    return meta
+
+
 async def model_unload(ctx, model_id: str, actor: str) -> dict:
     """``POST /v1/models/unload``: unload one model as a manager (R4.5). Idempotent.
 
@@ -415,9 +423,7 @@ async def model_unload(ctx, model_id: str, actor: str) -> dict:
         NotFound: the id is not registered.
         ServerBusy: manager admission timeout or fail-fast (R3.4).
     """
-    meta = await model_meta_get(ctx, model_id)
-    if meta is None:
-        raise NotFound(f"model {model_id!r} is not registered", param="id")
+    meta = await _registered_meta(ctx, model_id)
     started = time.monotonic()
     outcome = await dispatch.unload(ctx, model_id, _ceiling_ms(meta), actor=actor)
     await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail=outcome,
@@ -439,15 +445,12 @@ async def model_unregister(ctx, model_id: str, actor: str) -> dict:
         NotFound: the id is not registered.
         ServerBusy: manager admission timeout or fail-fast (R3.4).
     """
-    meta = await model_meta_get(ctx, model_id)
-    if meta is None:
-        raise NotFound(f"model {model_id!r} is not registered", param="id")
+    meta = await _registered_meta(ctx, model_id)
     lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(meta))
     started = time.monotonic()
     try:
         async with dispatch.renewing(ctx, model_id, lease.lease_id):
-            if await model_meta_get(ctx, model_id) is None:
-                raise NotFound(f"model {model_id!r} is not registered", param="id")
+            await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
             await dispatch.unload_held(ctx, model_id, actor=f"unregister by {actor}")
             pipe = ctx.redis.pipeline(transaction=True)
             pipe.hdel(KEYS.models_meta, model_id)
