@@ -158,6 +158,8 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
         body = {"error": {"message": message, "type": err_type, "param": None, "code": None}}
         headers = {"WWW-Authenticate": exc.auth_header} if getattr(exc, "auth_header", None) else None
         return Response(body, status=status, headers=headers)
+    if isinstance(exc, RecursionError):  # a parser fed absurdly nested JSON
+        return error_response(InvalidRequest("the request body is nested too deeply"))
     if isinstance(exc, redis.exceptions.RedisError):
         log.error("coordination store error in %s: %s", context.get("view"), exc)
         busy = ServerBusy(f"the coordination store (Redis) is unavailable or overloaded: {type(exc).__name__}",

@@ -38,6 +38,8 @@ NOT_YET_SUPPORTED_MODEL = {
     "default_voice_preset": "speech synthesis voices",
 }
 
+MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, not overflowed
+
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "server.json"
 
 
@@ -63,13 +65,13 @@ class ModelConfig(_Strict):
     """
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
-    family: str = Field(min_length=1)
-    path: str | None = None
-    task: str | None = None
+    family: str = Field(min_length=1, max_length=64)
+    path: str | None = Field(default=None, max_length=1024)
+    task: str | None = Field(default=None, max_length=64)
     mode: Literal["offline", "streaming"] = "offline"
     lazy: bool | None = None
     slots: Any = None  # checked by specs.slots_problems (parallel runtime only)
-    busy_timeout_ms: int | None = Field(default=None, ge=0)
+    busy_timeout_ms: int | None = Field(default=None, ge=0, le=MAX_BUSY_TIMEOUT_MS)
     load_options: dict[str, Any] = Field(default_factory=dict)
     session_options: dict[str, Any] = Field(default_factory=dict)
     default_request_options: dict[str, Any] = Field(default_factory=dict)
@@ -84,7 +86,7 @@ class ServerConfig(_Strict):
     device: int = Field(default=0, ge=0)
     threads: int = Field(default=1, ge=1, le=64)
     lazy_load: bool = False
-    busy_timeout_ms: int = Field(default=300000, ge=0)
+    busy_timeout_ms: int = Field(default=300000, ge=0, le=MAX_BUSY_TIMEOUT_MS)
     shutdown_timeout_ms: int = Field(default=30000, ge=0)
     lease_ttl_ms: int = Field(default=30000, ge=1000)
     max_request_body_bytes: int = Field(default=104857600, ge=1024)

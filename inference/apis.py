@@ -22,7 +22,7 @@ from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 
 from audiosite.errors import InvalidRequest, LengthRequired, NotFound, PayloadTooLarge, UnsupportedMedia
-from audiosite.serverconfig import get_config
+from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
 from inference import audio, specs
 from inference.runtime import dispatch
 from inference.runtime.context import async_context
@@ -31,10 +31,7 @@ from registry.selectors import model_meta_get
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 
 
-MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, not overflowed
-
-
-def _check_length(request) -> None:
+def check_length(request) -> None:
     """Refuse a body over ``max_request_body_bytes`` (413) or one without a Content-Length (411).
 
     Chunked request bodies are not supported: Django would see them as empty.
@@ -241,7 +238,7 @@ class TranscriptionApi(APIView):
 
     async def post(self, request):
         started = time.monotonic()
-        _check_length(request)
+        check_length(request)
         data = _data(request)
         meta, ctx = await _model(_field(data, "model"))
         if meta["task"] != "asr":
@@ -305,7 +302,7 @@ class TaskRunApi(APIView):
 
     async def post(self, request):
         started = time.monotonic()
-        _check_length(request)
+        check_length(request)
         data = _data(request)
         meta, ctx = await _model(_field(data, "model"))
         task_request = data.get("request")

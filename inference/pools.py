@@ -8,6 +8,7 @@ a TTL, tells every process that this worker still holds its pools (R7.4).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -122,6 +123,7 @@ class WorkerState:
             pipe.execute()
 
         publish()
+        redis_client.hset(keys.worker_pid, hostname, os.getpid())
 
         def beat():
             while not self._stop.wait(LIVENESS_EVERY_S):
@@ -140,6 +142,7 @@ class WorkerState:
             if redis_client.get(key) == self.boot:
                 redis_client.delete(key)
                 redis_client.hdel(keys.worker_memory, self.hostname)
+                redis_client.hdel(keys.worker_pid, self.hostname)
 
     # -- pools ---------------------------------------------------------------------
     def build(self, model_id: str, meta: dict, meta_json: str, barrier=None) -> Pool:

@@ -82,8 +82,13 @@ def check_model_entry(entry: dict) -> list[str]:
         _schema_problems(spec["request_options"], entry.get("default_request_options") or {}, "default_request_options")
     )
     path = entry.get("path")
+    kind = spec.get("checkpoint_kind")  # 'file' or 'directory' (e.g. a CTranslate2 model folder)
     if path is not None and not Path(path).exists():
         problems.append(f"key 'path': {path!r} does not exist")
+    elif path is not None and kind == "file" and not Path(path).is_file():
+        problems.append(f"key 'path': {path!r} is not a file (family {spec['family']!r} loads one checkpoint file)")
+    elif path is not None and kind == "directory" and not Path(path).is_dir():
+        problems.append(f"key 'path': {path!r} is not a directory (family {spec['family']!r} loads a model folder)")
     return problems
 
 

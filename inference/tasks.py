@@ -67,37 +67,45 @@ def retire_if_idle(model_id: str, idle_ms: int) -> bool:
     Returns:
         True when the pool was retired.
     """
-    from registry.services import registration_record_unload
-
     scheduler = sync_scheduler()
     lease = scheduler.try_acquire_now(model_id, "ready", idle_ms)
     if lease is None:
         return False
     try:
-        load = sync_redis().hgetall(KEYS.model(model_id) + ":load")
-        if load.get("owner") != WORKER.hostname or load.get("boot") != WORKER.boot:
-            return False  # another worker's pool: it retires its own
-        started = time.monotonic()
-        scheduler.set_state(model_id, "unloading")  # logical residency first (R4.5)
-        pool = WORKER.remove(model_id)
-        error = ""
-        if pool is not None:
-            try:
-                pool.close()
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                log.exception("closing the pool of %s failed", model_id)
-        scheduler.set_state(model_id, "unloaded")
-        try:
-            registration_record_unload(model_id, not error, detail=error or f"idle for at least {idle_ms} ms",
-                                       duration_ms=int((time.monotonic() - started) * 1000),
-                                       actor="idle retirement", event="idle_retire")
-        except Exception:
-            log.exception("recording an idle retirement failed")
-        log.info("retired %s after %d ms idle", model_id, idle_ms)
-        return True
+        # The teardown may outlast the lease TTL: keep the lease exclusive until it ends (R4.5).
+        with _renewing(lambda: scheduler.renew(model_id, lease.lease_id), scheduler.lease_ttl_ms / 3000):
+            return _retire(model_id, idle_ms)
     finally:
         scheduler.release(model_id, lease.lease_id)
+
+
+def _retire(model_id: str, idle_ms: int) -> bool:
+    """Tear down this worker's pool of ``model_id`` under a held manager lease (see :func:`retire_if_idle`)."""
+    from registry.services import registration_record_unload
+
+    scheduler = sync_scheduler()
+    load = sync_redis().hgetall(KEYS.model(model_id) + ":load")
+    if load.get("owner") != WORKER.hostname or load.get("boot") != WORKER.boot:
+        return False  # another worker's pool: it retires its own
+    started = time.monotonic()
+    scheduler.set_state(model_id, "unloading")  # logical residency first (R4.5)
+    pool = WORKER.remove(model_id)
+    error = ""
+    if pool is not None:
+        try:
+            pool.close()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            log.exception("closing the pool of %s failed", model_id)
+    scheduler.set_state(model_id, "unloaded")
+    try:
+        registration_record_unload(model_id, not error, detail=error or f"idle for at least {idle_ms} ms",
+                                   duration_ms=int((time.monotonic() - started) * 1000),
+                                   actor="idle retirement", event="idle_retire")
+    except Exception:
+        log.exception("recording an idle retirement failed")
+    log.info("retired %s after %d ms idle", model_id, idle_ms)
+    return True
 
 
 @signals.worker_shutdown.connect

@@ -8,10 +8,11 @@ import asyncio
 from adrf.views import APIView
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.exceptions import NotAuthenticated
+from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
-from audiosite.errors import Forbidden, InvalidRequest, NotFound
+from audiosite.errors import Forbidden, InvalidRequest, NotFound, PayloadTooLarge
 from audiosite.serverconfig import get_config
 from inference.backend import resolve_backend
 from inference.runtime import runtime_name
@@ -104,6 +105,7 @@ class ManagementApi(APIView):
 
     authentication_classes = [TokenAuthentication, SessionAuthentication]
     permission_classes = [ManagementGate]
+    parser_classes = [JSONParser]
 
     def get_authenticate_header(self, request):
         return "Token"
@@ -113,10 +115,35 @@ class ManagementApi(APIView):
         return request.user.get_username()
 
 
-def _json_body(request) -> dict:
-    data = request.data
+def _json_body(request, allowed: tuple[str, ...] | None) -> dict:
+    """The JSON object of a management request (an absent or empty body reads as ``{}``).
+
+    Args:
+        allowed: the keys the route takes (None = any; the service checks them).
+
+    Raises:
+        PayloadTooLarge: over ``max_request_body_bytes`` (413).
+        InvalidRequest: not a JSON object, nested too deeply, or an unknown key (400).
+        UnsupportedMediaType: not ``application/json`` (415, from the parser).
+    """
+    limit = get_config().max_request_body_bytes
+    raw = request.META.get("CONTENT_LENGTH") or "0"
+    if not (raw.isascii() and raw.isdigit()):
+        raise InvalidRequest("Content-Length is not a number")
+    if int(raw) > limit:
+        raise PayloadTooLarge(f"request body of {int(raw)} bytes exceeds max_request_body_bytes={limit}")
+    if int(raw) == 0:
+        return {}
+    try:
+        data = request.data
+    except RecursionError:
+        raise InvalidRequest("the JSON body is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")
+    if allowed is not None:
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise InvalidRequest(f"unknown key(s) {unknown}; this route takes {list(allowed)}", param=unknown[0])
     return dict(data)
 
 
@@ -125,14 +152,15 @@ class ModelLoadApi(ManagementApi):
 
     async def post(self, request):
         ctx = await async_context()
-        return Response(await services.model_register_or_reconfigure(ctx, _json_body(request), self.actor(request)))
+        return Response(await services.model_register_or_reconfigure(ctx, _json_body(request, None),
+                                                                      self.actor(request)))
 
 
 class ModelUnloadApi(ManagementApi):
     """``POST /v1/models/unload`` ``{"id"}`` → ``{"id", "loaded": false}`` (idempotent, R4.5)."""
 
     async def post(self, request):
-        body = _json_body(request)
+        body = _json_body(request, ("id",))
         model_id = body.get("id")
         if not isinstance(model_id, str) or not model_id:
             raise InvalidRequest("key 'id': a model id (string) is required", param="id")
@@ -144,7 +172,7 @@ class UnloadModelsApi(ManagementApi):
     """``POST /v1/tasks/unload_models`` ``{"model_ids": [...]}`` (R5)."""
 
     async def post(self, request):
-        body = _json_body(request)
+        body = _json_body(request, ("model_ids",))
         ids = body.get("model_ids")
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise InvalidRequest("key 'model_ids': a list of model ids (strings) is required", param="model_ids")
@@ -156,5 +184,6 @@ class UnloadAllModelsApi(ManagementApi):
     """``POST /v1/tasks/unload_all_models`` (R5)."""
 
     async def post(self, request):
+        _json_body(request, ())  # no keys: an empty body or {}
         ctx = await async_context()
         return Response(await services.models_bulk_unload(ctx, None, self.actor(request)))

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
-from django.db import transaction
+from django.db import DataError, transaction
 from django.utils import timezone
 from pydantic import ValidationError
 
@@ -216,6 +216,26 @@ class ValidatedEntry:
     count_problem: str | None
 
 
+def _nul_in(value, where: str = "") -> str | None:
+    """The dotted key of the first string (key or value) holding a NUL character, else None."""
+    if isinstance(value, str):
+        return where or "body" if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            if "\x00" in str(key):
+                return path
+            found = _nul_in(item, path)
+            if found:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _nul_in(item, f"{where}[{index}]")
+            if found:
+                return found
+    return None
+
+
 def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
     """Check a ``POST /v1/models/load`` body privately: nothing live is touched (R4.4, R7.1).
 
@@ -233,6 +253,9 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
     """
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object with at least 'id' and 'family'")
+    where = _nul_in(body)
+    if where is not None:
+        raise InvalidRequest(f"key {where!r}: text may not contain NUL characters", param=where.split(".")[0])
     unknown = sorted(set(body) - set(MANAGEMENT_FIELDS))
     if unknown:
         raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(MANAGEMENT_FIELDS)}", param=unknown[0])
@@ -277,8 +300,16 @@ def _same_configuration(a: dict, b: dict) -> bool:
     return {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
 
 
+async def _save(entry: ModelConfig, actor: str, event: str, state: str) -> None:
+    """Write the row; a value the database refuses (e.g. out of range) is the caller's fault: 400."""
+    try:
+        await sync_to_async(_registration_save)(entry, actor, event, state)
+    except DataError as exc:
+        raise InvalidRequest(f"the entry cannot be stored: {str(exc).splitlines()[0]}") from None
+
+
 @transaction.atomic
-def _registration_save(entry: ModelConfig, actor: str, event: str) -> ModelRegistration:
+def _registration_save(entry: ModelConfig, actor: str, event: str, state: str) -> ModelRegistration:
     fields = _entry_fields(entry)
     row = ModelRegistration.objects.select_for_update().filter(model_id=entry.id).first()
     if row is None:
@@ -286,7 +317,7 @@ def _registration_save(entry: ModelConfig, actor: str, event: str) -> ModelRegis
     else:
         for key, value in fields.items():
             setattr(row, key, value)
-        row.state = LifecycleState.UNLOADED
+        row.state = state
         row.save()
     lifecycle_event_create(entry.id, event, True, actor=actor, detail=json.dumps(fields))
     return row
@@ -372,37 +403,38 @@ async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
     if existing is not None and valid.count_problem:
         raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
     lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(existing))
-    started = time.monotonic()
-    try:
-        async with dispatch.renewing(ctx, model_id, lease.lease_id):
-            existing = await model_meta_get(ctx, model_id)  # may have changed while we queued
-            if existing is None:
-                meta = _meta_of(entry, ModelRegistration.Source.API)
-                await sync_to_async(_registration_save)(entry, actor, "register")
-                await ctx.scheduler.set_state(model_id, "unloaded")
-                await _publish_meta(ctx, model_id, meta, runtime)
-                if valid.count_problem:
-                    await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED,
-                                                                 valid.count_problem)
-                    raise InvalidRequest(valid.count_problem + f"; model {model_id!r} is registered but stays "
-                                         "unloaded until it is reconfigured with a supported count", param="slots")
-                return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
-            if valid.count_problem:
-                raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
-            meta = _meta_of(entry, existing.get("source") or ModelRegistration.Source.API)
-            if _same_configuration(meta, existing):
-                return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
-            # Commit point: retire the old pool, then publish the complete new metadata (R4.4).
-            await sync_to_async(_registration_set_state)(model_id, LifecycleState.RECONFIGURING)
-            await dispatch.unload_held(ctx, model_id, actor=f"reconfigure by {actor}", state="reconfiguring")
-            await sync_to_async(_registration_save)(entry, actor, "reconfigure")
-            await _publish_meta(ctx, model_id, meta, runtime)
+
+    async def transition() -> dict:
+        started = time.monotonic()
+        existing = await model_meta_get(ctx, model_id)  # may have changed while we queued
+        if existing is None:
+            meta = _meta_of(entry, ModelRegistration.Source.API)
+            await _save(entry, actor, "register", LifecycleState.UNLOADED)
             await ctx.scheduler.set_state(model_id, "unloaded")
-            loaded = await _load_now(ctx, model_id, meta)
-            log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
-            return {"id": model_id, "loaded": loaded, "reconfigured": True}
-    finally:
-        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+            await _publish_meta(ctx, model_id, meta, runtime)
+            if valid.count_problem:
+                await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED,
+                                                             valid.count_problem)
+                raise InvalidRequest(valid.count_problem + f"; model {model_id!r} is registered but stays "
+                                     "unloaded until it is reconfigured with a supported count", param="slots")
+            return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+        if valid.count_problem:
+            raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
+        meta = _meta_of(entry, existing.get("source") or ModelRegistration.Source.API)
+        if _same_configuration(meta, existing):
+            return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+        # The row is written first (state reconfiguring): a value the database refuses is a
+        # 400 while the old pool still serves. Then the commit point: retire the old pool and
+        # publish the complete new metadata (R4.4); traffic reads only the published entry.
+        await _save(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
+        await dispatch.unload_held(ctx, model_id, actor=f"reconfigure by {actor}", state="reconfiguring")
+        await _publish_meta(ctx, model_id, meta, runtime)
+        await ctx.scheduler.set_state(model_id, "unloaded")
+        loaded = await _load_now(ctx, model_id, meta)
+        log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
+        return {"id": model_id, "loaded": loaded, "reconfigured": True}
+
+    return await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, transition()))
 
 
 async def _registered_meta(ctx, model_id: str) -> dict:
@@ -426,6 +458,7 @@ async def model_unload(ctx, model_id: str, actor: str) -> dict:
     meta = await _registered_meta(ctx, model_id)
     started = time.monotonic()
     outcome = await dispatch.unload(ctx, model_id, _ceiling_ms(meta), actor=actor)
+    await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED)
     await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail=outcome,
                                                 duration_ms=int((time.monotonic() - started) * 1000))
     return {"id": model_id, "loaded": False}
@@ -447,19 +480,19 @@ async def model_unregister(ctx, model_id: str, actor: str) -> dict:
     """
     meta = await _registered_meta(ctx, model_id)
     lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(meta))
-    started = time.monotonic()
-    try:
-        async with dispatch.renewing(ctx, model_id, lease.lease_id):
-            await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
-            await dispatch.unload_held(ctx, model_id, actor=f"unregister by {actor}")
-            pipe = ctx.redis.pipeline(transaction=True)
-            pipe.hdel(KEYS.models_meta, model_id)
-            pipe.delete(KEYS.model(model_id) + ":load", KEYS.model(model_id) + ":cap")
-            await pipe.execute()
-            await sync_to_async(_registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
-            return {"id": model_id, "deleted": True}
-    finally:
-        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+
+    async def transition() -> dict:
+        started = time.monotonic()
+        await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
+        await dispatch.unload_held(ctx, model_id, actor=f"unregister by {actor}")
+        pipe = ctx.redis.pipeline(transaction=True)
+        pipe.hdel(KEYS.models_meta, model_id)
+        pipe.delete(KEYS.model(model_id) + ":load", KEYS.model(model_id) + ":cap")
+        await pipe.execute()
+        await sync_to_async(_registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
+        return {"id": model_id, "deleted": True}
+
+    return await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, transition()))
 
 
 async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> dict:
@@ -495,6 +528,7 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
     futures = await ctx.scheduler.acquire_many(ctx.listener, selected, tickets) if selected else {}
     pending = dict(futures)  # not yet unloaded (granted or still queued)
     unloaded: set[str] = set()
+    gone: list[str] = []
 
     async def keep_alive() -> None:
         """Renew granted leases that wait their turn; reap for queued tickets (R2.5, lost wake-ups)."""
@@ -509,14 +543,18 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
                 if reaped[2] == "granted" and not future.done():  # the wake-up was lost
                     future.set_result(Lease(model_id, tickets[model_id], 0, 0.0, "manager"))
 
+    async def teardown(model_id: str) -> None:
+        if await model_meta_get(ctx, model_id) is None:  # unregistered by a manager ahead of us
+            gone.append(model_id)
+            return
+        await dispatch.unload_held(ctx, model_id, actor=f"bulk unload by {actor}")
+        await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED)
+        unloaded.add(model_id)
+
     async def unload_one(model_id: str) -> None:
-        lease = pending[model_id].result()
-        try:
-            await dispatch.unload_held(ctx, model_id, actor=f"bulk unload by {actor}")
-            unloaded.add(model_id)
-        finally:
-            pending.pop(model_id)
-            await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+        lease = pending.pop(model_id).result()
+        # Once granted, the teardown finishes even if the caller leaves (R4.5).
+        await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, teardown(model_id)))
 
     started = time.monotonic()
     keeper = asyncio.create_task(keep_alive())
@@ -535,4 +573,4 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
     for model_id in unloaded:
         await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail="bulk unload",
                                                     duration_ms=duration_ms)
-    return {"unloaded": [m for m in selected if m in unloaded], "not_found": not_found, "skipped": skipped}
+    return {"unloaded": [m for m in selected if m in unloaded], "not_found": not_found + gone, "skipped": skipped}

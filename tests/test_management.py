@@ -115,6 +115,11 @@ def test_gate_needs_credentials_and_the_permission(mstack, token):
     ({"id": "b9", "family": "silero_vad", "path": "/nonexistent/model.onnx"}, "path"),
     ({"id": "b10", "family": "fixture", "flavour": "x"}, "flavour"),
     ({"id": "b11", "family": "fixture", "busy_timeout_ms": -1}, "busy_timeout_ms"),
+    ({"id": "b12", "family": "fixture", "busy_timeout_ms": 2 ** 63}, "busy_timeout_ms"),
+    ({"id": "b13", "family": "fixture", "load_options": {"version": "a\u0000b"}}, "load_options"),
+    ({"id": "b14", "family": "silero_vad", "path": "/"}, "path"),
+    ({"id": "b15", "family": "whisper", "path": "/etc/hostname"}, "path"),
+    ({"id": "b16", "family": "silero_vad", "path": "/work/" + "./" * 520 + "x"}, "path"),
 ])
 def test_invalid_registrations_are_refused_and_register_nothing(mstack, token, payload, param):
     """R1.3/R4.6/R7.1: a bad body → 400 naming the key; nothing is registered."""
@@ -147,6 +152,33 @@ def test_gate_off_refuses_everyone(stack):
                 assert resp.status_code == 403
     run(scenario())
     assert entry_of(stack, "vad")["state"] == "ready"
+
+
+def test_management_bodies_are_strict(mstack, token):
+    """API.md errors: unknown keys → 400, form bodies → 415, non-JSON or absurdly nested bodies → 400,
+    oversize → 413; none of them changes anything (a 2xx for a bad body would be a bug)."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            cases = [
+                (op.post("/v1/models/unload", json={"id": "fx-base", "force": True}), 400),
+                (op.post("/v1/tasks/unload_models", json={"model_ids": [], "all": True}), 400),
+                (op.post("/v1/tasks/unload_all_models", content=b"this is { not json",
+                         headers={"Content-Type": "application/json"}), 400),
+                (op.post("/v1/tasks/unload_all_models", json={"everything": True}), 400),
+                (op.post("/v1/tasks/unload_models", data={"model_ids": ["fx-base"]}), 415),
+                (op.post("/v1/models/load", content=b'{"id":"deep","load_options":' + b"[" * 100000 + b"]" * 100000
+                         + b"}", headers={"Content-Type": "application/json"}), 400),
+                (op.post("/v1/models/unload", content=b'{"id":' + b"[" * 100000 + b"]" * 100000 + b"}",
+                         headers={"Content-Type": "application/json"}), 400),
+                (op.post("/v1/models/unload", content=b'{"id": "fx-base", "pad": "' + b"x" * 3_100_000 + b'"}',
+                         headers={"Content-Type": "application/json"}), 413),
+            ]
+            for request, status in cases:
+                resp = await request
+                assert resp.status_code == status, (status, resp.status_code, resp.text[:300])
+                assert resp.json()["error"]["type"] == "invalid_request_error"
+    run(scenario())
+    assert entry_of(mstack, "fx-base")["state"] == "ready"
 
 
 # -- registration (R4.6) --------------------------------------------------------------------------
@@ -247,7 +279,7 @@ def test_older_requests_drain_before_reconfigure_and_later_ones_bind_the_new_con
             assert (entry["slots"], entry["state"], entry["active_slots"], entry["queued_requests"]) == \
                 (new_n, "ready", 0, 0)
     run(scenario())
-    assert [e[0] for e in events_of(mstack, model)] == ["register", "load", "teardown", "reconfigure", "load"]
+    assert [e[0] for e in events_of(mstack, model)] == ["register", "load", "reconfigure", "teardown", "load"]
 
 
 def test_invalid_reconfiguration_preserves_live_state(mstack, token):
@@ -258,6 +290,8 @@ def test_invalid_reconfiguration_preserves_live_state(mstack, token):
             before, _, _ = await post(op, "fx-base")
             for payload in (fx("fx-base", 2, colour="red"),
                             {"id": "fx-base", "family": "nope"},
+                            fx("fx-base", 2, version="a\u0000b"),
+                            fx("fx-base", 2) | {"busy_timeout_ms": 2 ** 63},
                             {"id": "whisper-lazy", "family": "whisper", "slots": 5}):
                 resp = await op.post("/v1/models/load", json=payload)
                 assert resp.status_code == 400, resp.text
@@ -342,6 +376,66 @@ def test_unload_drains_older_requests_clears_residency_first_and_is_idempotent(m
     run(scenario())
 
 
+@pytest.mark.parametrize("operation", ["unload", "bulk", "delete", "reconfigure"])
+def test_a_client_that_leaves_during_a_teardown_does_not_end_the_barrier(mstack, token, operation):
+    """R4.5/R2.2: once a manager holds the model, its client leaving does not release it: the
+    teardown finishes under the lease, requests sent meanwhile wait for it and are served by a
+    complete pool afterwards, and the state ends consistent."""
+    model = f"leave-{operation}"
+
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json=fx(model, 1, version="old", teardown_barrier=f"{model}-down"))
+            assert resp.status_code == 200
+            call = {"unload": lambda c: c.post("/v1/models/unload", json={"id": model}),
+                    "bulk": lambda c: c.post("/v1/tasks/unload_models", json={"model_ids": [model]}),
+                    "delete": lambda c: c.delete(f"/v1/models/{model}"),
+                    "reconfigure": lambda c: c.post("/v1/models/load", json=fx(model, 2, version="new"))}[operation]
+            async with mclient(mstack, token) as leaver:
+                task = asyncio.create_task(call(leaver))
+                await until(lambda: mstack.arrived(f"{model}-down") == 1)
+                task.cancel()  # the client goes away while the teardown is held
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await asyncio.sleep(0.3)
+            assert mstack.managers(model)["held"] == 1  # still exclusive
+            waiting = asyncio.create_task(post(op, model))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # not admitted beside a half-destroyed pool
+            mstack.release(f"{model}-down")
+            resp, _, _ = await waiting
+            if operation == "delete":
+                assert resp.status_code == 404
+            else:
+                assert resp.status_code == 200
+                assert resp.json()["config_version"] == ("new" if operation == "reconfigure" else "old")
+            await until(lambda: mstack.managers(model)["held"] == 0)
+            if operation != "delete":
+                entry = entry_of(mstack, model)
+                assert entry["state"] == "ready" and entry["loaded"] is True
+                mstack.release(f"{model}-down")  # let later teardowns of this model pass
+    run(scenario())
+
+
+def test_bulk_unload_behind_an_unregister_reports_the_model_not_found(mstack, token):
+    """R5.1: a model removed by a DELETE queued ahead of the bulk call is reported in not_found."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=fx("bd", 1))).status_code == 200
+            running = asyncio.create_task(post(op, "bd", barrier="bd-run"))
+            await until(lambda: mstack.arrived("bd-run") == 1)
+            delete = asyncio.create_task(op.delete("/v1/models/bd"))
+            await until(lambda: mstack.managers("bd")["queued"] == 1)
+            bulk = asyncio.create_task(op.post("/v1/tasks/unload_models", json={"model_ids": ["bd"]}))
+            await until(lambda: mstack.managers("bd")["queued"] == 2)
+            mstack.release("bd-run")
+            assert (await delete).status_code == 200
+            resp = await bulk
+            assert resp.json() == {"unloaded": [], "not_found": ["bd"], "skipped": []}
+    run(scenario())
+    assert not mstack.redis.exists("as:m:{bd}:load")
+
+
 def test_unregister_is_a_barrier_and_later_requests_get_404(mstack, token):
     """DELETE /v1/models/{id}: older requests finish; the entry goes from status and the database;
     a request queued behind the barrier answers 404, holding nothing."""
@@ -390,7 +484,7 @@ def test_overlapping_managers_keep_their_order(mstack, token):
             assert resp.json()["config_version"] == "v3"
     run(scenario())
     assert [e[0] for e in events_of(mstack, "ord")] == [
-        "register", "load", "teardown", "reconfigure", "load", "teardown", "unload", "reconfigure", "load"]
+        "register", "load", "reconfigure", "teardown", "load", "teardown", "unload", "reconfigure", "load"]
 
 
 def test_dynamic_registrations_survive_a_registry_resync(mstack, token):

@@ -184,7 +184,9 @@ IDLE_MS = 1500
 
 @pytest.fixture(scope="module")
 def istack(tmp_path_factory):
-    models = [{"id": "idle1", "family": "fixture", "slots": 2}, {"id": "idle2", "family": "fixture", "slots": 1}]
+    models = [{"id": "idle1", "family": "fixture", "slots": 2}, {"id": "idle2", "family": "fixture", "slots": 1},
+              {"id": "idle-slow", "family": "fixture", "slots": 1, "lazy": True,
+               "load_options": {"teardown_barrier": "idle-down"}}]
     yield from run_stack(tmp_path_factory.mktemp("istack"), models, redis_db=9, name="idle", parallel=True,
                          extra_env=FIXTURE_ENV, extra_config={"idle_unload_ms": IDLE_MS})
 
@@ -233,3 +235,28 @@ def test_idle_retirement_skips_a_model_with_queued_work(istack):
                 assert entry_of(istack, "idle1")["state"] == "ready"
             assert entry_of(istack, "idle2")["state"] == "unloaded"
     run(scenario())
+
+
+def test_a_slow_idle_retirement_stays_exclusive_past_the_lease_ttl(istack):
+    """R6.4/R4.5/R2.5: a retirement whose teardown outlasts lease_ttl_ms (3 s here) keeps its manager
+    lease renewed: a request sent meanwhile waits for the teardown and is then served by a new pool;
+    the state ends ready with exactly one pool."""
+    async def scenario():
+        async with mclient(istack, None) as c:
+            first, _, _ = await post(c, "idle-slow")
+            assert first.status_code == 200
+            await until(lambda: istack.arrived("idle-down") == 1, timeout_s=10)  # retirement started
+            await asyncio.sleep(4)  # longer than the lease TTL
+            assert istack.managers("idle-slow")["held"] == 1
+            waiting = asyncio.create_task(post(c, "idle-slow"))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            istack.release("idle-down")
+            resp, _, _ = await waiting
+            assert resp.status_code == 200 and resp.json()["pool_id"] != first.json()["pool_id"]
+            entry = entry_of(istack, "idle-slow")
+            assert entry["state"] == "ready" and entry["loaded"] is True
+            istack.release("idle-down")  # let its next retirement pass
+    run(scenario())
+    loads = istack.sql("SELECT count(*) FROM registry_lifecycleevent WHERE model_id = 'idle-slow' AND event = 'load'")
+    assert loads == [(2,)]

@@ -313,9 +313,35 @@ async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: s
         ServerBusy: admission timeout or fail-fast (R3.4).
     """
     lease = await acquire_manager(ctx, model_id, timeout_ms)
+    return await run_to_completion(with_manager_lease(ctx, model_id, lease, unload_held(ctx, model_id, actor)))
+
+
+_DETACHED: set[asyncio.Task] = set()
+
+
+async def run_to_completion(coro):
+    """Await ``coro`` in its own task that a caller's cancellation does not stop.
+
+    A transition that holds a manager lease must finish (and release the
+    lease itself) even when the client that asked for it disconnects:
+    releasing the lease while a teardown still runs would let requests in
+    beside a half-destroyed pool (R4.5). Cancellation before the lease is
+    granted is not affected (the ticket is simply withdrawn).
+
+    Returns:
+        What ``coro`` returns; its exception is re-raised.
+    """
+    task = asyncio.ensure_future(coro)
+    _DETACHED.add(task)
+    task.add_done_callback(_DETACHED.discard)
+    return await asyncio.shield(task)
+
+
+async def with_manager_lease(ctx: AsyncContext, model_id: str, lease, coro):
+    """Run ``coro`` while renewing the manager ``lease``; release the lease on every path."""
     try:
         async with renewing(ctx, model_id, lease.lease_id):
-            return await unload_held(ctx, model_id, actor)
+            return await coro
     finally:
         await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
 

