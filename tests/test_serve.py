@@ -1,6 +1,7 @@
 """The README's first command: ``manage.py serve`` with no database or Redis configured."""
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -8,10 +9,11 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 
-from .conftest import ROOT, free_port
+from .conftest import ROOT, free_port, run_stack, wav_bytes
 
 
 def start_embedded(tmp_path, *args: str) -> tuple[subprocess.Popen, object]:
@@ -84,3 +86,43 @@ def test_serve_stops_everything_and_fails_when_a_child_dies(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_quick_restart_after_a_killed_worker_reloads_instead_of_dispatching_to_the_dead_one(tmp_path):
+    """R7.4: the worker is killed with SIGKILL (its liveness key outlives it by up to 10 s) and serve
+    is restarted at once on the same Redis and database: the restart forgets the dead local worker,
+    so the first request loads on the new worker and answers 200 promptly (not 503 worker_lost)."""
+    models = [{"id": "rs", "family": "fixture", "slots": 1}]
+    stacks = run_stack(tmp_path, models, redis_db=8, name="restart", parallel=True,
+                       extra_env={"AUDIOSITE_ENABLE_FIXTURE_FAMILY": "1"})
+    stack = next(stacks)
+    try:
+        silence = wav_bytes(np.zeros(1600, dtype=np.float32), 16000)
+        body = {"model": "rs", "request": {"audio_base64": base64.b64encode(silence).decode(), "options": {}}}
+        with stack.client() as c:
+            assert c.post("/v1/tasks/run", json=body).status_code == 200
+        worker = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True)
+                      if "celery" in " ".join(p.cmdline()))
+        worker.kill()
+        stack.proc.wait(timeout=60)  # serve stops when a child dies
+        assert stack.redis.keys("as:worker:*"), "the dead worker's liveness key should still be there"
+        log_path = tmp_path / "serve2.log"
+        argv = [sys.executable, "manage.py", "serve", "--config", str(tmp_path / "server.json"), "--parallel-jobs"]
+        with open(log_path, "wb") as log:
+            second = subprocess.Popen(argv, cwd=ROOT, env=stack.env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while b"listening on" not in log_path.read_bytes():
+                assert second.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.2)
+            started = time.monotonic()
+            with stack.client() as c:
+                resp = c.post("/v1/tasks/run", json=body)
+            assert resp.status_code == 200, resp.text
+            assert time.monotonic() - started < 5
+            assert b"forgot worker" in log_path.read_bytes()
+        finally:
+            second.send_signal(signal.SIGINT)
+            second.wait(timeout=60)
+    finally:
+        next(stacks, None)
