@@ -174,6 +174,10 @@ class WorkerState:
         capacity = adapter.capacity(spec, ctx)
         if slots > capacity:
             raise CapacityExceeded(f"{slots} slots exceed the capacity of {meta['family']} (capacity={capacity})")
+        if meta.get("slots") is not None:  # never serve a count the admission table does not admit (R9.2)
+            problems = specs.slots_problems(meta["family"], meta["task"], meta["mode"], slots, ctx.backend)
+            if problems:
+                raise CapacityExceeded(problems[0])
         shared = adapter.load(spec, ctx)
         sessions = []
         try:

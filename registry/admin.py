@@ -38,10 +38,25 @@ async def _ctx():
 
 
 class ReconfigureForm(forms.Form):
-    """The complete ``POST /v1/models/load`` body of one model (omitted keys take their defaults)."""
+    """The complete ``POST /v1/models/load`` body of one model (omitted keys take their defaults).
 
-    entry = forms.JSONField(widget=forms.Textarea(attrs={"rows": 16, "cols": 90}),
-                            help_text="The model's complete entry; the id cannot change here.")
+    The JSON is parsed here (not by ``forms.JSONField``) so that absurd input
+    (deep nesting, unpaired surrogates) is a form error, never a 500.
+    """
+
+    entry = forms.CharField(widget=forms.Textarea(attrs={"rows": 16, "cols": 90}), max_length=1_000_000,
+                            help_text="The model's complete entry as JSON; the id cannot change here.")
+
+    def clean_entry(self) -> dict:
+        try:
+            value = json.loads(self.cleaned_data["entry"])
+        except (ValueError, RecursionError) as exc:
+            raise forms.ValidationError(f"not valid JSON: {type(exc).__name__}") from None
+        if not isinstance(value, dict):
+            raise forms.ValidationError("a JSON object is expected")
+        if services.bad_text_key(value) is not None:
+            raise forms.ValidationError("text may not contain NUL characters or unpaired UTF-16 surrogates")
+        return value
 
 
 @admin.register(ModelRegistration)
@@ -106,7 +121,7 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
             form = ReconfigureForm(request.POST)
             if form.is_valid():
                 body = form.cleaned_data["entry"]
-                if not isinstance(body, dict) or body.get("id") != row.model_id:
+                if body.get("id") != row.model_id:
                     form.add_error("entry", f"a JSON object whose id is {row.model_id!r}")
                 else:
                     try:
@@ -115,9 +130,13 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
                                                    f"loaded={outcome['loaded']}")
                         return redirect(reverse("admin:registry_modelregistration_change", args=[row.pk]))
                     except ApplicationError as exc:
+                        if getattr(exc, "committed", False):  # the new entry is in place; its load failed
+                            self.message_user(request, f"{row.model_id}: the new entry is saved, but loading it "
+                                                       f"failed: {exc.message}", messages.WARNING)
+                            return redirect(reverse("admin:registry_modelregistration_change", args=[row.pk]))
                         form.add_error("entry", exc.message)
         else:
-            form = ReconfigureForm(initial={"entry": _body_of(row)})
+            form = ReconfigureForm(initial={"entry": json.dumps(_body_of(row), indent=2)})
         context = {**self.admin_site.each_context(request), "opts": self.model._meta, "original": row,
                    "form": form, "title": f"Reconfigure {row.model_id}"}
         return TemplateResponse(request, "admin/registry/modelregistration/reconfigure.html", context)

@@ -12,7 +12,7 @@ from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
-from audiosite.errors import Forbidden, InvalidRequest, NotFound, PayloadTooLarge
+from audiosite.errors import Forbidden, InvalidRequest, LengthRequired, NotFound, PayloadTooLarge
 from audiosite.serverconfig import get_config
 from inference.backend import resolve_backend
 from inference.runtime import runtime_name
@@ -127,6 +127,8 @@ def _json_body(request, allowed: tuple[str, ...] | None) -> dict:
         UnsupportedMediaType: not ``application/json`` (415, from the parser).
     """
     limit = get_config().max_request_body_bytes
+    if not request.META.get("CONTENT_LENGTH") and request.META.get("HTTP_TRANSFER_ENCODING"):
+        raise LengthRequired("Content-Length is required (chunked request bodies are not supported)")
     raw = request.META.get("CONTENT_LENGTH") or "0"
     if not (raw.isascii() and raw.isdigit()):
         raise InvalidRequest("Content-Length is not a number")
@@ -140,6 +142,10 @@ def _json_body(request, allowed: tuple[str, ...] | None) -> dict:
         raise InvalidRequest("the JSON body is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")
+    where = services.bad_text_key(data)
+    if where is not None:
+        raise InvalidRequest("text in the body may not contain NUL characters or unpaired UTF-16 surrogates",
+                             param=None if where == "body" else where)
     if allowed is not None:
         unknown = sorted(set(data) - set(allowed))
         if unknown:

@@ -18,7 +18,7 @@ from django.db import DataError, transaction
 from django.utils import timezone
 from pydantic import ValidationError
 
-from audiosite.errors import InvalidRequest, NotFound
+from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, NotFound
 from audiosite.serverconfig import ModelConfig, ServerConfig, get_config
 from inference import specs
 from inference.backend import resolve_backend
@@ -216,24 +216,33 @@ class ValidatedEntry:
     count_problem: str | None
 
 
-def _nul_in(value, where: str = "") -> str | None:
-    """The dotted key of the first string (key or value) holding a NUL character, else None."""
-    if isinstance(value, str):
-        return where or "body" if "\x00" in value else None
+def _bad_text(text: str) -> bool:
+    return "\x00" in text or any("\ud800" <= ch <= "\udfff" for ch in text)
+
+
+def bad_text_key(value) -> str | None:
+    """Where a NUL character or an unpaired UTF-16 surrogate hides in decoded JSON, else None.
+
+    Returns the top-level key holding it (``"body"`` when that key itself is
+    bad text, so the answer can always be encoded), or ``"body"`` for a bare string.
+    """
+    def bad(item) -> bool:
+        if isinstance(item, str):
+            return _bad_text(item)
+        if isinstance(item, dict):
+            return any(_bad_text(str(k)) or bad(v) for k, v in item.items())
+        if isinstance(item, list):
+            return any(bad(v) for v in item)
+        return False
+
     if isinstance(value, dict):
         for key, item in value.items():
-            path = f"{where}.{key}" if where else str(key)
-            if "\x00" in str(key):
-                return path
-            found = _nul_in(item, path)
-            if found:
-                return found
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _nul_in(item, f"{where}[{index}]")
-            if found:
-                return found
-    return None
+            if _bad_text(str(key)):
+                return "body"
+            if bad(item):
+                return str(key)
+        return None
+    return "body" if bad(value) else None
 
 
 def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
@@ -253,9 +262,10 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
     """
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object with at least 'id' and 'family'")
-    where = _nul_in(body)
+    where = bad_text_key(body)
     if where is not None:
-        raise InvalidRequest(f"key {where!r}: text may not contain NUL characters", param=where.split(".")[0])
+        raise InvalidRequest(f"{'key ' + repr(where) if where != 'body' else 'the body'}: text may not contain NUL "
+                             "characters or unpaired UTF-16 surrogates", param=None if where == "body" else where)
     unknown = sorted(set(body) - set(MANAGEMENT_FIELDS))
     if unknown:
         raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(MANAGEMENT_FIELDS)}", param=unknown[0])
@@ -348,6 +358,14 @@ async def _publish_meta(ctx, model_id: str, meta: dict, runtime: str) -> None:
     await pipe.execute()
 
 
+async def _teardown(ctx, model_id: str, actor: str, state: str = LifecycleState.UNLOADING) -> str:
+    """Unload under a held manager lease, recording ``state`` then ``unloaded`` in the database too (R4)."""
+    await sync_to_async(_registration_set_state)(model_id, state)
+    outcome = await dispatch.unload_held(ctx, model_id, actor=actor, state=state)
+    await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED)
+    return outcome
+
+
 def _ceiling_ms(meta: dict | None) -> int:
     config = get_config()
     if meta is not None and meta.get("busy_timeout_ms") is not None:
@@ -365,7 +383,14 @@ async def _load_now(ctx, model_id: str, meta: dict) -> bool:
     lazy = meta["lazy"] if meta.get("lazy") is not None else get_config().lazy_load
     if lazy:
         return False
-    await dispatch.ensure_loaded(ctx, model_id)
+    try:
+        await dispatch.ensure_loaded(ctx, model_id)
+    except ApplicationError as exc:
+        exc.committed = True  # the entry is registered; only its load failed
+        exc.message += "; the entry is registered and stays unloaded (the next request retries the load)"
+        if not isinstance(exc, ModelLoadFailed):  # a worker's failed load writes its own event
+            await sync_to_async(lifecycle_event_create)(model_id, "load", False, detail=exc.message)
+        raise
     return True
 
 
@@ -427,7 +452,7 @@ async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
         # 400 while the old pool still serves. Then the commit point: retire the old pool and
         # publish the complete new metadata (R4.4); traffic reads only the published entry.
         await _save(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
-        await dispatch.unload_held(ctx, model_id, actor=f"reconfigure by {actor}", state="reconfiguring")
+        await _teardown(ctx, model_id, f"reconfigure by {actor}", LifecycleState.RECONFIGURING)
         await _publish_meta(ctx, model_id, meta, runtime)
         await ctx.scheduler.set_state(model_id, "unloaded")
         loaded = await _load_now(ctx, model_id, meta)
@@ -456,12 +481,16 @@ async def model_unload(ctx, model_id: str, actor: str) -> dict:
         ServerBusy: manager admission timeout or fail-fast (R3.4).
     """
     meta = await _registered_meta(ctx, model_id)
-    started = time.monotonic()
-    outcome = await dispatch.unload(ctx, model_id, _ceiling_ms(meta), actor=actor)
-    await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED)
-    await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail=outcome,
-                                                duration_ms=int((time.monotonic() - started) * 1000))
-    return {"id": model_id, "loaded": False}
+    lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(meta))
+
+    async def transition() -> dict:
+        started = time.monotonic()
+        outcome = await _teardown(ctx, model_id, actor)
+        await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail=outcome,
+                                                    duration_ms=int((time.monotonic() - started) * 1000))
+        return {"id": model_id, "loaded": False}
+
+    return await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, transition()))
 
 
 async def model_unregister(ctx, model_id: str, actor: str) -> dict:
@@ -484,7 +513,7 @@ async def model_unregister(ctx, model_id: str, actor: str) -> dict:
     async def transition() -> dict:
         started = time.monotonic()
         await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
-        await dispatch.unload_held(ctx, model_id, actor=f"unregister by {actor}")
+        await _teardown(ctx, model_id, f"unregister by {actor}")
         pipe = ctx.redis.pipeline(transaction=True)
         pipe.hdel(KEYS.models_meta, model_id)
         pipe.delete(KEYS.model(model_id) + ":load", KEYS.model(model_id) + ":cap")
@@ -521,7 +550,11 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
     if runtime_name() == "legacy" and selected:
         snapshot = await ctx.scheduler.snapshot(selected)
         for model_id in selected:
-            if snapshot[model_id]["state"] == "loading" and not await sync_to_async(_first_load_published)(model_id):
+            status = snapshot[model_id]
+            # A first load is under way when the model was never loaded and someone holds it
+            # (a request or a registration loading it, perhaps still waiting on the cold-load guard).
+            busy = status["state"] == "loading" or status["active_leases"] or status["manager_leases"]
+            if status["state"] != "ready" and busy and not await sync_to_async(_first_load_published)(model_id):
                 skipped.append(model_id)
         selected = [m for m in selected if m not in skipped]
     tickets: dict[str, str] = {}
@@ -547,8 +580,11 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
         if await model_meta_get(ctx, model_id) is None:  # unregistered by a manager ahead of us
             gone.append(model_id)
             return
-        await dispatch.unload_held(ctx, model_id, actor=f"bulk unload by {actor}")
-        await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED)
+        started = time.monotonic()
+        outcome = await _teardown(ctx, model_id, f"bulk unload by {actor}")
+        await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor,
+                                                    detail=f"bulk unload: {outcome}",
+                                                    duration_ms=int((time.monotonic() - started) * 1000))
         unloaded.add(model_id)
 
     async def unload_one(model_id: str) -> None:
@@ -556,7 +592,6 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
         # Once granted, the teardown finishes even if the caller leaves (R4.5).
         await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, teardown(model_id)))
 
-    started = time.monotonic()
     keeper = asyncio.create_task(keep_alive())
     try:
         for model_id in [m for m, f in futures.items() if f.done()]:  # ready-idle first (R5.1)
@@ -569,8 +604,4 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
         keeper.cancel()
         for model_id in list(pending):  # caller gone or an error: leave nothing behind
             await ctx.scheduler.abandon(model_id, tickets[model_id])
-    duration_ms = int((time.monotonic() - started) * 1000)
-    for model_id in unloaded:
-        await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail="bulk unload",
-                                                    duration_ms=duration_ms)
     return {"unloaded": [m for m in selected if m in unloaded], "not_found": not_found + gone, "skipped": skipped}

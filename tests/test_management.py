@@ -154,6 +154,11 @@ def test_gate_off_refuses_everyone(stack):
     assert entry_of(stack, "vad")["state"] == "ready"
 
 
+async def chunks(data: bytes):
+    """A request body without Content-Length (httpx sends it chunked)."""
+    yield data
+
+
 def test_management_bodies_are_strict(mstack, token):
     """API.md errors: unknown keys → 400, form bodies → 415, non-JSON or absurdly nested bodies → 400,
     oversize → 413; none of them changes anything (a 2xx for a bad body would be a bug)."""
@@ -172,6 +177,14 @@ def test_management_bodies_are_strict(mstack, token):
                          headers={"Content-Type": "application/json"}), 400),
                 (op.post("/v1/models/unload", content=b'{"id": "fx-base", "pad": "' + b"x" * 3_100_000 + b'"}',
                          headers={"Content-Type": "application/json"}), 413),
+                (op.post("/v1/models/load", content=b'{"id": "x", "family": "fixture", "\\ud800": 1}',
+                         headers={"Content-Type": "application/json"}), 400),
+                (op.post("/v1/models/unload", content=b'{"id": "\\ud800"}',
+                         headers={"Content-Type": "application/json"}), 400),
+                (op.post("/v1/tasks/unload_models", content=b'{"model_ids": ["fx-base", "\\udfff"]}',
+                         headers={"Content-Type": "application/json"}), 400),
+                (op.post("/v1/tasks/unload_all_models", content=chunks(b"this is { not json"),
+                         headers={"Content-Type": "application/json"}), 411),
             ]
             for request, status in cases:
                 resp = await request
@@ -242,6 +255,13 @@ def test_unsupported_count_on_a_new_registration_registers_it_unloaded(mstack, t
             resp = await op.post("/v1/models/load", json={"id": "w5", "family": "whisper", "slots": 1, "lazy": True})
             assert resp.status_code == 200 and resp.json() == {"id": "w5", "loaded": False, "reconfigured": True}
             assert entry_of(mstack, "w5")["slots"] == 1
+            # A count inside the capacity but outside the admission table (fixture: 1..4 on cpu) is
+            # registered unloaded too, and never served at that count (R9.2).
+            resp = await op.post("/v1/models/load", json=fx("fx8", 8))
+            assert resp.status_code == 400 and "admitted counts are 1..4" in resp.json()["error"]["message"]
+            served, _, _ = await post(op, "fx8")
+            assert served.status_code == 503 and served.json()["error"]["code"] == "load_failed"
+            assert entry_of(mstack, "fx8")["state"] == "unloaded"
     run(scenario())
 
 
@@ -302,6 +322,7 @@ def test_invalid_reconfiguration_preserves_live_state(mstack, token):
             assert mstack.managers("fx-base") == {"held": 0, "queued": 0}
     run(scenario())
     base, lazy = entry_of(mstack, "fx-base"), entry_of(mstack, "whisper-lazy")
+    assert mstack.sql("SELECT state FROM registry_modelregistration WHERE model_id = 'fx-base'") == [("ready",)]
     assert (base["state"], base["slots"], base["max_parallel_slots"]) == ("ready", 2, 16)
     assert (lazy["state"], lazy["slots"]) == ("unloaded", 2)
 
@@ -399,6 +420,8 @@ def test_a_client_that_leaves_during_a_teardown_does_not_end_the_barrier(mstack,
                     await task
             await asyncio.sleep(0.3)
             assert mstack.managers(model)["held"] == 1  # still exclusive
+            recorded = mstack.sql("SELECT state FROM registry_modelregistration WHERE model_id = %s", model)
+            assert recorded == [("reconfiguring" if operation == "reconfigure" else "unloading",)]
             waiting = asyncio.create_task(post(op, model))
             await asyncio.sleep(0.5)
             assert not waiting.done()  # not admitted beside a half-destroyed pool
@@ -415,6 +438,9 @@ def test_a_client_that_leaves_during_a_teardown_does_not_end_the_barrier(mstack,
                 assert entry["state"] == "ready" and entry["loaded"] is True
                 mstack.release(f"{model}-down")  # let later teardowns of this model pass
     run(scenario())
+    events = [e[0] for e in events_of(mstack, model)]
+    expected = {"unload": "unload", "bulk": "unload", "delete": "unregister", "reconfigure": "reconfigure"}
+    assert expected[operation] in events, events  # the audit is written although the client left
 
 
 def test_bulk_unload_behind_an_unregister_reports_the_model_not_found(mstack, token):
@@ -494,7 +520,11 @@ def test_dynamic_registrations_survive_a_registry_resync(mstack, token):
         async with mclient(mstack, token) as op:
             resp = await op.post("/v1/models/load", json=fx("keep", 1, version="k") | {"lazy": True})
             assert resp.status_code == 200 and resp.json()["loaded"] is False
+            resp = await op.post("/v1/models/load", json=fx("keep", 1, version="k2") | {"lazy": True})
+            assert resp.json() == {"id": "keep", "loaded": False, "reconfigured": True}
     run(scenario())
+    # the database records what status shows (R4), also after a reconfigure that loads nothing
+    assert mstack.sql("SELECT state FROM registry_modelregistration WHERE model_id = 'keep'") == [("unloaded",)]
     mstack.redis.hdel("as:models", "keep")  # as if Redis had been restarted
     done = mstack.manage("sync_config", env={"AUDIOSITE_PARALLEL_JOBS": "1",
                                              "AUDIOSITE_CONFIG": str(mstack.log_path.parent / "server.json")})
@@ -623,7 +653,7 @@ def test_operator_lifecycle_under_continuous_traffic_from_four_clients(mstack, t
 def lstack(tmp_path_factory):
     models = [{"id": "lfx", "family": "fixture", "load_options": {"version": "l1"}}]
     yield from run_stack(tmp_path_factory.mktemp("lstack"), models, redis_db=11, name="lmgmt",
-                         extra_env=FIXTURE_ENV, extra_config={"ui_management": True})
+                         extra_env=FIXTURE_ENV, extra_config={"ui_management": True, "max_loaded_models": 8})
 
 
 def test_legacy_refuses_slots_and_manages_one_session_models(lstack):
@@ -713,6 +743,13 @@ def test_admin_actions_and_reconfigure_page_use_the_services(mstack, token):
         resp = c.post(page, data={"entry": bad, "csrfmiddlewaretoken": _csrf(c, page)})
         assert resp.status_code == 200 and "colour" in resp.text
         assert entry_of(mstack, "adm")["slots"] == 1
+        for odd in ('{"id": "adm", "family": "fixture", "load_options": {"version": "\\ud800"}}',
+                    '{"id": "adm", "load_options": ' + "[" * 100000 + "]" * 100000 + "}", "[1, 2]"):
+            resp = c.post(page, data={"entry": odd, "csrfmiddlewaretoken": _csrf(c, page)})
+            assert resp.status_code == 200 and "errorlist" in resp.text  # a form error, never a 500
+        failing = json.dumps({"id": "adm", "family": "fixture", "slots": 1, "load_options": {"fail_load": True}})
+        resp = c.post(page, data={"entry": failing, "csrfmiddlewaretoken": _csrf(c, page)}, follow_redirects=True)
+        assert resp.status_code == 200 and "the new entry is saved, but loading it failed" in resp.text
         good = json.dumps({"id": "adm", "family": "fixture", "slots": 2, "load_options": {"version": "a2"}})
         resp = c.post(page, data={"entry": good, "csrfmiddlewaretoken": _csrf(c, page)})
         assert resp.status_code == 302, resp.text[:2000]
@@ -721,3 +758,22 @@ def test_admin_actions_and_reconfigure_page_use_the_services(mstack, token):
     entry = entry_of(mstack, "adm")
     assert (entry["slots"], entry["state"]) == (2, "ready")
     assert ("reconfigure", "ok", "admin") in events_of(mstack, "adm")
+
+
+def test_legacy_bulk_unload_skips_a_first_load_waiting_on_the_cold_load_guard(lstack):
+    """R5.4/R6.6: a registration whose first load still waits for the cold-load guard (held by another
+    model's load) is skipped at once by a bulk unload, not waited for."""
+    key = lstack.manage("issue_token", "operator").stdout.strip()
+
+    async def scenario():
+        async with mclient(lstack, key) as op:
+            holder = asyncio.create_task(op.post("/v1/models/load", json=fx("lg1", load_barrier="lg1-load")))
+            await until(lambda: lstack.arrived("lg1-load") == 1)  # lg1's load holds the guard
+            waiter = asyncio.create_task(op.post("/v1/models/load", json=fx("lg2")))
+            await until(lambda: lstack.managers("lg2")["held"] == 1)
+            await asyncio.sleep(0.3)
+            resp = await asyncio.wait_for(op.post("/v1/tasks/unload_models", json={"model_ids": ["lg2", "lg1"]}), 5)
+            assert resp.json() == {"unloaded": [], "not_found": [], "skipped": ["lg2", "lg1"]}
+            lstack.release("lg1-load")
+            assert (await holder).status_code == 200 and (await waiter).status_code == 200
+    run(scenario())

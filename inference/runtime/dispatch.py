@@ -333,8 +333,16 @@ async def run_to_completion(coro):
     """
     task = asyncio.ensure_future(coro)
     _DETACHED.add(task)
-    task.add_done_callback(_DETACHED.discard)
+    task.add_done_callback(_settle_detached)
     return await asyncio.shield(task)
+
+
+def _settle_detached(task: asyncio.Task) -> None:
+    """Forget a finished transition; log the outcome its departed caller can no longer hear."""
+    _DETACHED.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.info("a management transition ended with %s: %s", type(exc).__name__, getattr(exc, "message", exc))
 
 
 async def with_manager_lease(ctx: AsyncContext, model_id: str, lease, coro):
