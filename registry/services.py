@@ -358,8 +358,12 @@ async def _publish_meta(ctx, model_id: str, meta: dict, runtime: str) -> None:
     await pipe.execute()
 
 
-async def _teardown(ctx, model_id: str, actor: str, state: str = LifecycleState.UNLOADING) -> str:
-    """Unload under a held manager lease, recording ``state`` then ``unloaded`` in the database too (R4)."""
+async def model_teardown(ctx, model_id: str, actor: str, state: str = LifecycleState.UNLOADING) -> str:
+    """Unload under a held manager lease, recording ``state`` then ``unloaded`` in the database too (R4).
+
+    Returns:
+        The outcome of ``inference.runtime.dispatch.unload_held``.
+    """
     await sync_to_async(_registration_set_state)(model_id, state)
     outcome = await dispatch.unload_held(ctx, model_id, actor=actor, state=state)
     await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED)
@@ -452,7 +456,7 @@ async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
         # 400 while the old pool still serves. Then the commit point: retire the old pool and
         # publish the complete new metadata (R4.4); traffic reads only the published entry.
         await _save(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
-        await _teardown(ctx, model_id, f"reconfigure by {actor}", LifecycleState.RECONFIGURING)
+        await model_teardown(ctx, model_id, f"reconfigure by {actor}", LifecycleState.RECONFIGURING)
         await _publish_meta(ctx, model_id, meta, runtime)
         await ctx.scheduler.set_state(model_id, "unloaded")
         loaded = await _load_now(ctx, model_id, meta)
@@ -485,7 +489,7 @@ async def model_unload(ctx, model_id: str, actor: str) -> dict:
 
     async def transition() -> dict:
         started = time.monotonic()
-        outcome = await _teardown(ctx, model_id, actor)
+        outcome = await model_teardown(ctx, model_id, actor)
         await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor, detail=outcome,
                                                     duration_ms=int((time.monotonic() - started) * 1000))
         return {"id": model_id, "loaded": False}
@@ -513,7 +517,7 @@ async def model_unregister(ctx, model_id: str, actor: str) -> dict:
     async def transition() -> dict:
         started = time.monotonic()
         await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
-        await _teardown(ctx, model_id, f"unregister by {actor}")
+        await model_teardown(ctx, model_id, f"unregister by {actor}")
         pipe = ctx.redis.pipeline(transaction=True)
         pipe.hdel(KEYS.models_meta, model_id)
         pipe.delete(KEYS.model(model_id) + ":load", KEYS.model(model_id) + ":cap")
@@ -581,7 +585,7 @@ async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> di
             gone.append(model_id)
             return
         started = time.monotonic()
-        outcome = await _teardown(ctx, model_id, f"bulk unload by {actor}")
+        outcome = await model_teardown(ctx, model_id, f"bulk unload by {actor}")
         await sync_to_async(lifecycle_event_create)(model_id, "unload", True, actor=actor,
                                                     detail=f"bulk unload: {outcome}",
                                                     duration_ms=int((time.monotonic() - started) * 1000))

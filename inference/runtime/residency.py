@@ -72,8 +72,9 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
         ServerBusy: (code ``residency_full``) fewer models could be evicted
             than needed (all others busy, queued or loading).
     """
-    from inference.runtime.dispatch import run_to_completion, unload_held, with_manager_lease
+    from inference.runtime.dispatch import run_to_completion, with_manager_lease
     from registry.selectors import model_meta_all
+    from registry.services import model_teardown
 
     config = get_config()
     metas = await model_meta_all(ctx)
@@ -104,7 +105,7 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
             continue
         # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
         await run_to_completion(with_manager_lease(ctx, victim, lease,
-                                                   unload_held(ctx, victim, actor=f"eviction for {model_id}")))
+                                                   model_teardown(ctx, victim, actor=f"eviction for {model_id}")))
         log.info("evicted %s (least recently used) to load %s", victim, model_id)
         evicted.append(victim)
         need -= 1
