@@ -431,8 +431,6 @@ async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
     existing = await model_meta_get(ctx, model_id)
     if existing is not None and valid.count_problem:
         raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
-    lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(existing))
-
     async def transition() -> dict:
         started = time.monotonic()
         existing = await model_meta_get(ctx, model_id)  # may have changed while we queued
@@ -463,7 +461,7 @@ async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
         log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
         return {"id": model_id, "loaded": loaded, "reconfigured": True}
 
-    return await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, transition()))
+    return await dispatch.run_as_manager(ctx, model_id, _ceiling_ms(existing), transition)
 
 
 async def _registered_meta(ctx, model_id: str) -> dict:
@@ -485,8 +483,6 @@ async def model_unload(ctx, model_id: str, actor: str) -> dict:
         ServerBusy: manager admission timeout or fail-fast (R3.4).
     """
     meta = await _registered_meta(ctx, model_id)
-    lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(meta))
-
     async def transition() -> dict:
         started = time.monotonic()
         outcome = await model_teardown(ctx, model_id, actor)
@@ -494,7 +490,7 @@ async def model_unload(ctx, model_id: str, actor: str) -> dict:
                                                     duration_ms=int((time.monotonic() - started) * 1000))
         return {"id": model_id, "loaded": False}
 
-    return await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, transition()))
+    return await dispatch.run_as_manager(ctx, model_id, _ceiling_ms(meta), transition)
 
 
 async def model_unregister(ctx, model_id: str, actor: str) -> dict:
@@ -512,8 +508,6 @@ async def model_unregister(ctx, model_id: str, actor: str) -> dict:
         ServerBusy: manager admission timeout or fail-fast (R3.4).
     """
     meta = await _registered_meta(ctx, model_id)
-    lease = await dispatch.acquire_manager(ctx, model_id, _ceiling_ms(meta))
-
     async def transition() -> dict:
         started = time.monotonic()
         await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
@@ -525,7 +519,7 @@ async def model_unregister(ctx, model_id: str, actor: str) -> dict:
         await sync_to_async(_registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
         return {"id": model_id, "deleted": True}
 
-    return await dispatch.run_to_completion(dispatch.with_manager_lease(ctx, model_id, lease, transition()))
+    return await dispatch.run_as_manager(ctx, model_id, _ceiling_ms(meta), transition)
 
 
 async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> dict:

@@ -312,8 +312,28 @@ async def unload(ctx: AsyncContext, model_id: str, timeout_ms: int = 0, actor: s
     Raises:
         ServerBusy: admission timeout or fail-fast (R3.4).
     """
+    return await run_as_manager(ctx, model_id, timeout_ms, lambda: unload_held(ctx, model_id, actor))
+
+
+async def run_as_manager(ctx: AsyncContext, model_id: str, timeout_ms: int, transition):
+    """Take ``model_id``'s manager lease, then run ``transition()`` to completion under it.
+
+    The caller may leave while the manager is queued (the ticket is withdrawn);
+    once the lease is granted, ``transition()`` runs to its end and the lease
+    is released after it (see :func:`run_to_completion`).
+
+    Args:
+        timeout_ms: manager admission bound (0 = unbounded, R3.4).
+        transition: a no-argument callable returning the coroutine to run.
+
+    Returns:
+        What the transition returns.
+
+    Raises:
+        ServerBusy: admission timeout or fail-fast (R3.4); whatever the transition raises.
+    """
     lease = await acquire_manager(ctx, model_id, timeout_ms)
-    return await run_to_completion(with_manager_lease(ctx, model_id, lease, unload_held(ctx, model_id, actor)))
+    return await run_to_completion(with_manager_lease(ctx, model_id, lease, transition()))
 
 
 _DETACHED: set[asyncio.Task] = set()
