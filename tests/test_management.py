@@ -777,3 +777,23 @@ def test_legacy_bulk_unload_skips_a_first_load_waiting_on_the_cold_load_guard(ls
             lstack.release("lg1-load")
             assert (await holder).status_code == 200 and (await waiter).status_code == 200
     run(scenario())
+
+
+def test_bulk_unload_does_not_cover_models_registered_after_its_snapshot(mstack, token):
+    """R5.3: unload_all_models waits behind a busy model; a model registered meanwhile is not in its
+    selection: it stays loaded and is not listed."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=fx("snap-busy", 1))).status_code == 200
+            running = asyncio.create_task(post(op, "snap-busy", barrier="snap-run"))
+            await until(lambda: mstack.arrived("snap-run") == 1)
+            bulk = asyncio.create_task(op.post("/v1/tasks/unload_all_models"))
+            await until(lambda: mstack.managers("snap-busy")["queued"] == 1)
+            resp = await op.post("/v1/models/load", json=fx("snap-late", 1))
+            assert resp.json() == {"id": "snap-late", "loaded": True, "reconfigured": False}
+            mstack.release("snap-run")
+            assert (await running)[0].status_code == 200
+            resp = await bulk
+            assert "snap-busy" in resp.json()["unloaded"] and "snap-late" not in resp.json()["unloaded"]
+            assert entry_of(mstack, "snap-late")["state"] == "ready"
+    run(scenario())
