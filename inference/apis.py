@@ -31,19 +31,24 @@ from registry.selectors import model_meta_get
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 
 
-def check_length(request) -> None:
-    """Refuse a body over ``max_request_body_bytes`` (413) or one without a Content-Length (411).
+def check_length(request, body_optional: bool = False) -> int:
+    """The body's Content-Length in bytes; refuse one over ``max_request_body_bytes`` (413).
 
-    Chunked request bodies are not supported: Django would see them as empty.
+    Chunked request bodies are not supported (Django would see them as
+    empty): a body without Content-Length is refused with 411, unless
+    ``body_optional`` and no body was sent at all (then 0).
     """
     limit = get_config().max_request_body_bytes
     raw = request.META.get("CONTENT_LENGTH")
     if raw in (None, ""):
+        if body_optional and not request.META.get("HTTP_TRANSFER_ENCODING"):
+            return 0
         raise LengthRequired("Content-Length is required (chunked request bodies are not supported)")
     if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
         raise InvalidRequest("Content-Length is not a number")
     if int(raw) > limit:
         raise PayloadTooLarge(f"request body of {int(raw)} bytes exceeds max_request_body_bytes={limit}")
+    return int(raw)
 
 
 def _data(request) -> dict:
@@ -128,17 +133,46 @@ def _bool_field(value, name: str) -> bool:
     raise InvalidRequest(f"{name} must be true or false", param=name)
 
 
-def _check_strings(value, name: str) -> None:
-    """Apply :func:`_check_text` to every string inside ``value`` (options blocks)."""
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
+def bad_text_path(value, name: str = "") -> tuple[str, str] | None:
+    """The first string (key or value) inside decoded JSON that is not plain text, else None.
+
+    Plain text encodes as UTF-8 (no unpaired surrogates) and holds no NUL
+    character: PostgreSQL, Redis and the JSON renderer all need that.
+
+    Returns:
+        ``(path, text)``: the dotted path of the value (for a bad key, the
+        path of the object holding it) and the offending string.
+    """
     if isinstance(value, str):
-        _check_text(value, name)
-    elif isinstance(value, dict):
+        return None if _is_text(value) else (name, value)
+    if isinstance(value, dict):
         for key, item in value.items():
-            _check_text(str(key), name)
-            _check_strings(item, f"{name}.{key}")
+            if not _is_text(str(key)):
+                return name, str(key)
+            found = bad_text_path(item, f"{name}.{key}" if name else str(key))
+            if found:
+                return found
     elif isinstance(value, list):
         for item in value:
-            _check_strings(item, name)
+            found = bad_text_path(item, name)
+            if found:
+                return found
+    return None
+
+
+def _check_strings(value, name: str) -> None:
+    """Apply :func:`_check_text` to every string inside ``value`` (options blocks)."""
+    found = bad_text_path(value, name)
+    if found:
+        _check_text(found[1], found[0])
 
 
 def _busy_timeout(request, data) -> int | None:

@@ -165,21 +165,28 @@ def consecutive_count(validated) -> int:
     return max(k, 1)
 
 
-def slots_problems(family: str, task: str, mode: str, slots, backend: str) -> list[str]:
-    """Problems with a requested slot count on the parallel runtime (R1.3, R9.1, R9.2).
-
-    Valid: an integer (not a bool) 1..16, ≤ the advertised capacity (message
-    contains ``capacity=N``), and ≤ the largest consecutively validated count
-    of the admission table.
-    """
+def slots_value_problem(slots) -> str | None:
+    """Why ``slots`` is not a slot count at all (R1.3): it must be an integer (not a bool) 1..16."""
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
-        return [f"key 'slots': must be an integer from 1 to {MAX_SLOTS}, not {json.dumps(slots)}"]
+        return f"key 'slots': must be an integer from 1 to {MAX_SLOTS}, not {json.dumps(slots)}"
+    return None
+
+
+def slots_count_problem(family: str, task: str, mode: str, slots: int, backend: str) -> str | None:
+    """Why a valid count cannot run here (R9.1, R9.2): above the advertised capacity (message has
+    ``capacity=N``) or above the largest consecutively validated count of the admission table."""
     capacity = advertised_capacity(family, backend)
     if slots > capacity:
-        return [f"key 'slots': {slots} slots exceed the advertised capacity of family {family!r} on "
-                f"{backend} (capacity={capacity})"]
+        return (f"key 'slots': {slots} slots exceed the advertised capacity of family {family!r} on "
+                f"{backend} (capacity={capacity})")
     admitted = admitted_counts(family, task, mode, backend)
     if slots > admitted:
-        return [f"key 'slots': {slots} slots are not validated for {family} {task}/{mode} on {backend}; "
-                f"admitted counts are 1..{admitted} (model_specs/admission/{backend}.json)"]
-    return []
+        return (f"key 'slots': {slots} slots are not validated for {family} {task}/{mode} on {backend}; "
+                f"admitted counts are 1..{admitted} (model_specs/admission/{backend}.json)")
+    return None
+
+
+def slots_problems(family: str, task: str, mode: str, slots, backend: str) -> list[str]:
+    """Every problem with a requested slot count on the parallel runtime (R1.3, R9.1, R9.2)."""
+    problem = slots_value_problem(slots) or slots_count_problem(family, task, mode, slots, backend)
+    return [problem] if problem else []

@@ -68,7 +68,7 @@ def retire_if_idle(model_id: str, idle_ms: int) -> bool:
         True when the pool was retired.
     """
     scheduler = sync_scheduler()
-    lease = scheduler.try_acquire_now(model_id, "ready", idle_ms)
+    lease = scheduler.try_acquire(model_id, "ready", idle_ms)
     if lease is None:
         return False
     try:
@@ -77,6 +77,23 @@ def retire_if_idle(model_id: str, idle_ms: int) -> bool:
             return _retire(model_id, idle_ms)
     finally:
         scheduler.release(model_id, lease.lease_id)
+
+
+def _destroy_pool(model_id: str) -> tuple[bool, str]:
+    """Unpublish and close this worker's pool of ``model_id`` (sessions, then weights; R4.5).
+
+    Returns:
+        ``(had_pool, error)``; ``error`` is "" unless closing raised.
+    """
+    pool = WORKER.remove(model_id)
+    if pool is None:
+        return False, ""
+    try:
+        pool.close()
+    except Exception as exc:
+        log.exception("closing the pool of %s failed", model_id)
+        return True, f"{type(exc).__name__}: {exc}"
+    return True, ""
 
 
 def _retire(model_id: str, idle_ms: int) -> bool:
@@ -89,14 +106,7 @@ def _retire(model_id: str, idle_ms: int) -> bool:
         return False  # another worker's pool: it retires its own
     started = time.monotonic()
     scheduler.set_state(model_id, "unloading")  # logical residency first (R4.5)
-    pool = WORKER.remove(model_id)
-    error = ""
-    if pool is not None:
-        try:
-            pool.close()
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            log.exception("closing the pool of %s failed", model_id)
+    _had_pool, error = _destroy_pool(model_id)
     scheduler.set_state(model_id, "unloaded")
     try:
         registration_record_unload(model_id, not error, detail=error or f"idle for at least {idle_ms} ms",
@@ -297,15 +307,10 @@ def unload_model(model_id: str, boot: str, token: str, channel: str, actor: str 
     from registry.services import registration_record_unload
 
     started = time.monotonic()
-    payload: dict = {"ok": True, "had_pool": False}
-    pool = WORKER.remove(model_id) if boot == WORKER.boot else None
-    if pool is not None:
-        payload["had_pool"] = True
-        try:
-            pool.close()
-        except Exception as exc:
-            log.exception("closing the pool of %s failed", model_id)
-            payload = {"ok": False, "had_pool": True, "error": f"{type(exc).__name__}: {exc}"}
+    had_pool, error = _destroy_pool(model_id) if boot == WORKER.boot else (False, "")
+    payload: dict = {"ok": not error, "had_pool": had_pool}
+    if error:
+        payload["error"] = error
     payload["duration_ms"] = int((time.monotonic() - started) * 1000)
     try:
         registration_record_unload(model_id, payload["ok"], detail=payload.get("error", ""),

@@ -18,16 +18,17 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
 from audiosite.errors import ApplicationError
-from audiosite.serverconfig import get_config
+from inference.apis import bad_text_path
 
 from . import services
 from .models import LifecycleEvent, ModelRegistration
+from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 
 
 def _check_gate(request) -> None:
-    if not get_config().ui_management:
-        raise PermissionDenied("management is disabled: start the server with --ui-management")
-    if not request.user.has_perm("registry.manage_models"):
+    if not management_enabled():
+        raise PermissionDenied(MANAGEMENT_DISABLED)
+    if not may_manage(request.user):
         raise PermissionDenied("you lack the registry.manage_models permission")
 
 
@@ -54,7 +55,7 @@ class ReconfigureForm(forms.Form):
             raise forms.ValidationError(f"not valid JSON: {type(exc).__name__}") from None
         if not isinstance(value, dict):
             raise forms.ValidationError("a JSON object is expected")
-        if services.bad_text_key(value) is not None:
+        if bad_text_path(value) is not None:
             raise forms.ValidationError("text may not contain NUL characters or unpaired UTF-16 surrogates")
         return value
 
@@ -79,13 +80,13 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
 
     def get_actions(self, request):
         actions = super().get_actions(request)
-        if not (get_config().ui_management and request.user.has_perm("registry.manage_models")):
+        if not (management_enabled() and may_manage(request.user)):
             actions.pop("load_selected", None)
             actions.pop("unload_selected", None)
         return actions
 
     def render_change_form(self, request, context, *args, **kwargs):
-        context["can_manage"] = get_config().ui_management and request.user.has_perm("registry.manage_models")
+        context["can_manage"] = management_enabled() and may_manage(request.user)
         return super().render_change_form(request, context, *args, **kwargs)
 
     def get_urls(self):

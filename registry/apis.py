@@ -12,13 +12,15 @@ from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
-from audiosite.errors import Forbidden, InvalidRequest, LengthRequired, NotFound, PayloadTooLarge
+from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
+from inference.apis import bad_text_path, check_length
 from inference.backend import resolve_backend
 from inference.runtime import runtime_name
 from inference.runtime.context import async_context
 
 from . import services
+from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 from .selectors import model_meta_all, model_status_list
 
 
@@ -36,7 +38,7 @@ class HealthApi(APIView):
             _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
         backend = _backend
         return Response({"status": "ok", "runtime": runtime_name(), "backend": backend, "models": len(models),
-                         "ui": False, "ui_management": get_config().ui_management})
+                         "ui": False, "ui_management": management_enabled()})
 
 
 class ModelListApi(APIView):
@@ -47,38 +49,10 @@ class ModelListApi(APIView):
         return Response({"object": "list", "data": await model_status_list(ctx)})
 
 
-class ModelDetailApi(APIView):
-    """``GET /v1/models/{id}`` (open) and ``DELETE /v1/models/{id}`` (management: unregister)."""
-
-    async def get(self, request, model_id: str):
-        ctx = await async_context()
-        entries = await model_status_list(ctx, model_id)
-        if not entries:
-            raise NotFound(f"model {model_id!r} is not registered", param="model")
-        return Response(entries[0])
-
-    async def delete(self, request, model_id: str):
-        ctx = await async_context()
-        return Response(await services.model_unregister(ctx, model_id, ManagementApi.actor(request)))
-
-    def get_authenticators(self):
-        if self.request is not None and self.request.method == "DELETE":
-            return [TokenAuthentication(), SessionAuthentication()]
-        return []
-
-    def get_permissions(self):
-        if self.request is not None and self.request.method == "DELETE":
-            return [ManagementGate()]
-        return []
-
-    def get_authenticate_header(self, request):
-        return "Token"
-
-
 # -- management routes (gated: ui_management on AND registry.manage_models) ---------------------------
 
 class ManagementGate(BasePermission):
-    """Gate of every management route (API.md).
+    """Gate of every management route (API.md), checked in this order.
 
     ``ui_management`` off → 403 ``forbidden`` (for everyone, before any
     credential check); no or invalid credentials → 401
@@ -87,14 +61,13 @@ class ManagementGate(BasePermission):
     """
 
     def has_permission(self, request, view) -> bool:
-        if not get_config().ui_management:
-            raise Forbidden("management is disabled: start the server with --ui-management "
-                            "(or \"ui_management\": true in server.json)", code="management_disabled")
+        if not management_enabled():
+            raise Forbidden(MANAGEMENT_DISABLED, code="management_disabled")
         user = request.user
         if user is None or not user.is_authenticated:
             raise NotAuthenticated("management routes need credentials: 'Authorization: Token <key>' "
                                    "(python manage.py issue_token USER) or a Django admin session")
-        if not user.has_perm("registry.manage_models"):
+        if not may_manage(user):
             raise Forbidden(f"user {user.get_username()!r} lacks the registry.manage_models permission",
                             code="permission_denied")
         return True
@@ -115,6 +88,27 @@ class ManagementApi(APIView):
         return request.user.get_username()
 
 
+class ModelDetailApi(ManagementApi):
+    """``GET /v1/models/{id}`` (open) and ``DELETE /v1/models/{id}`` (management: unregister)."""
+
+    async def get(self, request, model_id: str):
+        ctx = await async_context()
+        entries = await model_status_list(ctx, model_id)
+        if not entries:
+            raise NotFound(f"model {model_id!r} is not registered", param="model")
+        return Response(entries[0])
+
+    async def delete(self, request, model_id: str):
+        ctx = await async_context()
+        return Response(await services.model_unregister(ctx, model_id, self.actor(request)))
+
+    def get_authenticators(self):  # status reads stay open; only DELETE is gated
+        return super().get_authenticators() if self.request.method == "DELETE" else []
+
+    def get_permissions(self):
+        return super().get_permissions() if self.request.method == "DELETE" else []
+
+
 def _json_body(request, allowed: tuple[str, ...] | None) -> dict:
     """The JSON object of a management request (an absent or empty body reads as ``{}``).
 
@@ -122,19 +116,11 @@ def _json_body(request, allowed: tuple[str, ...] | None) -> dict:
         allowed: the keys the route takes (None = any; the service checks them).
 
     Raises:
-        PayloadTooLarge: over ``max_request_body_bytes`` (413).
+        PayloadTooLarge, LengthRequired: over ``max_request_body_bytes`` (413); chunked (411).
         InvalidRequest: not a JSON object, nested too deeply, or an unknown key (400).
         UnsupportedMediaType: not ``application/json`` (415, from the parser).
     """
-    limit = get_config().max_request_body_bytes
-    if not request.META.get("CONTENT_LENGTH") and request.META.get("HTTP_TRANSFER_ENCODING"):
-        raise LengthRequired("Content-Length is required (chunked request bodies are not supported)")
-    raw = request.META.get("CONTENT_LENGTH") or "0"
-    if not (raw.isascii() and raw.isdigit()):
-        raise InvalidRequest("Content-Length is not a number")
-    if int(raw) > limit:
-        raise PayloadTooLarge(f"request body of {int(raw)} bytes exceeds max_request_body_bytes={limit}")
-    if int(raw) == 0:
+    if check_length(request, body_optional=True) == 0:
         return {}
     try:
         data = request.data
@@ -142,10 +128,11 @@ def _json_body(request, allowed: tuple[str, ...] | None) -> dict:
         raise InvalidRequest("the JSON body is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")
-    where = services.bad_text_key(data)
-    if where is not None:
+    found = bad_text_path(data)
+    if found:
+        key = found[0].split(".")[0]  # a top-level key is plain text; a bad key reads as the body's
         raise InvalidRequest("text in the body may not contain NUL characters or unpaired UTF-16 surrogates",
-                             param=None if where == "body" else where)
+                             param=key or None)
     if allowed is not None:
         unknown = sorted(set(data) - set(allowed))
         if unknown:

@@ -102,6 +102,17 @@ def registration_sync_config(config: ServerConfig, actor: str = "config") -> dic
     return report
 
 
+def _queue_publish(pipe, keys, meta: dict, runtime: str) -> str:
+    """Queue the commands that publish one entry and its slot count on ``pipe``; returns the entry's JSON.
+
+    The slot count is ``slots`` (1 when unset) on the parallel runtime, always 1 on legacy (R1.1).
+    """
+    text = json.dumps(meta, sort_keys=True)
+    pipe.hset(keys.models_meta, meta["id"], text)
+    pipe.set(keys.model(meta["id"]) + ":cap", (meta.get("slots") or 1) if runtime == "parallel" else 1)
+    return text
+
+
 def registry_publish(redis_client, keys, runtime: str = "legacy") -> list[str]:
     """Publish every registration to Redis, replacing what was there (one MULTI).
 
@@ -122,9 +133,7 @@ def registry_publish(redis_client, keys, runtime: str = "legacy") -> list[str]:
     pipe = redis_client.pipeline(transaction=True)
     pipe.delete(keys.models_meta)
     for row in rows:
-        meta = json.dumps(row.as_meta(), sort_keys=True)
-        pipe.hset(keys.models_meta, row.model_id, meta)
-        pipe.set(keys.model(row.model_id) + ":cap", (row.slots or 1) if runtime == "parallel" else 1)
+        meta = _queue_publish(pipe, keys, row.as_meta(), runtime)
         if previous.get(row.model_id) not in (None, meta):
             pipe.hset(keys.model(row.model_id) + ":load", mapping={"state": "unloaded", "error": "configuration changed"})
     pipe.set(keys.runtime, runtime)
@@ -145,7 +154,7 @@ def registration_record_load(model_id: str, ok: bool, *, error: str = "", durati
 
 def registration_record_loading(model_id: str, actor: str = "") -> None:
     """Record that a load started (state ``loading``)."""
-    ModelRegistration.objects.filter(model_id=model_id).update(state=LifecycleState.LOADING, updated_at=timezone.now())
+    _registration_set_state(model_id, LifecycleState.LOADING)
 
 
 def registration_record_lost(model_ids: list[str], reason: str, actor: str = "") -> None:
@@ -204,45 +213,14 @@ MANAGEMENT_FIELDS = ("id", "family", "path", "task", "mode", "slots", "busy_time
 class ValidatedEntry:
     """A management body that passed private validation (R4.4, R4.6).
 
-    ``entry`` is the parsed model entry; ``slots`` the requested count
-    (None when omitted); ``count_problem`` is set when the count is a valid
+    ``entry`` is the parsed model entry; ``count_problem`` is set when the count is a valid
     integer the model cannot run (above the advertised ``capacity=N`` or the
     admitted counts): refused for an existing id, registered-but-unloaded
     for a new one.
     """
 
     entry: ModelConfig
-    slots: int | None
     count_problem: str | None
-
-
-def _bad_text(text: str) -> bool:
-    return "\x00" in text or any("\ud800" <= ch <= "\udfff" for ch in text)
-
-
-def bad_text_key(value) -> str | None:
-    """Where a NUL character or an unpaired UTF-16 surrogate hides in decoded JSON, else None.
-
-    Returns the top-level key holding it (``"body"`` when that key itself is
-    bad text, so the answer can always be encoded), or ``"body"`` for a bare string.
-    """
-    def bad(item) -> bool:
-        if isinstance(item, str):
-            return _bad_text(item)
-        if isinstance(item, dict):
-            return any(_bad_text(str(k)) or bad(v) for k, v in item.items())
-        if isinstance(item, list):
-            return any(bad(v) for v in item)
-        return False
-
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if _bad_text(str(key)):
-                return "body"
-            if bad(item):
-                return str(key)
-        return None
-    return "body" if bad(value) else None
 
 
 def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
@@ -257,15 +235,14 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
         runtime: 'legacy' or 'parallel'.
         backend: the resolved backend ('cpu' or 'cuda') for the capacity probe.
 
+    Text with NUL characters or unpaired surrogates is refused at the edges
+    (``registry.apis``, the admin form) before it gets here.
+
     Raises:
         InvalidRequest: the first problem found, with ``param`` naming the key.
     """
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object with at least 'id' and 'family'")
-    where = bad_text_key(body)
-    if where is not None:
-        raise InvalidRequest(f"{'key ' + repr(where) if where != 'body' else 'the body'}: text may not contain NUL "
-                             "characters or unpaired UTF-16 surrogates", param=None if where == "body" else where)
     unknown = sorted(set(body) - set(MANAGEMENT_FIELDS))
     if unknown:
         raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(MANAGEMENT_FIELDS)}", param=unknown[0])
@@ -286,24 +263,19 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
         specs.resolve_checkpoint(entry.family, entry.path)
     except FileNotFoundError as exc:
         raise InvalidRequest(f"key 'path': {exc}", param="path") from None
-    slots = body.get("slots")
     count_problem = None
     if "slots" in body:
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= specs.MAX_SLOTS:
-            raise InvalidRequest(f"key 'slots': must be an integer from 1 to {specs.MAX_SLOTS}, not "
-                                 f"{json.dumps(slots)}", param="slots")
+        problem = specs.slots_value_problem(body["slots"])
+        if problem:
+            raise InvalidRequest(problem, param="slots")
         task = entry.task or specs.default_task(entry.family)
-        found = specs.slots_problems(entry.family, task, entry.mode, slots, backend)
-        count_problem = found[0] if found else None
-    return ValidatedEntry(entry, slots, count_problem)
+        count_problem = specs.slots_count_problem(entry.family, task, entry.mode, body["slots"], backend)
+    return ValidatedEntry(entry, count_problem)
 
 
 def _meta_of(entry: ModelConfig, source: str) -> dict:
-    """The metadata a registration publishes (same keys as ``ModelRegistration.as_meta``)."""
-    fields = _entry_fields(entry)
-    return {"id": entry.id, "family": fields["family"], "task": fields["task"], "mode": fields["mode"],
-            "path": fields["path"] or None, **fields["options"], "busy_timeout_ms": fields["busy_timeout_ms"],
-            "slots": fields["slots"], "lazy": fields["lazy"], "source": source}
+    """The metadata ``entry`` would publish once saved (``ModelRegistration.as_meta`` of an unsaved row)."""
+    return ModelRegistration(model_id=entry.id, source=source, **_entry_fields(entry)).as_meta()
 
 
 def _same_configuration(a: dict, b: dict) -> bool:
@@ -353,8 +325,7 @@ def _first_load_published(model_id: str) -> bool:
 async def _publish_meta(ctx, model_id: str, meta: dict, runtime: str) -> None:
     """Publish one entry and its slot count in one MULTI (every process sees old or new, R4.7)."""
     pipe = ctx.redis.pipeline(transaction=True)
-    pipe.hset(KEYS.models_meta, model_id, json.dumps(meta, sort_keys=True))
-    pipe.set(KEYS.model(model_id) + ":cap", (meta.get("slots") or 1) if runtime == "parallel" else 1)
+    _queue_publish(pipe, KEYS, meta, runtime)
     await pipe.execute()
 
 
@@ -368,13 +339,6 @@ async def model_teardown(ctx, model_id: str, actor: str, state: str = LifecycleS
     outcome = await dispatch.unload_held(ctx, model_id, actor=actor, state=state)
     await sync_to_async(_registration_set_state)(model_id, LifecycleState.UNLOADED)
     return outcome
-
-
-def _ceiling_ms(meta: dict | None) -> int:
-    config = get_config()
-    if meta is not None and meta.get("busy_timeout_ms") is not None:
-        return meta["busy_timeout_ms"]
-    return config.busy_timeout_ms
 
 
 async def _load_now(ctx, model_id: str, meta: dict) -> bool:
@@ -461,7 +425,7 @@ async def model_register_or_reconfigure(ctx, body, actor: str) -> dict:
         log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
         return {"id": model_id, "loaded": loaded, "reconfigured": True}
 
-    return await dispatch.run_as_manager(ctx, model_id, _ceiling_ms(existing), transition)
+    return await dispatch.run_as_manager(ctx, model_id, dispatch.ceiling_ms(existing), transition)
 
 
 async def _registered_meta(ctx, model_id: str) -> dict:
@@ -490,7 +454,7 @@ async def model_unload(ctx, model_id: str, actor: str) -> dict:
                                                     duration_ms=int((time.monotonic() - started) * 1000))
         return {"id": model_id, "loaded": False}
 
-    return await dispatch.run_as_manager(ctx, model_id, _ceiling_ms(meta), transition)
+    return await dispatch.run_as_manager(ctx, model_id, dispatch.ceiling_ms(meta), transition)
 
 
 async def model_unregister(ctx, model_id: str, actor: str) -> dict:
@@ -519,7 +483,7 @@ async def model_unregister(ctx, model_id: str, actor: str) -> dict:
         await sync_to_async(_registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
         return {"id": model_id, "deleted": True}
 
-    return await dispatch.run_as_manager(ctx, model_id, _ceiling_ms(meta), transition)
+    return await dispatch.run_as_manager(ctx, model_id, dispatch.ceiling_ms(meta), transition)
 
 
 async def models_bulk_unload(ctx, model_ids: list[str] | None, actor: str) -> dict:

@@ -60,6 +60,13 @@ class Outcome:
     worker: str
 
 
+def ceiling_ms(meta: dict | None) -> int:
+    """A model's admission ceiling in ms (R3.1): its ``busy_timeout_ms``, else the server's."""
+    if meta is not None and meta.get("busy_timeout_ms") is not None:
+        return meta["busy_timeout_ms"]
+    return get_config().busy_timeout_ms
+
+
 def _busy(exc: Exception) -> ServerBusy:
     if isinstance(exc, AdmissionExpired):
         return ServerBusy(f"server busy: {exc}", code="grant_expired")
@@ -242,10 +249,8 @@ async def infer(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, opt
         NotFound: the model was unregistered while the request waited.
         Conflict: the model changed family or task while the request waited.
     """
-    config = get_config()
     model_id = meta["id"]
-    ceiling = meta["busy_timeout_ms"] if meta.get("busy_timeout_ms") is not None else config.busy_timeout_ms
-    timeout_ms = effective_timeout_ms(request_timeout_ms, ceiling)
+    timeout_ms = effective_timeout_ms(request_timeout_ms, ceiling_ms(meta))
     try:
         lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms)
     except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:

@@ -285,23 +285,24 @@ class Scheduler:
         finally:
             listener.forget(grant_key)
 
-    async def try_acquire(self, model_id: str, state: str = "ready", idle_ms: int = 0) -> Lease | None:
-        """Take the model's manager lease only if it is free right now (R6.1, R6.4); async client.
+    def try_acquire(self, model_id: str, state: str = "ready", idle_ms: int = 0):
+        """Take the model's manager lease only if it is free right now (R6.1, R6.4).
 
-        Never waits and never interrupts: returns None when the model is not
-        in ``state``, holds any lease, has anything queued, or (``idle_ms`` > 0)
-        finished its last work less than ``idle_ms`` ms ago (Redis clock).
+        Never waits and never interrupts: the result is None when the model is
+        not in ``state``, holds any lease, has anything queued, or (``idle_ms``
+        > 0) finished its last work less than ``idle_ms`` ms ago (Redis clock).
+
+        Returns:
+            :class:`Lease` or None; with an async client, an awaitable of it.
         """
-        lease_id = uuid.uuid4().hex
-        granted = await self._run("try_acquire", [self.keys.model(model_id)],
-                                  [lease_id, self.lease_ttl_ms, state, idle_ms])
-        return Lease(model_id, lease_id, 0, 0.0, "manager") if int(granted) else None
-
-    def try_acquire_now(self, model_id: str, state: str = "ready", idle_ms: int = 0) -> Lease | None:
-        """:meth:`try_acquire` for a synchronous client (worker threads)."""
-        lease_id = uuid.uuid4().hex
-        granted = self._run("try_acquire", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms, state, idle_ms])
-        return Lease(model_id, lease_id, 0, 0.0, "manager") if int(granted) else None
+        lease = Lease(model_id, uuid.uuid4().hex, 0, 0.0, "manager")
+        granted = self._run("try_acquire", [self.keys.model(model_id)],
+                            [lease.lease_id, self.lease_ttl_ms, state, idle_ms])
+        if inspect.isawaitable(granted):
+            async def settle():
+                return lease if int(await granted) else None
+            return settle()
+        return lease if int(granted) else None
 
     async def acquire_many(self, listener: Listener, model_ids: list[str],
                            tickets_out: dict[str, str] | None = None) -> dict[str, asyncio.Future]:
