@@ -12,10 +12,10 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-from inference.runtime.context import KEYS, sync_redis  # noqa: E402
+from inference.runtime.context import sync_scheduler  # noqa: E402
 from inference.runtime.startup import check_runtime  # noqa: E402
 
 # R1.4: refuse to serve when the deployment records another runtime; R1.5: warn on parallel.
-check_runtime(sync_redis(), KEYS)
+check_runtime(sync_scheduler())
 
 application = ProtocolTypeRouter({"http": django_asgi_app})

@@ -12,4 +12,4 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "audiosite.settings")
 
 app = Celery("audiosite")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["inference"])
+app.autodiscover_tasks(["inference.worker"])

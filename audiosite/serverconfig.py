@@ -21,9 +21,12 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from django.core.exceptions import ImproperlyConfigured
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from audiosite.settings import env_bool, env_json, env_str
 from inference import specs
+from inference.backend import resolve_backend
 
 # Keys of API.md that later issues implement; refused until then.
 NOT_YET_SUPPORTED_TOP = {
@@ -97,6 +100,9 @@ class ServerConfig(_Strict):
     idle_unload_ms: int = Field(default=0, ge=0)
     min_free_memory_mb: int = Field(default=0, ge=0)
     models: list[ModelConfig] = Field(default_factory=list)
+    runtime: Literal["legacy", "parallel"] = "legacy"
+    """Not a key of the file: chosen by ``--parallel-jobs`` / ``AUDIOSITE_PARALLEL_JOBS`` and
+    resolved once by :func:`parse_config` (R1.3, R1.4)."""
 
     @property
     def residency_limited(self) -> bool:
@@ -169,7 +175,11 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
         raise ConfigError(["the top level must be a JSON object"], source)
     problems: list[str] = []
     _check_unsupported(data, problems, parallel)
-    cleaned = {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED_TOP}
+    if "runtime" in data:
+        problems.append("key 'runtime': unknown key (the runtime is chosen with --parallel-jobs or "
+                        "AUDIOSITE_PARALLEL_JOBS=1)")
+    cleaned = {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED_TOP and k != "runtime"}
+    cleaned["runtime"] = "parallel" if parallel else "legacy"
     if isinstance(cleaned.get("models"), list):
         cleaned["models"] = [
             {k: v for k, v in m.items() if k not in NOT_YET_SUPPORTED_MODEL and (parallel or k != "slots")}
@@ -198,7 +208,7 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
                 raw = data["models"][index]
                 if "slots" in raw:
                     if backend_resolver is None:
-                        from inference.backend import resolve_backend as backend_resolver
+                        backend_resolver = resolve_backend
                     task = entry.task or specs.default_task(entry.family)
                     problems.extend(f"{who}: {p}" for p in specs.slots_problems(
                         entry.family, task, entry.mode, raw["slots"], backend_resolver(config.backend)))
@@ -228,7 +238,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         ConfigError: unreadable file, invalid JSON, or any problem of
             :func:`parse_config`.
     """
-    path = Path(path or os.environ.get("AUDIOSITE_CONFIG") or DEFAULT_CONFIG_PATH)
+    path = Path(path or env_str("AUDIOSITE_CONFIG") or DEFAULT_CONFIG_PATH)
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
@@ -236,8 +246,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
     except json.JSONDecodeError as exc:
         raise ConfigError([f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"], str(path)) from exc
     if overrides is None:
-        raw = os.environ.get("AUDIOSITE_CONFIG_OVERRIDES", "").strip()
-        overrides = json.loads(raw) if raw else {}
+        overrides = env_json("AUDIOSITE_CONFIG_OVERRIDES", {})
     if parallel is None:
         parallel = parallel_jobs()
     if overrides and isinstance(data, dict):
@@ -252,12 +261,10 @@ def parallel_jobs() -> bool:
     Raises:
         ConfigError: the variable holds something other than a boolean word.
     """
-    raw = os.environ.get("AUDIOSITE_PARALLEL_JOBS", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ConfigError([f"AUDIOSITE_PARALLEL_JOBS={raw!r} is not a boolean"], "environment")
+    try:
+        return env_bool("AUDIOSITE_PARALLEL_JOBS", False)
+    except ImproperlyConfigured as exc:
+        raise ConfigError([str(exc)], "environment") from None
 
 
 _cached: ServerConfig | None = None

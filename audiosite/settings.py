@@ -22,6 +22,7 @@ instead of falling back silently.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
@@ -30,7 +31,6 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("AUDIOSITE_VAR_DIR", BASE_DIR / "var"))
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
@@ -71,6 +71,27 @@ def env_url(name: str, default: str | None, schemes: tuple[str, ...]) -> str | N
     return raw
 
 
+def env_json(name: str, default):
+    """Parse ``name`` as JSON, or return ``default`` when unset or empty.
+
+    Raises:
+        ImproperlyConfigured: the value is set but is not valid JSON.
+    """
+    raw = env_str(name)
+    if raw is None:
+        return default
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ImproperlyConfigured(f"{name} is not valid JSON: {exc.msg}") from None
+
+
+def env_path(name: str, default: Path) -> Path:
+    """Return ``name`` as a filesystem path, or ``default`` when unset or empty."""
+    raw = env_str(name)
+    return Path(raw) if raw else default
+
+
 def _secret_key() -> str:
     explicit = env_str("AUDIOSITE_SECRET_KEY")
     if explicit:
@@ -87,6 +108,7 @@ def _secret_key() -> str:
     return key
 
 
+VAR_DIR = env_path("AUDIOSITE_VAR_DIR", BASE_DIR / "var")
 SECRET_KEY = _secret_key()
 DEBUG = env_bool("AUDIOSITE_DEBUG", False)
 ALLOWED_HOSTS = ["*"]

@@ -23,8 +23,7 @@ from rest_framework.response import Response
 
 from audiosite.errors import InvalidRequest, LengthRequired, NotFound, PayloadTooLarge, UnsupportedMedia
 from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
-from inference import audio, specs
-from inference.runtime import dispatch
+from inference import audio, services, specs
 from inference.runtime.context import async_context
 from registry.selectors import model_meta_get
 
@@ -237,7 +236,7 @@ def _check_options(family: str, options: dict) -> None:
         raise InvalidRequest("; ".join(problems), param="options")
 
 
-def _timing(started: float, n_samples: int, rate: int, outcome: dispatch.Outcome) -> dict:
+def _timing(started: float, n_samples: int, rate: int, outcome: services.Outcome) -> dict:
     """``timing`` of a response: wall time, audio duration, real-time factor
     (wall ÷ audio), and the queue / load / inference parts, all in ms."""
     wall_ms = (time.monotonic() - started) * 1000
@@ -315,7 +314,7 @@ class TranscriptionApi(APIView):
             raw = _read_local(path_value, "file")
             param = "file"
         samples, rate = await _decode(raw, meta["family"], param)
-        outcome = await dispatch.infer(ctx, meta, samples, rate, options, timeout_ms)
+        outcome = await services.run(ctx, meta, samples, rate, options, timeout_ms)
         result = outcome.result
         timing = _timing(started, len(samples), rate, outcome)
         if response_format == "text":
@@ -365,7 +364,7 @@ class TaskRunApi(APIView):
         else:
             raise InvalidRequest("request needs 'audio' (server-local path) or 'audio_base64'", param="request")
         samples, rate = await _decode(raw, meta["family"], param)
-        outcome = await dispatch.infer(ctx, meta, samples, rate, options, timeout_ms)
+        outcome = await services.run(ctx, meta, samples, rate, options, timeout_ms)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result,
                 "timing": _timing(started, len(samples), rate, outcome)}
         return Response(body)

@@ -7,6 +7,7 @@ All functions raise :class:`AudioError` subclasses, which the web side maps to
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import soundfile
@@ -118,3 +119,19 @@ def to_bytes(samples: np.ndarray) -> bytes:
 def from_bytes(data: bytes) -> np.ndarray:
     """Inverse of :func:`to_bytes`."""
     return np.frombuffer(data, dtype="<f4").copy()
+
+
+def pack_request(samples: np.ndarray, sample_rate_hz: int, options: dict) -> bytes:
+    """The input of one run as it waits in Redis: a JSON header line, then float32 samples.
+
+    Header: ``{"sample_rate_hz": int, "options": {...}}``. Inverse: :func:`unpack_request`.
+    """
+    header = json.dumps({"sample_rate_hz": sample_rate_hz, "options": options}).encode()
+    return header + b"\n" + to_bytes(samples)
+
+
+def unpack_request(data: bytes) -> tuple[np.ndarray, int, dict]:
+    """``(samples float32 (n,), sample_rate_hz, options)`` from :func:`pack_request`'s bytes."""
+    header, _, body = data.partition(b"\n")
+    info = json.loads(header)
+    return from_bytes(body), int(info["sample_rate_hz"]), info["options"]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+
+from audiosite.settings import env_bool
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "model_specs"
 ADMISSION_DIR = SPEC_DIR / "admission"
@@ -25,7 +26,7 @@ FIXTURE_FAMILY_ENV = "AUDIOSITE_ENABLE_FIXTURE_FAMILY"
 
 def fixture_family_enabled() -> bool:
     """The controllable test family exists only with ``AUDIOSITE_ENABLE_FIXTURE_FAMILY=1``."""
-    return os.environ.get(FIXTURE_FAMILY_ENV, "").strip() == "1"
+    return env_bool(FIXTURE_FAMILY_ENV, False)
 
 
 @functools.lru_cache(maxsize=None)

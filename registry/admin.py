@@ -1,7 +1,7 @@
 """Django admin: registrations and the lifecycle log.
 
 Rows are never edited directly: the admin's actions (load, unload) and its
-reconfigure page call the same ``registry.services`` transitions as the
+reconfigure page call the same ``registry.lifecycle`` transitions as the
 management routes, under the same gate (``ui_management`` on and the
 ``registry.manage_models`` permission). They run outside any admin
 transaction, because a transition waits for older requests and for the
@@ -19,8 +19,9 @@ from django.urls import path, reverse
 
 from audiosite.errors import ApplicationError
 from inference.apis import bad_text_path
+from inference.runtime.context import async_context
 
-from . import services
+from . import lifecycle
 from .models import LifecycleEvent, ModelRegistration
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 
@@ -30,12 +31,6 @@ def _check_gate(request) -> None:
         raise PermissionDenied(MANAGEMENT_DISABLED)
     if not may_manage(request.user):
         raise PermissionDenied("you lack the registry.manage_models permission")
-
-
-async def _ctx():
-    from inference.runtime.context import async_context
-
-    return await async_context()
 
 
 class ReconfigureForm(forms.Form):
@@ -144,11 +139,11 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
 
     @staticmethod
     async def _load(body: dict, actor: str) -> dict:
-        return await services.model_register_or_reconfigure(await _ctx(), body, actor)
+        return await lifecycle.model_register_or_reconfigure(await async_context(), body, actor)
 
     @staticmethod
     async def _bulk_unload(ids: list[str], actor: str) -> dict:
-        return await services.models_bulk_unload(await _ctx(), ids, actor)
+        return await lifecycle.models_bulk_unload(await async_context(), ids, actor)
 
 
 def _body_of(row: ModelRegistration) -> dict:

@@ -16,10 +16,9 @@ from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
 from inference.apis import bad_text_path, check_length
 from inference.backend import resolve_backend
-from inference.runtime import runtime_name
 from inference.runtime.context import async_context
 
-from . import services
+from . import lifecycle
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 from .selectors import model_meta_all, model_status_list
 
@@ -37,7 +36,7 @@ class HealthApi(APIView):
         if _backend is None:  # probing may load onnxruntime: once, off the event loop
             _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
         backend = _backend
-        return Response({"status": "ok", "runtime": runtime_name(), "backend": backend, "models": len(models),
+        return Response({"status": "ok", "runtime": get_config().runtime, "backend": backend, "models": len(models),
                          "ui": False, "ui_management": management_enabled()})
 
 
@@ -100,7 +99,7 @@ class ModelDetailApi(ManagementApi):
 
     async def delete(self, request, model_id: str):
         ctx = await async_context()
-        return Response(await services.model_unregister(ctx, model_id, self.actor(request)))
+        return Response(await lifecycle.model_unregister(ctx, model_id, self.actor(request)))
 
     def get_authenticators(self):  # status reads stay open; only DELETE is gated
         return super().get_authenticators() if self.request.method == "DELETE" else []
@@ -145,7 +144,7 @@ class ModelLoadApi(ManagementApi):
 
     async def post(self, request):
         ctx = await async_context()
-        return Response(await services.model_register_or_reconfigure(ctx, _json_body(request, None),
+        return Response(await lifecycle.model_register_or_reconfigure(ctx, _json_body(request, None),
                                                                       self.actor(request)))
 
 
@@ -158,7 +157,8 @@ class ModelUnloadApi(ManagementApi):
         if not isinstance(model_id, str) or not model_id:
             raise InvalidRequest("key 'id': a model id (string) is required", param="id")
         ctx = await async_context()
-        return Response(await services.model_unload(ctx, model_id, self.actor(request)))
+        outcome = await lifecycle.model_unload(ctx, model_id, self.actor(request))
+        return Response({"id": outcome["id"], "loaded": outcome["loaded"]})
 
 
 class UnloadModelsApi(ManagementApi):
@@ -170,7 +170,7 @@ class UnloadModelsApi(ManagementApi):
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise InvalidRequest("key 'model_ids': a list of model ids (strings) is required", param="model_ids")
         ctx = await async_context()
-        return Response(await services.models_bulk_unload(ctx, ids, self.actor(request)))
+        return Response(await lifecycle.models_bulk_unload(ctx, ids, self.actor(request)))
 
 
 class UnloadAllModelsApi(ManagementApi):
@@ -179,4 +179,4 @@ class UnloadAllModelsApi(ManagementApi):
     async def post(self, request):
         _json_body(request, ())  # no keys: an empty body or {}
         ctx = await async_context()
-        return Response(await services.models_bulk_unload(ctx, None, self.actor(request)))
+        return Response(await lifecycle.models_bulk_unload(ctx, None, self.actor(request)))

@@ -1,25 +1,18 @@
-"""Reads: published registrations and the status snapshot (never reserves anything, R4.7)."""
+"""Reads: published registrations, the status snapshot (never reserves anything, R4.7), and database facts."""
 from __future__ import annotations
 
-import json
+from audiosite.serverconfig import get_config
+from inference.runtime.context import AsyncContext
+from inference.runtime.published import meta_all as model_meta_all
+from inference.runtime.published import meta_get as model_meta_get
+from inference.scheduler import ModelState, ModelStatus
 
-from inference.runtime import runtime_name
-from inference.runtime.context import KEYS, AsyncContext
+from .models import ModelRegistration
 
-
-async def model_meta_get(ctx: AsyncContext, model_id: str) -> dict | None:
-    """Published metadata of one model, or None when it is not registered."""
-    raw = await ctx.redis.hget(KEYS.models_meta, model_id)
-    return json.loads(raw) if raw else None
-
-
-async def model_meta_all(ctx: AsyncContext) -> dict[str, dict]:
-    """Published metadata of every model, keyed by id."""
-    raw = await ctx.redis.hgetall(KEYS.models_meta)
-    return {model_id: json.loads(value) for model_id, value in sorted(raw.items())}
+__all__ = ["model_meta_all", "model_meta_get", "model_status_list", "registration_first_load_published"]
 
 
-def _entry(meta: dict, status: dict, parallel: bool) -> dict:
+def _entry(meta: dict, status: ModelStatus, parallel: bool) -> dict:
     entry = {
         "id": meta["id"],
         "object": "model",
@@ -27,8 +20,8 @@ def _entry(meta: dict, status: dict, parallel: bool) -> dict:
         "family": meta["family"],
         "task": meta["task"],
         "mode": meta["mode"],
-        "state": status["state"],
-        "loaded": status["state"] == "ready",
+        "state": str(status["state"]),
+        "loaded": status["state"] == ModelState.READY,
         "path": meta["path"],
     }
     if parallel:
@@ -57,5 +50,10 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None) -> l
     if model_id is not None:
         metas = {model_id: metas[model_id]} if model_id in metas else {}
     snapshot = await ctx.scheduler.snapshot(list(metas))
-    parallel = runtime_name() == "parallel"
+    parallel = get_config().runtime == "parallel"
     return [_entry(meta, snapshot[mid], parallel) for mid, meta in metas.items()]
+
+
+def registration_first_load_published(model_id: str) -> bool:
+    """True when ``model_id`` has ever finished a load (``loaded_at`` set; used by R5.4)."""
+    return ModelRegistration.objects.filter(model_id=model_id, loaded_at__isnull=False).exists()

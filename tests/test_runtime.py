@@ -9,7 +9,7 @@ import pytest
 
 from audiosite.errors import ServerBusy
 from inference.runtime.context import async_context
-from inference.runtime.dispatch import ensure_loaded
+from inference.runtime.rpc import load_single_flight
 
 pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/15"),
                                 reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)")
@@ -21,7 +21,7 @@ def test_load_that_no_worker_starts_fails_with_503_and_is_abandoned(redis_client
         ctx = await async_context()
         started = time.monotonic()
         with pytest.raises(ServerBusy) as info:
-            await ensure_loaded(ctx, "orphan", pickup_timeout_s=1.0)
+            await load_single_flight(ctx, "orphan", pickup_timeout_s=1.0)
         elapsed = time.monotonic() - started
         snapshot = await ctx.scheduler.snapshot(["orphan"])
         # A worker that starts the stale task now must refuse to load.

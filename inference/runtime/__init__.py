@@ -1,11 +1,6 @@
-"""Runtimes: the legacy runtime (one session per model, R1.1) and the parallel
-runtime (``--parallel-jobs``: FIFO slot pools, R1.3). Both share the flow in
-``dispatch``; they differ in each model's capacity and in what the
-configuration accepts.
+"""Mechanism of the web side: clients and context, leases, worker RPC, teardown, published state.
+
+Decisions (when to load, evict, retire, what to record) live in
+``inference.services``; this package never imports ``registry`` and never
+imports a worker module.
 """
-from audiosite.serverconfig import parallel_jobs
-
-
-def runtime_name() -> str:
-    """'parallel' when ``AUDIOSITE_PARALLEL_JOBS`` selects it, else 'legacy' (fixed at start-up, R1.4)."""
-    return "parallel" if parallel_jobs() else "legacy"

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
+from audiosite.serverconfig import get_config
 from inference import specs
-from inference.runtime import runtime_name
+from inference.scheduler import Scheduler
 
 log = logging.getLogger("audiosite")
+
+UNTESTED_RULES = ("R8.3",)
+"""Contract rules labelled U (untested or not built) in ``docs/contract.md``; named by the R1.5 warning.
+``tests/test_layout.py`` checks that this list and the document agree."""
 
 
 def experimental_warning() -> str:
     """The one-line-per-topic warning printed when the parallel runtime starts (R1.5).
 
     Names the validated multi-slot scope (admission tables) and the contract
-    rules still labelled U in ``docs/contract.md``.
+    rules still labelled U (:data:`UNTESTED_RULES`).
     """
     scope = []
     for backend in ("cpu", "cuda"):
@@ -30,28 +34,26 @@ def experimental_warning() -> str:
                 top = specs.admitted_counts(family, *task_mode.split("/"), backend)
                 if top > 1:
                     scope.append(f"{family} {task_mode} on {backend} up to {top} slots")
-    contract = specs.SPEC_DIR.parent / "docs" / "contract.md"
-    gaps = []
-    if contract.exists():
-        for line in contract.read_text().splitlines():
-            cells = [c.strip() for c in line.split("|")]
-            if len(cells) > 3 and re.match(r"^R\d", cells[1]) and cells[3] == "U":
-                gaps.append(cells[1])
     return ("EXPERIMENTAL: the parallel runtime (--parallel-jobs) is experimental. Multi-slot admission is "
             f"validated only for: {'; '.join(scope) or 'nothing'}; every other family/task/mode/backend serves "
-            f"one slot. Lifecycle areas without test coverage (docs/contract.md, label U): {', '.join(gaps) or 'none'}.")
+            "one slot. Lifecycle areas without test coverage (docs/contract.md, label U): "
+            f"{', '.join(UNTESTED_RULES) or 'none'}.")
 
 
-def check_runtime(redis_client, keys, warn: bool = True) -> str:
+def check_runtime(scheduler: Scheduler, warn: bool = True) -> str:
     """Claim or verify this deployment's runtime (R1.4) and warn on parallel (R1.5).
 
-    Raises:
-        registry.services.RuntimeMismatch: another runtime is recorded.
-    """
-    from registry.services import runtime_claim
+    Args:
+        scheduler: a scheduler on a synchronous client.
 
-    runtime = runtime_name()
-    runtime_claim(redis_client, keys, runtime)
+    Returns:
+        The runtime name.
+
+    Raises:
+        inference.scheduler.RuntimeMismatch: another runtime is recorded.
+    """
+    runtime = get_config().runtime
+    scheduler.claim_runtime(runtime)
     if runtime == "parallel" and warn:
         log.warning(experimental_warning())
     return runtime

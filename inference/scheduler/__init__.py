@@ -3,28 +3,56 @@
 Imports nothing from Django: it takes a Redis client and plain values, so it
 can be tested and reasoned about alone (DESIGN.md).
 """
-from .keys import Keys
+from .keepalive import KeepAlive
+from .keys import LIVENESS_EVERY_S, LIVENESS_TTL_MS, Keys
+from .listener import Listener
 from .slots import (
     AdmissionExpired,
     AdmissionOverdue,
     AdmissionTimeout,
-    Lease,
-    LoadDecision,
+    InvalidTransition,
+    LeaseNotHeld,
+    RuntimeMismatch,
     Scheduler,
     SchedulerError,
     effective_timeout_ms,
 )
-from .listener import Listener
+from .types import (
+    Lease,
+    LeaseKind,
+    LoadAction,
+    LoadDecision,
+    LoadOutcome,
+    LoadWait,
+    ModelState,
+    ModelStatus,
+    ReapResult,
+    TicketStatus,
+)
 
 __all__ = [
+    "LIVENESS_EVERY_S",
+    "LIVENESS_TTL_MS",
     "AdmissionExpired",
     "AdmissionOverdue",
     "AdmissionTimeout",
+    "InvalidTransition",
+    "KeepAlive",
     "Keys",
     "Lease",
+    "LeaseKind",
+    "LeaseNotHeld",
     "Listener",
+    "LoadAction",
     "LoadDecision",
+    "LoadOutcome",
+    "LoadWait",
+    "ModelState",
+    "ModelStatus",
+    "ReapResult",
+    "RuntimeMismatch",
     "Scheduler",
     "SchedulerError",
+    "TicketStatus",
     "effective_timeout_ms",
 ]

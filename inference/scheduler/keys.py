@@ -1,7 +1,15 @@
-"""Redis key names of the scheduler (layout documented in ``lua/lib.lua``)."""
+"""Redis key names of the scheduler (layout documented in ``lua/lib.lua``).
+
+Every key name of the deployment is built here and nowhere else.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+LIVENESS_TTL_MS = 10000
+"""A worker whose liveness key was not refreshed for this long is considered dead (R7.4)."""
+LIVENESS_EVERY_S = 2.0
+"""How often a worker refreshes its liveness key, in seconds (5 beats per TTL)."""
 
 
 @dataclass(frozen=True)
@@ -13,6 +21,30 @@ class Keys:
     def model(self, model_id: str) -> str:
         """Base key of one model; ``{id}`` is a Redis Cluster hash tag."""
         return f"{self.prefix}m:{{{model_id}}}"
+
+    def load(self, model_id: str) -> str:
+        """HASH of one model's lifecycle: state, owner, boot, loader claim, error, capacity, last_used_ms."""
+        return self.model(model_id) + ":load"
+
+    def capacity(self, model_id: str) -> str:
+        """STRING: the model's slot count (absent = 1)."""
+        return self.model(model_id) + ":cap"
+
+    def leases(self, model_id: str) -> str:
+        """HASH request lease -> granted_at_ms."""
+        return self.model(model_id) + ":leases"
+
+    def manager_leases(self, model_id: str) -> str:
+        """HASH manager lease -> granted_at_ms."""
+        return self.model(model_id) + ":mleases"
+
+    def queue(self, model_id: str) -> str:
+        """ZSET ticket -> FIFO sequence number."""
+        return self.model(model_id) + ":queue"
+
+    def queued_managers(self, model_id: str) -> str:
+        """HASH ticket -> 'manager' for queued manager tickets."""
+        return self.model(model_id) + ":kind"
 
     @property
     def seq(self) -> str:
@@ -69,5 +101,19 @@ class Keys:
 
     @property
     def runtime(self) -> str:
-        """The runtime name this deployment runs ('legacy')."""
+        """The runtime name this deployment runs ('legacy' or 'parallel', R1.4)."""
         return f"{self.prefix}runtime"
+
+    # -- the controllable test family (inference/adapters/fixture_barrier.py) --
+    def fixture_arrived(self, name: str) -> str:
+        """Counter of steps that reached fixture barrier ``name``."""
+        return f"{self.prefix}fixture:arrived:{name}"
+
+    def fixture_release(self, name: str) -> str:
+        """LIST a controller pushes 'go' / 'fail' onto, one item per waiter let through."""
+        return f"{self.prefix}fixture:release:{name}"
+
+    @property
+    def fixture_events(self) -> str:
+        """Channel on which barrier arrivals are announced."""
+        return f"{self.prefix}fixture:events"

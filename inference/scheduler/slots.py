@@ -10,24 +10,71 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+from .keepalive import KeepAlive
 from .keys import Keys
 from .listener import Listener
+from .types import (
+    Lease,
+    LeaseKind,
+    LoadAction,
+    LoadDecision,
+    LoadOutcome,
+    LoadWait,
+    ModelState,
+    ModelStatus,
+    ReapResult,
+    TicketStatus,
+)
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
-_LIB = (LUA_DIR / "lib.lua").read_text()
 _SCRIPT_NAMES = (
     "enqueue", "cancel", "release", "renew", "reap",
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
-    "enqueue_managers", "try_acquire",
+    "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
+    "publish_entry", "publish_registry", "unregister", "claim_runtime",
 )
+# Read and assembled once per process (``lib.lua`` prepended to each script).
+_SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
+            for name in _SCRIPT_NAMES}
+
+
+def _then(result: Any, convert: Callable[[Any], Any]) -> Any:
+    """``convert(result)``; with an async client ``result`` is an awaitable, and so is the return value."""
+    if inspect.isawaitable(result):
+        async def settle(pending: Awaitable[Any] = result) -> Any:
+            return convert(await pending)
+        return settle()
+    return convert(result)
 
 
 class SchedulerError(Exception):
     """Base of the scheduler's refusals."""
+
+
+class LeaseNotHeld(SchedulerError):
+    """A manager operation named a lease that is not held (it was reaped, R2.5, or never granted)."""
+
+    def __init__(self, model_id: str, operation: str):
+        super().__init__(f"model {model_id!r}: {operation} refused: the manager lease is no longer held")
+        self.model_id = model_id
+
+
+class InvalidTransition(SchedulerError):
+    """``set_state`` was asked for a lifecycle transition that ``set_state.lua`` does not allow."""
+
+    def __init__(self, model_id: str, state: str):
+        super().__init__(f"model {model_id!r}: no transition to {state!r} from its current state")
+        self.model_id = model_id
+
+
+class RuntimeMismatch(SchedulerError):
+    """Another runtime is already recorded for this deployment (R1.4)."""
 
 
 class AdmissionTimeout(SchedulerError):
@@ -84,35 +131,6 @@ def effective_timeout_ms(request_ms: int | None, ceiling_ms: int) -> int:
     return min(request_ms, ceiling_ms)
 
 
-@dataclass(frozen=True)
-class Lease:
-    """A granted ticket: owns one slot of ``model_id`` (kind 'request') or the
-    whole model (kind 'manager') until released or reaped.
-
-    ``lease_id`` equals the ticket id; ``granted_at_ms`` is Redis TIME in ms;
-    ``waited_ms`` is how long the caller queued (local monotonic clock).
-    """
-
-    model_id: str
-    lease_id: str
-    granted_at_ms: int
-    waited_ms: float
-    kind: str = "request"
-
-
-@dataclass(frozen=True)
-class LoadDecision:
-    """Outcome of ``begin_load``: ``action`` is 'ready', 'wait' or 'load'.
-
-    For 'ready', ``owner`` is the Celery hostname owning the pool and ``boot``
-    its boot id.
-    """
-
-    action: str
-    owner: str | None = None
-    boot: str | None = None
-
-
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -121,21 +139,21 @@ class Scheduler:
     """The scheduler's operations on one Redis.
 
     Args:
-        redis: ``redis.Redis`` (worker threads) or ``redis.asyncio.Redis`` (web);
-            with an async client every operation returns an awaitable.
+        redis: ``redis.Redis`` (worker threads, commands) or ``redis.asyncio.Redis``
+            (web); with an async client every operation returns an awaitable.
         keys: key layout.
         lease_ttl_ms: a lease whose holder does not renew it for this long is
             reclaimed (R2.5).
+
+    Script sources are read once per process; each instance binds them to
+    its client (one instance per client: see ``inference.runtime.context``).
     """
 
     def __init__(self, redis, keys: Keys, lease_ttl_ms: int):
         self.redis = redis
         self.keys = keys
         self.lease_ttl_ms = lease_ttl_ms
-        self._scripts = {
-            name: redis.register_script(_LIB + "\n" + (LUA_DIR / f"{name}.lua").read_text())
-            for name in _SCRIPT_NAMES
-        }
+        self._scripts = {name: redis.register_script(source) for name, source in _SOURCES.items()}
 
     def _run(self, name: str, keys: list[str], args: list):
         return self._scripts[name](keys=keys, args=args)
@@ -149,13 +167,25 @@ class Scheduler:
         """Extend a lease by the TTL. Returns 1, or 0 when it was already reclaimed."""
         return self._run("renew", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms])
 
-    def reap(self, model_id: str, ticket: str = ""):
-        """Reclaim expired leases and grant.
+    def keep_alive(self, model_id: str, lease_id: str) -> KeepAlive:
+        """A :class:`KeepAlive` renewing ``lease_id`` every third of the TTL (``async with`` or ``with``)."""
+        return KeepAlive(lambda: self.renew(model_id, lease_id), self.lease_ttl_ms / 3000,
+                         f"lease {lease_id[:8]} of {model_id}")
 
-        Returns ``[reaped, next_expiry_ms|-1, status]``; ``status`` is the state of
-        ``ticket`` ('queued', 'granted' or 'gone'; 'gone' when no ticket is given).
+    def keep_load_claim(self, model_id: str, token: str, host: str) -> KeepAlive:
+        """A :class:`KeepAlive` renewing the single loader's claim (``with`` in a worker thread)."""
+        return KeepAlive(lambda: self.renew_load(model_id, token, host), self.lease_ttl_ms / 3000,
+                         f"load claim {token[:8]} of {model_id}")
+
+    def reap(self, model_id: str, ticket: str = ""):
+        """Reclaim expired leases and grant (R2.5).
+
+        Returns:
+            :class:`ReapResult` (an awaitable of it with an async client);
+            ``ticket`` is ``GONE`` when no ticket is given.
         """
-        return self._run("reap", [self.keys.model(model_id)], [self.lease_ttl_ms, ticket])
+        return _then(self._run("reap", [self.keys.model(model_id)], [self.lease_ttl_ms, ticket]),
+                     lambda r: ReapResult(int(r[0]), int(r[1]), TicketStatus(_text(r[2])), int(r[3])))
 
     # -- loads ----------------------------------------------------------------
     def renew_load(self, model_id: str, token: str, host: str):
@@ -164,52 +194,131 @@ class Scheduler:
 
     async def load_picked_up(self, model_id: str, token: str) -> bool:
         """True when a worker has started the load claimed by ``token`` (async client)."""
-        fields = await self.redis.hmget(self.keys.model(model_id) + ":load", ["loader", "loader_host"])
+        fields = await self.redis.hmget(self.keys.load(model_id), ["loader", "loader_host"])
         return _text(fields[0]) == token and bool(fields[1])
 
     def finish_load(self, model_id: str, token: str, ok: bool, owner: str = "", boot: str = "", error: str = "",
                     capacity: int = 0):
-        """Publish a load's outcome and wake its waiters. Returns 'ok' or 'stale'.
+        """Publish a load's outcome and wake its waiters.
 
         ``capacity`` is the loaded pool's advertised capacity (shown as
         ``max_parallel_slots`` while the model is loaded).
+
+        Returns:
+            :class:`LoadOutcome` (``STALE``: the claim was gone, nothing published).
         """
-        return self._run(
-            "finish_load", [self.keys.model(model_id)],
-            [token, "ready" if ok else "failed", owner, boot, error, capacity],
-        )
+        return _then(self._run("finish_load", [self.keys.model(model_id)],
+                               [token, "ready" if ok else "failed", owner, boot, error, capacity]),
+                     lambda r: LoadOutcome(_text(r)))
 
     def mark_unloaded(self, model_id: str, boot: str, error: str):
         """Record that the pool loaded under ``boot`` is gone. Returns 1 if state changed."""
         return self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error])
 
-    def set_state(self, model_id: str, state: str, error: str = ""):
-        """Record a lifecycle state chosen by a manager holding the model's exclusive lease.
+    def add_load_waiter(self, listener: Listener, model_id: str, token: str):
+        """Register ``token`` to be woken (``load:<token>``) when the running load ends (R4.5).
 
-        'unloading', 'reconfiguring' and 'unloaded' also forget the owner, so
-        the logical residency is cleared first (R4.5).
+        Call ``listener.expect(f"load:{token}")`` first.
+
+        Returns:
+            :class:`LoadWait`; ``waiting`` False when no live loader runs (nothing registered).
         """
-        key = self.keys.model(model_id) + ":load"
-        if state in ("unloading", "reconfiguring", "unloaded"):
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(key, mapping={"state": state, "error": error})
-            pipe.hdel(key, "owner", "boot", "loader", "loader_expires_ms", "loader_host")
-            return pipe.execute()
-        return self.redis.hset(key, mapping={"state": state, "error": error})
+        return _then(self._run("add_load_waiter", [self.keys.model(model_id)], [token, listener.channel]),
+                     lambda r: LoadWait(_text(r[0]) == "wait", int(r[1]), int(r[2])))
+
+    # -- lifecycle writes of a manager ------------------------------------------
+    def _checked(self, model_id: str, operation: str, reply) -> None:
+        outcome = _text(reply)
+        if outcome == "not_held":
+            raise LeaseNotHeld(model_id, operation)
+        if outcome == "bad_transition":
+            raise InvalidTransition(model_id, operation)
+
+    def set_state(self, model_id: str, state: ModelState, lease_id: str, error: str = ""):
+        """Record a lifecycle state as the manager holding ``lease_id`` (``set_state.lua``).
+
+        ``unloading`` and ``reconfiguring`` begin a teardown and forget the
+        owner (the logical residency is cleared first, R4.5); ``unloaded`` ends it.
+
+        Raises:
+            LeaseNotHeld: the manager lease was reclaimed.
+            InvalidTransition: not an allowed transition from the current state.
+        """
+        return _then(self._run("set_state", [self.keys.model(model_id)], [str(state), error, lease_id]),
+                     lambda r: self._checked(model_id, f"set_state {state}", r))
+
+    def publish_entry(self, meta: dict, slots: int, lease_id: str = "", reset: bool = False):
+        """Publish one registration and its slot count together (``publish_entry.lua``, R4.7).
+
+        Args:
+            meta: the registration (JSON-serializable; ``meta["id"]`` is the model id).
+            slots: the slot count the scheduler admits (1 on the legacy runtime).
+            lease_id: the caller's manager lease ('' only at start-up).
+            reset: also mark the model ``unloaded`` (a new or changed entry).
+
+        Raises:
+            LeaseNotHeld: ``lease_id`` was given and is no longer held.
+        """
+        model_id = meta["id"]
+        return _then(self._run("publish_entry", [self.keys.model(model_id), self.keys.models_meta],
+                               [model_id, json.dumps(meta, sort_keys=True), slots, lease_id, "1" if reset else "0"]),
+                     lambda r: self._checked(model_id, "publish", r))
+
+    def unregister(self, model_id: str, lease_id: str):
+        """Remove a registration and its lifecycle state as the manager holding ``lease_id``.
+
+        Raises:
+            LeaseNotHeld: the manager lease was reclaimed.
+        """
+        return _then(self._run("unregister", [self.keys.model(model_id), self.keys.models_meta],
+                               [model_id, lease_id]),
+                     lambda r: self._checked(model_id, "unregister", r))
+
+    def publish_registry(self, entries: list[tuple[dict, int]], runtime: str):
+        """Replace the whole published registry (start-up sync) and record the runtime.
+
+        Args:
+            entries: ``(meta, slots)`` per model.
+            runtime: 'legacy' or 'parallel'.
+
+        Returns:
+            The number of published entries (an awaitable with an async client).
+        """
+        keys = [self.keys.models_meta, self.keys.runtime] + [self.keys.model(m["id"]) for m, _ in entries]
+        args: list = [runtime]
+        for meta, slots in entries:
+            args += [meta["id"], json.dumps(meta, sort_keys=True), slots]
+        return _then(self._run("publish_registry", keys, args), int)
+
+    def claim_runtime(self, runtime: str):
+        """Record ``runtime`` for the deployment, or refuse when another one is recorded (R1.4).
+
+        Raises:
+            RuntimeMismatch: Redis already records a different runtime.
+        """
+        def check(recorded) -> None:
+            recorded = _text(recorded)
+            if recorded != runtime:
+                raise RuntimeMismatch(
+                    f"this deployment runs the {recorded} runtime (recorded in Redis key {self.keys.runtime}); "
+                    f"refusing to start a {runtime} process. Stop every process, delete that key, and start all "
+                    "processes with the same runtime.")
+        return _then(self._run("claim_runtime", [self.keys.runtime], [runtime]), check)
 
     def set_capacity(self, model_id: str, slots: int):
-        """Set the number of slots of a model (1 on the legacy runtime)."""
-        return self.redis.set(self.keys.model(model_id) + ":cap", slots)
+        """Set the number of slots of a model (tests of the scheduler alone; the service publishes with the entry)."""
+        return self.redis.set(self.keys.capacity(model_id), slots)
 
     # -- async admission (web processes) --------------------------------------
-    async def acquire(self, listener: Listener, model_id: str, timeout_ms: int, kind: str = "request") -> Lease:
+    async def acquire(self, listener: Listener, model_id: str, timeout_ms: int,
+                      kind: LeaseKind = LeaseKind.REQUEST) -> Lease:
         """Enter the model's FIFO queue and wait for a slot (request) or the whole model (manager).
 
         Args:
             listener: this process's :class:`Listener` (same event loop).
             model_id: the model.
             timeout_ms: effective busy timeout (R3.1); 0 = unbounded.
-            kind: 'request' (one slot, R2.2) or 'manager' (exclusive: waits for
+            kind: ``REQUEST`` (one slot, R2.2) or ``MANAGER`` (exclusive: waits for
                 every older lease; a barrier for later tickets).
 
         Returns:
@@ -224,6 +333,7 @@ class Scheduler:
         Tolerated race: a grant published while the waiter times out is settled
         by ``cancel.lua`` (atomic), which reports 'granted'; the lease is then used.
         """
+        kind = LeaseKind(kind)
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeout_ms / 1000 if timeout_ms > 0 else None
@@ -232,7 +342,7 @@ class Scheduler:
         grant_key = f"grant:{ticket}"
         future = listener.expect(grant_key)
         enqueue = asyncio.ensure_future(
-            self._run("enqueue", [base, self.keys.seq], [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, kind])
+            self._run("enqueue", [base, self.keys.seq], [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind)])
         )
         try:
             reply = await asyncio.shield(enqueue)
@@ -264,12 +374,11 @@ class Scheduler:
                     return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
                 if reap_first:
                     reaped = await self.reap(model_id, ticket)
-                    reap_in_s = (int(reaped[1]) - int(reaped[3])) / 1000 if int(reaped[1]) > 0 else None
-                    status = _text(reaped[2])
-                    if status == "granted":  # the wake-up was lost (dropped subscription)
+                    reap_in_s = (reaped.next_expiry_ms - reaped.now_ms) / 1000 if reaped.next_expiry_ms > 0 else None
+                    if reaped.ticket is TicketStatus.GRANTED:  # the wake-up was lost (dropped subscription)
                         settled = True
                         return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
-                    if status == "gone":  # granted, never noticed, and reclaimed
+                    if reaped.ticket is TicketStatus.GONE:  # granted, never noticed, and reclaimed
                         settled = True
                         raise AdmissionExpired(model_id, self.lease_ttl_ms)
                     continue
@@ -285,7 +394,7 @@ class Scheduler:
         finally:
             listener.forget(grant_key)
 
-    def try_acquire(self, model_id: str, state: str = "ready", idle_ms: int = 0):
+    def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0):
         """Take the model's manager lease only if it is free right now (R6.1, R6.4).
 
         Never waits and never interrupts: the result is None when the model is
@@ -295,14 +404,10 @@ class Scheduler:
         Returns:
             :class:`Lease` or None; with an async client, an awaitable of it.
         """
-        lease = Lease(model_id, uuid.uuid4().hex, 0, 0.0, "manager")
-        granted = self._run("try_acquire", [self.keys.model(model_id)],
-                            [lease.lease_id, self.lease_ttl_ms, state, idle_ms])
-        if inspect.isawaitable(granted):
-            async def settle():
-                return lease if int(await granted) else None
-            return settle()
-        return lease if int(granted) else None
+        lease = Lease(model_id, uuid.uuid4().hex, 0, 0.0, LeaseKind.MANAGER)
+        return _then(self._run("try_acquire", [self.keys.model(model_id)],
+                               [lease.lease_id, self.lease_ttl_ms, str(state), idle_ms]),
+                     lambda granted: lease if int(granted) else None)
 
     async def acquire_many(self, listener: Listener, model_ids: list[str],
                            tickets_out: dict[str, str] | None = None) -> dict[str, asyncio.Future]:
@@ -337,7 +442,7 @@ class Scheduler:
         out: dict[str, asyncio.Future] = {}
         for (model_id, ticket), now in zip(tickets.items(), granted):
             future = loop.create_future()
-            lease = Lease(model_id, ticket, 0, 0.0, "manager")
+            lease = Lease(model_id, ticket, 0, 0.0, LeaseKind.MANAGER)
             if int(now):
                 listener.forget(f"grant:{ticket}")
                 future.set_result(lease)
@@ -346,6 +451,26 @@ class Scheduler:
                     lambda done, f=future, lease=lease: f.cancelled() or f.done() or f.set_result(lease))
             out[model_id] = future
         return out
+
+    def keep_bulk(self, pending: dict[str, asyncio.Future], tickets: dict[str, str]) -> KeepAlive:
+        """A :class:`KeepAlive` (``async with``) for a bulk manager's tickets (R5, R2.5).
+
+        Each period: renews the leases already granted that wait their turn
+        (futures done), and reaps for tickets still queued, settling a future
+        whose grant wake-up was lost. ``pending`` and ``tickets`` are those of
+        :meth:`acquire_many`; the caller removes a model from ``pending`` when
+        its own keep-alive takes over.
+        """
+        async def tend() -> bool:
+            for model_id, future in list(pending.items()):
+                if future.done():
+                    await self.renew(model_id, tickets[model_id])
+                    continue
+                reaped = await self.reap(model_id, tickets[model_id])
+                if reaped.ticket is TicketStatus.GRANTED and not future.done():  # the wake-up was lost
+                    future.set_result(Lease(model_id, tickets[model_id], 0, 0.0, LeaseKind.MANAGER))
+            return True
+        return KeepAlive(tend, self.lease_ttl_ms / 3000, "bulk manager tickets")
 
     async def abandon(self, model_id: str, ticket: str) -> None:
         """Give up a ticket or lease wherever it is (queued, granted or gone)."""
@@ -379,19 +504,16 @@ class Scheduler:
             [self.keys.model(model_id), self.keys.worker_live_prefix],
             [token, listener.channel, self.lease_ttl_ms],
         )
-        action = _text(reply[0])
-        if action == "ready":
-            return LoadDecision("ready", _text(reply[1]), _text(reply[2]))
+        action = LoadAction(_text(reply[0]))
+        if action is LoadAction.READY:
+            return LoadDecision(action, _text(reply[1]), _text(reply[2]))
         return LoadDecision(action)
 
-    async def snapshot(self, model_ids: list[str]) -> dict[str, dict]:
+    async def snapshot(self, model_ids: list[str]) -> dict[str, ModelStatus]:
         """One atomic read of every model's state and counters (R4.7).
 
         Returns:
-            ``{model_id: {"state": str, "active_leases": int (request leases),
-            "queued": int (queued requests), "error": str, "capacity": int,
-            "manager_leases": int, "queued_managers": int, "loaded_capacity": int (0 = not loaded),
-            "last_used_ms": int (Redis-clock ms at the end of the last work; 0 = never)}}``.
+            ``{model_id: ModelStatus}`` (see :class:`ModelStatus`).
         """
         if not model_ids:
             return {}
@@ -400,7 +522,7 @@ class Scheduler:
         if inspect.isawaitable(result):
             result = await result
         return {
-            model_id: {"state": _text(row[0]), "active_leases": int(row[1]), "queued": int(row[2]),
+            model_id: {"state": ModelState(_text(row[0])), "active_leases": int(row[1]), "queued": int(row[2]),
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
                        "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
                        "last_used_ms": int(row[8])}

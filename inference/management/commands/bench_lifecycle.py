@@ -24,15 +24,19 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from subprocess import run
 
 import httpx
 import redis
 import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+
+from inference.runtime.context import KEYS
 
 from .bench_slots import SAMPLE, Server, _q, _task_body
 
@@ -76,8 +80,6 @@ class Command(BaseCommand):
     def _start(self, workdir: Path, extra: dict, models: list[dict]) -> Server:
         workdir.mkdir()
         server = Server(workdir, models, parallel=True, extra_config=extra)
-        from subprocess import run
-        import sys
 
         done = run([sys.executable, "manage.py", "issue_token", "bench"], cwd=settings.BASE_DIR, env=server.env,
                    capture_output=True, text=True)
@@ -188,10 +190,10 @@ class Command(BaseCommand):
 
             baseline = await warm_p50()
             cold = asyncio.create_task(c.post("/v1/tasks/run", json=_task_body("coldA", self.wav)))
-            while int(server.redis.get("as:fixture:arrived:bench-cold") or 0) < 1:
+            while int(server.redis.get(KEYS.fixture_arrived("bench-cold")) or 0) < 1:
                 await asyncio.sleep(0.01)
             held = await warm_p50()
-            server.redis.lpush("as:fixture:release:bench-cold", "go")
+            server.redis.lpush(KEYS.fixture_release("bench-cold"), "go")
             assert (await cold).status_code == 200
         return {"warm_p50_ms": round(baseline, 1), "warm_p50_during_cold_load_ms": round(held, 1),
                 "ratio": round(held / baseline, 2)}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import re
 import signal
@@ -39,9 +40,17 @@ from pathlib import Path
 import httpx
 import numpy as np
 import psutil
+import redis
+import redis.asyncio as aioredis
 import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+
+from inference import specs
+from inference.adapters import get_adapter
+from inference.adapters.base import AudioRequest, LoadContext
+from inference.runtime.context import KEYS
+from inference.scheduler import Keys, Listener, Scheduler
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 REPEATS = 3
@@ -117,7 +126,6 @@ class Command(BaseCommand):
         parser.add_argument("--out", default=str(Path(settings.VAR_DIR) / "bench_slots.json"))
 
     def handle(self, *args, **opts):
-        import logging
 
         logging.getLogger("httpx").setLevel(logging.WARNING)
         samples, rate = soundfile.read(SAMPLE, dtype="float32")
@@ -174,9 +182,7 @@ class Command(BaseCommand):
         return out
 
     async def _admission(self, server: Server) -> dict:
-        import redis.asyncio as aioredis
 
-        from inference.scheduler import Keys, Listener, Scheduler
 
         client = aioredis.Redis.from_url(server.redis_url, decode_responses=True)
         scheduler = Scheduler(client, Keys("bench:"), 30000)
@@ -192,9 +198,6 @@ class Command(BaseCommand):
         return {"p50": round(_q(times, 0.5), 3), "p99": round(_q(times, 0.99), 3), "n": len(times)}
 
     async def _overhead(self, server: Server) -> dict:
-        from inference import specs
-        from inference.adapters import get_adapter
-        from inference.adapters.base import AudioRequest, LoadContext
 
         out = {}
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
@@ -220,12 +223,11 @@ class Command(BaseCommand):
         return out
 
     async def _hold(self, server: Server, c: httpx.AsyncClient, barrier: str, count: int):
-        import redis
 
         r = redis.Redis.from_url(server.redis_url, decode_responses=True)
         tasks = [asyncio.create_task(c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], barrier=barrier)))
                  for _ in range(count)]
-        while int(r.get(f"as:fixture:arrived:{barrier}") or 0) < count:
+        while int(r.get(KEYS.fixture_arrived(barrier)) or 0) < count:
             await asyncio.sleep(0.01)
         return r, tasks
 
@@ -244,7 +246,7 @@ class Command(BaseCommand):
                 assert resp.status_code == 503, resp.text
             manager = subprocess.Popen([sys.executable, "manage.py", "unload_model", "fx"], cwd=settings.BASE_DIR,
                                        env=server.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            while not r.hlen("as:m:{fx}:kind"):
+            while not r.hlen(KEYS.queued_managers("fx")):
                 await asyncio.sleep(0.01)
             with_manager = []
             for _ in range(30):
@@ -252,7 +254,7 @@ class Command(BaseCommand):
                 resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=50))
                 with_manager.append((time.perf_counter() - t) * 1000)
                 assert resp.status_code == 503, resp.text
-            r.lpush("as:fixture:release:rej", "go", "go")
+            r.lpush(KEYS.fixture_release("rej"), "go", "go")
             await asyncio.gather(*holders)
             await asyncio.to_thread(manager.wait, 60)
         h = statistics.median(health)
@@ -272,7 +274,7 @@ class Command(BaseCommand):
                 resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=timeout_ms))
                 late.append((time.perf_counter() - t) * 1000 - timeout_ms)
                 assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_timeout", resp.text
-                r.lpush(f"as:fixture:release:late{i}", "go", "go")
+                r.lpush(KEYS.fixture_release(f"late{i}"), "go", "go")
                 await asyncio.gather(*holders)
         return {"p50": round(statistics.median(late), 2), "max": round(max(late), 2), "timeout_ms": timeout_ms}
 

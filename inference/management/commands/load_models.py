@@ -11,8 +11,8 @@ from django.core.management.base import BaseCommand, CommandError
 from audiosite.errors import ApplicationError
 from audiosite.serverconfig import get_config
 from inference.runtime.context import async_context, redis_url
-from inference.runtime.dispatch import ensure_loaded
-from registry.selectors import model_meta_all
+from inference.runtime.published import meta_all
+from inference.services import ensure_loaded
 
 
 class Command(BaseCommand):
@@ -32,7 +32,7 @@ class Command(BaseCommand):
 
     async def _load(self, wanted: list[str]) -> int:
         ctx = await async_context()
-        metas = await model_meta_all(ctx)
+        metas = await meta_all(ctx)
         lazy_default = get_config().lazy_load
         failures = 0
         for model_id, meta in metas.items():
@@ -42,8 +42,8 @@ class Command(BaseCommand):
                 continue
             lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
             try:
-                _owner, _boot, load_ms = await ensure_loaded(ctx, model_id)
-                self.stdout.write(f"loaded {model_id} in {load_ms:.0f} ms")
+                placement = await ensure_loaded(ctx, model_id)
+                self.stdout.write(f"loaded {model_id} in {placement.load_ms:.0f} ms")
             except ApplicationError as exc:
                 failures += 1
                 self.stderr.write(f"loading {model_id} failed: {exc.message}")

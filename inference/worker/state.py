@@ -2,22 +2,19 @@
 
 A pool holds a model's shared weights and its sessions (one on the legacy
 runtime). The worker's identity is its Celery hostname plus a boot id (fresh
-per process start); a liveness key ``as:worker:<hostname>`` = boot id, with
-a TTL, tells every process that this worker still holds its pools (R7.4).
+per process start); ``inference.worker.liveness`` publishes it (R7.4).
 """
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
-
-import psutil
 
 from audiosite.serverconfig import get_config
 from inference import specs
@@ -26,9 +23,6 @@ from inference.adapters.base import LoadContext
 from inference.backend import resolve_backend
 
 log = logging.getLogger(__name__)
-
-LIVENESS_TTL_MS = 10000  # a worker silent for 10 s is considered dead
-LIVENESS_EVERY_S = 2.0
 
 
 @dataclass
@@ -105,47 +99,9 @@ class WorkerState:
         self.boot = uuid.uuid4().hex
         self.pools: dict[str, Pool] = {}
         self.lock = threading.Lock()
-        self.backend: str | None = None
-        self._stop = threading.Event()
-
-    # -- identity / liveness ---------------------------------------------------
-    def start_liveness(self, hostname: str, redis_client, keys) -> None:
-        """Start the thread that keeps ``as:worker:<hostname>`` = boot id alive."""
-        self.hostname = hostname
-        key = keys.worker_live(hostname)
-
-        def publish():
-            # psutil's "available": memory usable without swapping (MemAvailable on Linux).
-            available_mb = psutil.virtual_memory().available // (1024 * 1024)
-            pipe = redis_client.pipeline(transaction=False)
-            pipe.set(key, self.boot, px=LIVENESS_TTL_MS)
-            pipe.hset(keys.worker_memory, hostname, available_mb)
-            pipe.execute()
-
-        publish()
-        redis_client.hset(keys.worker_pid, hostname, os.getpid())
-
-        def beat():
-            while not self._stop.wait(LIVENESS_EVERY_S):
-                try:
-                    publish()
-                except Exception:
-                    log.exception("liveness beat failed")
-
-        threading.Thread(target=beat, name="liveness", daemon=True).start()
-
-    def stop_liveness(self, redis_client, keys) -> None:
-        """Stop beating and delete the key if it is still ours."""
-        self._stop.set()
-        if self.hostname:
-            key = keys.worker_live(self.hostname)
-            if redis_client.get(key) == self.boot:
-                redis_client.delete(key)
-                redis_client.hdel(keys.worker_memory, self.hostname)
-                redis_client.hdel(keys.worker_pid, self.hostname)
 
     # -- pools ---------------------------------------------------------------------
-    def build(self, model_id: str, meta: dict, meta_json: str, barrier=None) -> Pool:
+    def build(self, model_id: str, meta: dict, meta_json: str, barrier: Callable[[str], str] | None = None) -> Pool:
         """Load weights and every slot's session privately, then publish the pool locally.
 
         Args:
@@ -213,6 +169,7 @@ class WorkerState:
             return self.pools.pop(model_id, None)
 
     def get(self, model_id: str) -> Pool | None:
+        """The published pool of ``model_id`` on this worker, or None."""
         with self.lock:
             return self.pools.get(model_id)
 

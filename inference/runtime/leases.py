@@ -1,0 +1,126 @@
+"""Leases on the web side: admission errors, manager transitions, the cold-load guard.
+
+A manager (register, reconfigure, unload, unregister, bulk unload, eviction,
+idle retirement) holds a model's exclusive lease while its transition runs
+(R2.2); once granted, the transition runs to its end even if its caller
+leaves (R4.5), and the lease is renewed meanwhile (R2.5) and released after.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from audiosite.errors import ServerBusy
+from inference.scheduler import AdmissionExpired, AdmissionOverdue, AdmissionTimeout, Lease, LeaseKind
+
+from .context import KEYS, AsyncContext
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def busy_error(exc: Exception) -> ServerBusy:
+    """The 503 ``server_busy`` of an admission refusal, with its ``code``.
+
+    ``AdmissionExpired`` → ``grant_expired``; ``AdmissionOverdue`` →
+    ``overdue`` (R3.3); ``AdmissionTimeout`` → ``queue_timeout`` (R3.2).
+    """
+    if isinstance(exc, AdmissionExpired):
+        return ServerBusy(f"server busy: {exc}", code="grant_expired")
+    if isinstance(exc, AdmissionOverdue):
+        return ServerBusy(f"server busy: {exc} (overdue fail-fast)", code="overdue")
+    return ServerBusy(f"server busy: {exc} (queue timeout)", code="queue_timeout")
+
+
+async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
+                  kind: LeaseKind = LeaseKind.REQUEST) -> Lease:
+    """Take a request slot or the manager lease of ``model_id`` under ``timeout_ms`` (0 = unbounded).
+
+    Raises:
+        ServerBusy: admission timeout, fail-fast or an expired grant (R3.2–R3.4).
+    """
+    try:
+        return await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind)
+    except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
+        raise busy_error(exc) from None
+
+
+_DETACHED: set[asyncio.Task] = set()
+
+
+async def run_to_completion(coro: Awaitable[T]) -> T:
+    """Await ``coro`` in its own task that a caller's cancellation does not stop.
+
+    A transition that holds a manager lease must finish (and release the
+    lease itself) even when the client that asked for it disconnects:
+    releasing the lease while a teardown still runs would let requests in
+    beside a half-destroyed pool (R4.5).
+
+    Returns:
+        What ``coro`` returns; its exception is re-raised.
+    """
+    task = asyncio.ensure_future(coro)
+    _DETACHED.add(task)
+    task.add_done_callback(_settle_detached)
+    return await asyncio.shield(task)
+
+
+def _settle_detached(task: asyncio.Task) -> None:
+    """Forget a finished transition; log the outcome its departed caller can no longer hear."""
+    _DETACHED.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.info("a management transition ended with %s: %s", type(exc).__name__, getattr(exc, "message", exc))
+
+
+async def hold(ctx: AsyncContext, lease: Lease, transition: Callable[[Lease], Awaitable[T]]) -> T:
+    """Run ``transition(lease)`` to completion under a granted manager ``lease``.
+
+    The lease is renewed while the transition runs and released after it on
+    every path; the caller's cancellation does not stop it (see
+    :func:`run_to_completion`).
+    """
+    async def held() -> T:
+        try:
+            async with ctx.scheduler.keep_alive(lease.model_id, lease.lease_id):
+                return await transition(lease)
+        finally:
+            await asyncio.shield(ctx.scheduler.release(lease.model_id, lease.lease_id))
+    return await run_to_completion(held())
+
+
+async def run_as_manager(ctx: AsyncContext, model_id: str, timeout_ms: int,
+                         transition: Callable[[Lease], Awaitable[T]]) -> T:
+    """Take ``model_id``'s manager lease (a barrier, R2.2), then :func:`hold` it for ``transition``.
+
+    The caller may leave while the manager is queued (the ticket is withdrawn, R8.1).
+
+    Raises:
+        ServerBusy: admission timeout or fail-fast (R3.4); whatever the transition raises.
+    """
+    lease = await acquire(ctx, model_id, timeout_ms, LeaseKind.MANAGER)
+    return await hold(ctx, lease, transition)
+
+
+@asynccontextmanager
+async def cold_load_guard(ctx: AsyncContext):
+    """Hold the deployment's cold-load guard (one cold load at a time, FIFO, R6.6).
+
+    The guard is a pseudo model (``Keys.cold_guard``) of capacity one in the
+    same scheduler. Waits without bound (the busy timeout bounds admission
+    only, R3.5); the lease is renewed while held and released on every path.
+    """
+    guard = KEYS.cold_guard
+    lease = await ctx.scheduler.acquire(ctx.listener, guard, 0)
+    try:
+        async with ctx.scheduler.keep_alive(guard, lease.lease_id):
+            yield
+    finally:
+        await asyncio.shield(ctx.scheduler.release(guard, lease.lease_id))
+
+
+Transition = Callable[[Lease], Awaitable[Any]]

@@ -1,0 +1,39 @@
+"""Published registrations: what every process reads instead of the database (R4.7).
+
+Registrations are JSON objects in the Redis HASH ``Keys.models_meta`` (see
+``registry.models.ModelRegistration.as_meta`` for the fields). Writes go
+through the scheduler's scripts (``publish_entry``, ``unregister``,
+``publish_registry``); this module reads and derives.
+"""
+from __future__ import annotations
+
+import json
+
+from audiosite.serverconfig import get_config
+
+from .context import KEYS, AsyncContext
+
+
+async def meta_get(ctx: AsyncContext, model_id: str) -> dict | None:
+    """Published registration of one model, or None when it is not registered."""
+    raw = await ctx.redis.hget(KEYS.models_meta, model_id)
+    return json.loads(raw) if raw else None
+
+
+async def meta_all(ctx: AsyncContext) -> dict[str, dict]:
+    """Published registration of every model, keyed by id (sorted)."""
+    raw = await ctx.redis.hgetall(KEYS.models_meta)
+    return {model_id: json.loads(value) for model_id, value in sorted(raw.items())}
+
+
+def slot_count(meta: dict) -> int:
+    """Slots the scheduler admits for ``meta``: its ``slots`` (1 when unset) on the
+    parallel runtime, always 1 on legacy (R1.1, R1.3)."""
+    return (meta.get("slots") or 1) if get_config().runtime == "parallel" else 1
+
+
+def ceiling_ms(meta: dict | None) -> int:
+    """A model's admission ceiling in ms (R3.1): its ``busy_timeout_ms``, else the server's."""
+    if meta is not None and meta.get("busy_timeout_ms") is not None:
+        return meta["busy_timeout_ms"]
+    return get_config().busy_timeout_ms

@@ -1,0 +1,177 @@
+"""Worker RPC: Celery tasks out, replies back through Redis keys and a pushed wake-up.
+
+A task carries ids and Redis keys, never audio. Its outcome is written to a
+reply key with a TTL and announced on the caller's process channel; a
+watchdog tick reads the key anyway, so a lost wake-up costs at most one
+tick. The web process never imports a worker module: tasks are sent by name.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from celery.utils import worker_direct
+
+from audiosite.celery import app as celery_app
+from audiosite.errors import ModelLoadFailed, ServerBusy
+from inference.scheduler import LIVENESS_TTL_MS, LoadAction
+
+from .context import KEYS, AsyncContext
+
+INPUT_TTL_MS = 600000  # a request's input waits at most 10 min for its worker
+WATCHDOG_S = LIVENESS_TTL_MS / 1000  # how often a waiter checks that its worker lives
+
+# Sending a task is a blocking call into kombu; it runs in a small pool of its
+# own, never in the executor that decodes audio (R: the request path, item 7).
+_SEND_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="celery-send")
+
+
+async def send_task(task_name: str, args: list, queue) -> None:
+    """Publish a Celery task by name on ``queue`` (a queue name or a ``worker_direct`` queue)."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(_SEND_POOL, lambda: celery_app.send_task(task_name, args=args, queue=queue))
+
+
+async def await_reply(ctx: AsyncContext, wake: asyncio.Future, reply_key: str,
+                      keep_waiting: Callable[[], Awaitable[bool]], tick_s: float = WATCHDOG_S) -> bool:
+    """Wait for a worker's reply: the pushed wake-up, or ``reply_key`` found at a watchdog tick.
+
+    At each tick without a reply, ``await keep_waiting()`` decides whether to go on.
+
+    Returns:
+        True when the reply is there, False when ``keep_waiting`` said stop.
+    """
+    while True:
+        done, _ = await asyncio.wait({wake}, timeout=tick_s)
+        if done or await ctx.redis.exists(reply_key):
+            return True
+        if not await keep_waiting():
+            return False
+
+
+async def worker_alive(ctx: AsyncContext, owner: str, boot: str) -> bool:
+    """True while worker ``owner`` still beats with boot id ``boot`` (R7.4)."""
+    return await ctx.redis.get(KEYS.worker_live(owner)) == boot
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's pool is loaded: Celery hostname ``owner``, its ``boot`` id, and
+    ``load_ms`` spent loading it for this caller (0.0 when it was already loaded)."""
+
+    owner: str
+    boot: str
+    load_ms: float
+
+
+async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s: float | None = None) -> Placement:
+    """Return where ``model_id`` is loaded, loading it first if needed (single flight across processes, R4.2).
+
+    Args:
+        pickup_timeout_s: how long a load task may wait for a worker to start
+            it (default: the lease TTL). Past that, the claim is abandoned.
+
+    Raises:
+        ModelLoadFailed: the load failed; the model stays registered and
+            unloaded, and a later request retries (R4.2).
+        ServerBusy: no worker started the load in time (code ``no_worker``, R7.4).
+
+    Tolerated race: a load task that a worker starts after its claim was
+    abandoned sees ``renew_load`` refuse and does nothing.
+    """
+    if pickup_timeout_s is None:
+        pickup_timeout_s = ctx.scheduler.lease_ttl_ms / 1000
+    started = time.monotonic()
+    loaded_here = False
+    while True:
+        token = uuid.uuid4().hex
+        wake = ctx.listener.expect(f"load:{token}")
+        try:
+            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token)
+            if decision.action is LoadAction.READY:
+                assert decision.owner is not None and decision.boot is not None
+                return Placement(decision.owner, decision.boot,
+                                 (time.monotonic() - started) * 1000 if loaded_here else 0.0)
+            if decision.action is LoadAction.WAIT:
+                # Another caller loads: wake on its outcome, or decide again after
+                # the watchdog period (a loader that died is replaced).
+                done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
+                if done:
+                    load = await ctx.redis.hgetall(KEYS.load(model_id))
+                    if load.get("state") == "unloaded" and load.get("error"):
+                        # That load failed: it releases everyone who waited for it (R4.2).
+                        raise ModelLoadFailed(f"model {model_id!r} failed to load: {load['error']}",
+                                              code="load_failed")
+                continue
+            loaded_here = True
+            await send_task("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
+            sent_at = time.monotonic()
+
+            async def picked_up_in_time(token: str = token, sent_at: float = sent_at) -> bool:
+                if await ctx.scheduler.load_picked_up(model_id, token):
+                    return True  # a worker is loading and renewing its claim
+                if time.monotonic() - sent_at < pickup_timeout_s:
+                    return True
+                await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
+                raise ServerBusy(f"model {model_id!r}: no worker started its load within "
+                                 f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
+
+            await await_reply(ctx, wake, KEYS.load_result(token), picked_up_in_time,
+                              tick_s=min(WATCHDOG_S, pickup_timeout_s))
+            outcome = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or '{"ok": false, "error": "lost"}')
+            if not outcome["ok"]:
+                raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
+        finally:
+            ctx.listener.forget(f"load:{token}")
+
+
+class Handover:
+    """Who releases a request lease: the web process until the run task is on the
+    worker's queue (``sent`` True), the worker after that (R8.2)."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
+async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placement: Placement,
+                        payload: bytes, handover: Handover) -> dict | None:
+    """Send one run to the owning worker and await its reply; None when the worker died meanwhile.
+
+    Args:
+        payload: the request's input as the worker reads it (``inference.audio.pack_request``).
+        handover: set to sent once the task is on the worker's queue.
+
+    Returns:
+        The worker's reply (see ``inference.worker.tasks.run_model``), or None.
+    """
+    request_id = uuid.uuid4().hex
+    await ctx.redis_bytes.set(KEYS.input(request_id), payload, px=INPUT_TTL_MS)
+    wake = ctx.listener.expect(f"done:{request_id}")
+    try:
+        send = asyncio.ensure_future(send_task(
+            "inference.run_model", [model_id, request_id, lease_id, placement.boot, ctx.listener.channel],
+            worker_direct(placement.owner)))
+        try:
+            await asyncio.shield(send)
+        except asyncio.CancelledError:
+            # The client left while the task was being sent: the send goes on
+            # in its thread; once it is on the queue the worker owns the lease.
+            try:
+                await send
+                handover.sent = True
+            except Exception:
+                pass
+            raise
+        handover.sent = True
+        if not await await_reply(ctx, wake, KEYS.result(request_id),
+                                 lambda: worker_alive(ctx, placement.owner, placement.boot)):
+            await ctx.redis.delete(KEYS.input(request_id))
+            return None
+        return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
+    finally:
+        ctx.listener.forget(f"done:{request_id}")

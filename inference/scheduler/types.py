@@ -1,0 +1,122 @@
+"""Typed values of the scheduler: states, kinds, decisions and script results.
+
+The enums are ``StrEnum``: each member equals the string the Lua scripts and
+the HTTP API use (``ModelState.READY == "ready"``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple, TypedDict
+
+
+class ModelState(StrEnum):
+    """Lifecycle state of a model as published in Redis (``<base>:load`` field ``state``).
+
+    ``unloaded`` → ``loading`` (single loader, R4.2) → ``ready``; a manager
+    moves ``ready``/``unloaded``/``loading`` → ``unloading`` or
+    ``reconfiguring`` → ``unloaded`` (R4.4, R4.5, ``set_state.lua``).
+    """
+
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    RECONFIGURING = "reconfiguring"
+
+
+class LeaseKind(StrEnum):
+    """``request``: one slot (R2.2). ``manager``: the whole model, a barrier for later tickets."""
+
+    REQUEST = "request"
+    MANAGER = "manager"
+
+
+class LoadAction(StrEnum):
+    """Decision of ``begin_load.lua`` (R4.2)."""
+
+    READY = "ready"  # loaded on a live worker: dispatch to it
+    WAIT = "wait"  # another caller loads: wait for its outcome
+    LOAD = "load"  # the caller is now the single loader
+
+
+class LoadOutcome(StrEnum):
+    """Result of ``finish_load.lua``: ``ok``, or ``stale`` when the claim was gone (nothing published)."""
+
+    OK = "ok"
+    STALE = "stale"
+
+
+class TicketStatus(StrEnum):
+    """Where a ticket is, as ``reap.lua`` sees it."""
+
+    QUEUED = "queued"
+    GRANTED = "granted"
+    GONE = "gone"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A granted ticket: owns one slot of ``model_id`` (kind ``request``) or the
+    whole model (kind ``manager``) until released or reaped.
+
+    ``lease_id`` equals the ticket id; ``granted_at_ms`` is Redis TIME in ms
+    (0 when the grant was pushed rather than returned); ``waited_ms`` is how
+    long the caller queued (local monotonic clock).
+    """
+
+    model_id: str
+    lease_id: str
+    granted_at_ms: int
+    waited_ms: float
+    kind: LeaseKind = LeaseKind.REQUEST
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """Outcome of ``begin_load``; for ``READY``, ``owner`` is the Celery hostname
+    owning the pool and ``boot`` its boot id."""
+
+    action: LoadAction
+    owner: str | None = None
+    boot: str | None = None
+
+
+class ReapResult(NamedTuple):
+    """Result of ``reap.lua``: leases reclaimed, the earliest remaining lease
+    expiry (Redis ms, -1 = none), where the caller's ticket is, and Redis now (ms)."""
+
+    reaped: int
+    next_expiry_ms: int
+    ticket: TicketStatus
+    now_ms: int
+
+
+class LoadWait(NamedTuple):
+    """Result of ``add_load_waiter.lua``: ``waiting`` is True when a live loader
+    runs and the waiter was registered; ``loader_expires_ms`` is its claim's expiry."""
+
+    waiting: bool
+    loader_expires_ms: int
+    now_ms: int
+
+
+class ModelStatus(TypedDict):
+    """One model in a snapshot (``snapshot.lua``, R4.7). Counts are integers; times Redis ms.
+
+    ``active_leases``: request leases (admitted requests, including those
+    waiting for a load); ``queued``: queued requests (managers not counted);
+    ``capacity``: configured slots; ``loaded_capacity``: the loaded pool's
+    advertised capacity (0 = not loaded); ``last_used_ms``: end of the last
+    work (0 = never). A ``ready`` model whose worker is dead reads ``unloaded``.
+    """
+
+    state: str
+    active_leases: int
+    queued: int
+    error: str
+    capacity: int
+    manager_leases: int
+    queued_managers: int
+    loaded_capacity: int
+    last_used_ms: int

@@ -1,0 +1,268 @@
+"""Decisions about inference: run a request, make sure a model is loaded, make room, evict, retire, tear down.
+
+Views and Celery tasks call these; they use the mechanism of
+``inference.runtime`` and record lifecycle steps through ``registry.services``
+(the only writer of the database). Flow of one request (web process, async,
+no thread held while waiting):
+
+1. acquire a request lease under the effective busy timeout (R3.1–R3.3);
+2. make sure the model is loaded (single flight across processes, R4.2;
+   with a residency limit, cold loads pass the cold-load guard and evict, R6);
+3. store the input in Redis (TTL) and send ``run_model`` to the owning
+   worker's direct queue;
+4. await the ``done:<id>`` wake-up; the worker releases the lease.
+
+The web process renews the lease until the worker reports back, and releases
+it itself on every path where the worker never took over (refusal, load
+failure, lost worker). If the client disconnects after dispatch, the running
+step finishes on the worker, which releases the lease (R8.2).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from asgiref.sync import sync_to_async
+
+from audiosite.errors import ApplicationError, Conflict, InsufficientMemory, InvalidRequest, NotFound, ServerBusy
+from audiosite.serverconfig import get_config
+from inference import audio, specs
+from inference.runtime import leases, published, rpc
+from inference.runtime.context import KEYS, AsyncContext
+from inference.runtime.teardown import TeardownResult, teardown_held
+from inference.scheduler import Lease, ModelState, effective_timeout_ms
+from registry import services as records
+
+log = logging.getLogger(__name__)
+
+COUNTED_STATES = (ModelState.READY, ModelState.LOADING)  # R6.2: a model being torn down no longer counts
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A served request: the adapter's ``result`` plus where and how long.
+
+    Times in ms: ``queue_ms`` waiting for the lease, ``load_ms`` spent loading
+    (0 when warm), ``inference_ms`` inside the session.
+    """
+
+    result: dict
+    queue_ms: float
+    load_ms: float
+    inference_ms: float
+    slot: int
+    worker: str
+
+
+# -- the one teardown path -------------------------------------------------------------------------
+
+async def model_teardown(ctx: AsyncContext, lease: Lease, actor: str, *,
+                         state: ModelState = ModelState.UNLOADING, event: str = "teardown",
+                         reason: str = "") -> TeardownResult:
+    """Tear down ``lease.model_id``'s pool under its held manager lease, recording each step once (R4.5).
+
+    Every teardown goes through here: HTTP unload, unregister, bulk unload,
+    reconfigure, eviction, idle retirement and ``manage.py unload_model``.
+    This process (the manager) is the only writer of the steps: the
+    registration's state (``state`` first, ``unloaded`` at the end) and one
+    audit row ``event`` when there was a pool (``actor``; ``detail`` the
+    close error, else ``reason``). The worker only destroys the pool.
+
+    Raises:
+        LeaseNotHeld: the manager lease was reclaimed (R2.5).
+    """
+    model_id = lease.model_id
+    await sync_to_async(records.registration_record_state)(model_id, state)
+    result = await teardown_held(ctx, lease, state)
+    await sync_to_async(records.registration_record_teardown)(
+        model_id, ok=not result.error, detail=result.error or reason or str(result.outcome),
+        duration_ms=result.duration_ms, actor=actor, event=event, audit=result.recorded_pool)
+    return result
+
+
+async def model_retire_if_idle(ctx: AsyncContext, model_id: str, idle_ms: int) -> bool:
+    """Unload ``model_id`` if it has been idle for ``idle_ms`` (R6.4).
+
+    Idle = ready, no lease of any kind, empty queue, and the last work
+    (``last_used_ms``, set when a lease is released or a load finishes)
+    ended at least ``idle_ms`` ago in Redis time. Takes the manager lease by
+    try-acquire, so a busy or queued model is skipped, never interrupted.
+
+    Returns:
+        True when the pool was retired.
+    """
+    lease = await ctx.scheduler.try_acquire(model_id, ModelState.READY, idle_ms)
+    if lease is None:
+        return False
+    await leases.hold(ctx, lease, lambda held: model_teardown(
+        ctx, held, "idle retirement", event="idle_retire", reason=f"idle for at least {idle_ms} ms"))
+    log.info("retired %s after %d ms idle", model_id, idle_ms)
+    return True
+
+
+# -- loading and residency (R4.2, R6) -------------------------------------------------------------
+
+async def ensure_loaded(ctx: AsyncContext, model_id: str) -> rpc.Placement:
+    """Where ``model_id``'s pool is loaded, loading it if needed (single flight, R4.2).
+
+    With a residency or memory limit set, a cold load first passes the cold
+    load guard (one at a time, FIFO) and makes room (R6.1, R6.5, R6.6); a
+    model that is ready, or being loaded by someone else, never touches the
+    guard, so warm traffic never waits on it.
+
+    Raises:
+        ModelLoadFailed, ServerBusy: see ``inference.runtime.rpc.load_single_flight``.
+        ServerBusy: (code ``residency_full``) not enough models could be evicted.
+        InsufficientMemory: the memory guard refused the load.
+    """
+    if get_config().residency_limited:
+        state = (await ctx.scheduler.snapshot([model_id]))[model_id]["state"]
+        if state not in COUNTED_STATES:
+            async with leases.cold_load_guard(ctx):
+                started = time.monotonic()
+                await make_room(ctx, model_id)
+                placement = await rpc.load_single_flight(ctx, model_id)
+                if placement.load_ms:
+                    return rpc.Placement(placement.owner, placement.boot, (time.monotonic() - started) * 1000)
+                return placement
+    return await rpc.load_single_flight(ctx, model_id)
+
+
+async def _available_memory_mb(ctx: AsyncContext) -> int | None:
+    """Largest available host memory (MB) among live workers, or None when no worker published any."""
+    published_mb = await ctx.redis.hgetall(KEYS.worker_memory)
+    best = None
+    for host, value in published_mb.items():
+        if await ctx.redis.exists(KEYS.worker_live(host)):
+            best = max(best or 0, int(value))
+    return best
+
+
+async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
+    """Apply the memory guard and evict LRU models so ``model_id`` may load (R6.1, R6.5).
+
+    Call while holding the cold-load guard. Victims are models that are
+    ready, hold no lease and have an empty queue (try-acquire: never waiting,
+    never interrupting, R6.1, R6.3); models being torn down do not count
+    (R6.2). Evictions already done stay done when the call fails.
+
+    Returns:
+        The evicted model ids, least recently used first.
+
+    Raises:
+        InsufficientMemory: estimated footprint + ``min_free_memory_mb`` >
+            available memory of the best live worker (R6.5).
+        ServerBusy: (code ``residency_full``) fewer models could be evicted
+            than needed (all others busy, queued or loading).
+    """
+    config = get_config()
+    metas = await published.meta_all(ctx)
+    meta = metas.get(model_id)
+    if meta is None:
+        return []
+    if config.min_free_memory_mb:
+        footprint_mb = specs.estimated_footprint_mb(meta["family"], meta.get("slots") or 1,
+                                                   meta.get("load_options"))
+        available_mb = await _available_memory_mb(ctx)
+        if available_mb is not None and footprint_mb + config.min_free_memory_mb > available_mb:
+            raise InsufficientMemory(
+                f"model {model_id!r} needs about {footprint_mb} MB plus the {config.min_free_memory_mb} MB "
+                f"headroom (min_free_memory_mb), but the workers have {available_mb} MB available",
+                code="insufficient_memory", retry_after_s=5)
+    evicted: list[str] = []
+    if not config.max_loaded_models:
+        return evicted
+    snapshot = await ctx.scheduler.snapshot([m for m in metas if m != model_id])
+    loaded = [m for m, status in snapshot.items() if status["state"] in COUNTED_STATES]
+    need = len(loaded) + 1 - config.max_loaded_models
+    victims = sorted((m for m in loaded if snapshot[m]["state"] == ModelState.READY),
+                     key=lambda m: snapshot[m]["last_used_ms"])
+    for victim in victims:
+        if need <= 0:
+            break
+        lease = await ctx.scheduler.try_acquire(victim, ModelState.READY)
+        if lease is None:  # busy, queued or changed state since the snapshot (R6.1, R6.3)
+            continue
+        # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
+        await leases.hold(ctx, lease, lambda held: model_teardown(ctx, held, f"eviction for {model_id}"))
+        log.info("evicted %s (least recently used) to load %s", victim, model_id)
+        evicted.append(victim)
+        need -= 1
+    if need > 0:
+        raise ServerBusy(
+            f"model {model_id!r} cannot load: max_loaded_models={config.max_loaded_models} models are loaded and "
+            f"none of them can be evicted now (each is busy, queued or loading)"
+            + (f"; evicted {evicted}" if evicted else ""), code="residency_full", retry_after_s=1)
+    return evicted
+
+
+# -- one request ---------------------------------------------------------------------------------
+
+async def run(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, options: dict,
+              request_timeout_ms: int | None) -> Outcome:
+    """Serve one request (either runtime).
+
+    Args:
+        meta: published registration of the model.
+        samples: float32 ``(n,)`` at ``sample_rate_hz`` (the family's rate).
+        options: validated request options (merged with defaults on the worker).
+        request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
+
+    Raises:
+        ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), or the
+            worker was lost.
+        ModelLoadFailed: the model could not be loaded.
+        InvalidRequest: the adapter refused the request's options.
+        NotFound: the model was unregistered while the request waited.
+        Conflict: the model changed family or task while the request waited.
+    """
+    model_id = meta["id"]
+    timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
+    lease = await leases.acquire(ctx, model_id, timeout_ms)
+    handover = rpc.Handover()
+    try:
+        async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
+            # A manager ahead of us may have unregistered or reconfigured the model (R2.3).
+            current = await published.meta_get(ctx, model_id)
+            if current is None:
+                raise NotFound(f"model {model_id!r} was unregistered while the request waited", param="model")
+            if (current["family"], current["task"]) != (meta["family"], meta["task"]):
+                raise Conflict(f"model {model_id!r} was reconfigured to {current['family']}/{current['task']} "
+                               "while the request waited; its input was prepared for the old family; retry",
+                               param="model")
+            payload = audio.pack_request(samples, sample_rate_hz, options)
+            load_ms = 0.0
+            for _attempt in range(2):
+                placement = await ensure_loaded(ctx, model_id)
+                load_ms += placement.load_ms
+                reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, payload, handover)
+                if reply is None:
+                    # The owner stopped beating while it ran our request. It may be
+                    # frozen rather than dead, so its run could still finish and
+                    # release this lease later: never reuse the lease; give it back
+                    # and answer 503 (R7.4).
+                    handover.sent = False
+                    await ctx.scheduler.mark_unloaded(model_id, placement.boot, "worker lost")
+                    raise ServerBusy(f"model {model_id!r}: its worker stopped responding; retry", code="worker_lost")
+                if reply.get("kind") == "not_loaded":
+                    # The owner never took the run (its pool is gone): the lease is
+                    # still ours alone; forget the pool and load again once.
+                    handover.sent = False
+                    await ctx.scheduler.mark_unloaded(model_id, placement.boot, "pool lost")
+                    continue
+                break
+            else:
+                raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+        if not reply["ok"]:
+            if reply["kind"] == "invalid_input":
+                raise InvalidRequest(reply["message"], param=reply.get("param"))
+            if reply["kind"] == "error":  # an adapter failed on valid input: a bug, reported as such
+                raise ApplicationError(f"model {model_id!r} failed: {reply['message']}")
+            raise ServerBusy(f"model {model_id!r} could not serve the request: {reply['message']}", code=reply["kind"])
+        return Outcome(reply["result"], lease.waited_ms, load_ms, reply["inference_ms"], reply["slot"],
+                       reply["worker"])
+    finally:
+        if not handover.sent:
+            await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))

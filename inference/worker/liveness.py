@@ -1,0 +1,59 @@
+"""Worker liveness (R7.4): ``<prefix>worker:<hostname>`` = boot id, refreshed with a TTL.
+
+Every process tells a live owner from a dead one by that key: a worker that
+stops beating for ``LIVENESS_TTL_MS`` is considered dead and its pools lost.
+Each beat also publishes the host's available memory in MB (psutil's
+``available``: memory usable without swapping, MemAvailable on Linux) for the
+memory guard (R6.5), and the process id, so ``serve`` can tell a dead local
+worker from a live one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import psutil
+
+from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, Keys
+
+from .state import WorkerState
+
+log = logging.getLogger(__name__)
+
+_stop = threading.Event()
+
+
+def _beat(redis_client, keys: Keys, worker: WorkerState) -> None:
+    available_mb = psutil.virtual_memory().available // (1024 * 1024)
+    pipe = redis_client.pipeline(transaction=False)
+    pipe.set(keys.worker_live(worker.hostname), worker.boot, px=LIVENESS_TTL_MS)
+    pipe.hset(keys.worker_memory, worker.hostname, available_mb)
+    pipe.execute()
+
+
+def liveness_start(worker: WorkerState, hostname: str, redis_client, keys: Keys) -> None:
+    """Name the worker ``hostname``, publish its liveness at once, then every ``LIVENESS_EVERY_S`` in a thread."""
+    worker.hostname = hostname
+    _beat(redis_client, keys, worker)
+    redis_client.hset(keys.worker_pid, hostname, os.getpid())
+
+    def loop() -> None:
+        while not _stop.wait(LIVENESS_EVERY_S):
+            try:
+                _beat(redis_client, keys, worker)
+            except Exception:
+                log.exception("liveness beat failed")
+
+    threading.Thread(target=loop, name="liveness", daemon=True).start()
+
+
+def liveness_stop(worker: WorkerState, redis_client, keys: Keys) -> None:
+    """Stop beating and delete the worker's keys if they are still this boot's."""
+    _stop.set()
+    if worker.hostname:
+        key = keys.worker_live(worker.hostname)
+        if redis_client.get(key) == worker.boot:
+            redis_client.delete(key)
+            redis_client.hdel(keys.worker_memory, worker.hostname)
+            redis_client.hdel(keys.worker_pid, worker.hostname)

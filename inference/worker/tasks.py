@@ -1,0 +1,90 @@
+"""Celery tasks and signals of the GPU worker: thin, they take ids and Redis keys, never audio.
+
+``load_model`` goes to the ``gpu`` queue (any worker may take a cold model);
+``run_model`` and ``unload_model`` go to the owning worker's direct queue
+(``worker_direct``). Each writes its outcome through ``work.reply``.
+"""
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task, signals
+
+from audiosite.serverconfig import get_config
+from inference.runtime.context import KEYS, sync_redis, sync_scheduler
+from inference.runtime.startup import check_runtime
+from registry import services as records
+
+from . import liveness, retirement, work
+from .state import WORKER
+
+log = logging.getLogger(__name__)
+
+
+@signals.celeryd_after_setup.connect
+def _worker_identity(sender, instance, **kwargs):
+    """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4)."""
+    check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
+    liveness.liveness_start(WORKER, sender, sync_redis(), KEYS)
+    log.info("worker %s boot %s is alive", sender, WORKER.boot)
+    if get_config().idle_unload_ms:
+        retirement.retirement_start(WORKER, get_config().idle_unload_ms)
+
+
+@signals.worker_shutdown.connect
+def _worker_shutdown(**kwargs):
+    """Destroy pools (after Celery's warm shutdown drained tasks), record them lost, drop liveness."""
+    retirement.retirement_stop()
+    scheduler = sync_scheduler()
+    lost = WORKER.close_all()
+    for model_id in lost:
+        scheduler.mark_unloaded(model_id, WORKER.boot, "worker stopped")
+    liveness.liveness_stop(WORKER, sync_redis(), KEYS)
+    if lost:
+        try:
+            records.registration_record_lost(lost, "worker stopped", actor=WORKER.hostname or "")
+        except Exception:
+            log.exception("recording the unload of %s failed", lost)
+
+
+@shared_task(name="inference.load_model", acks_late=False)
+def load_model(model_id: str, token: str, channel: str) -> None:
+    """Load ``model_id`` on this worker as the single loader holding ``token`` (R4.2).
+
+    Outcome in ``Keys.load_result(token)``; wake-up ``load:<token>`` on ``channel``.
+    """
+    payload = work.load_pool(WORKER, model_id, token)
+    if payload is not None:
+        work.reply(channel, KEYS.load_result(token), f"load:{token}", payload)
+
+
+@shared_task(name="inference.run_model", acks_late=False)
+def run_model(model_id: str, request_id: str, lease_id: str, boot: str, channel: str) -> None:
+    """Serve one request on this worker's pool of ``model_id`` under ``lease_id``.
+
+    Input in ``Keys.input(request_id)``; outcome in ``Keys.result(request_id)``
+    (see ``work.run_request``, or ``{"ok": false, "kind": "not_loaded"}`` when
+    this worker holds no such pool: the caller then keeps the lease);
+    wake-up ``done:<request_id>``.
+    """
+    pool = WORKER.get(model_id)
+    if pool is None or boot != WORKER.boot:
+        payload = {"ok": False, "kind": "not_loaded", "message": f"model {model_id!r} is not loaded on this worker"}
+    else:
+        payload = work.run_request(WORKER, pool, model_id, request_id, lease_id)
+    work.reply(channel, KEYS.result(request_id), f"done:{request_id}", payload)
+
+
+@shared_task(name="inference.unload_model", acks_late=False)
+def unload_model(model_id: str, boot: str, token: str, channel: str) -> None:
+    """Destroy this worker's pool of ``model_id``: sessions first, then weights (R4.5).
+
+    The caller holds the model's manager lease, has cleared the logical
+    residency and records the teardown. Outcome in ``Keys.load_result(token)``:
+    ``{"ok", "had_pool", "duration_ms"[, "error"]}``; wake-up ``load:<token>``.
+    """
+    if boot == WORKER.boot:
+        payload = work.destroy_pool(WORKER, model_id)
+    else:
+        payload = {"ok": True, "had_pool": False, "duration_ms": 0}
+    work.reply(channel, KEYS.load_result(token), f"load:{token}", payload)

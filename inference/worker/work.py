@@ -1,0 +1,136 @@
+"""What the worker does for each task: load a pool, run one request, destroy a pool.
+
+Outcomes are written to a Redis reply key with a TTL, then announced on the
+caller's process channel (see ``inference.runtime.rpc``). The worker renews
+the lease (or the loader claim) while it works and releases a run's lease
+when done, so a web process that dies mid-request strands nothing (R2.5).
+Database writes: the worker records its loads (``loading``, the outcome);
+teardowns are recorded by their manager (``inference.services.model_teardown``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from inference import audio, specs
+from inference.adapters.base import AudioRequest, InvalidInput
+from inference.adapters.fixture_barrier import make_barrier
+from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
+from inference.scheduler import LoadOutcome
+from registry import services as records
+
+from .state import Pool, WorkerState
+
+log = logging.getLogger(__name__)
+
+RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
+
+
+def reply(channel: str, key: str, wake: str, payload: dict) -> None:
+    """Store ``payload`` (JSON) at ``key`` for ``RESULT_TTL_MS`` and publish ``wake`` on ``channel``."""
+    client = sync_redis()
+    client.set(key, json.dumps(payload), px=RESULT_TTL_MS)
+    client.publish(channel, wake)
+
+
+def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
+    """Build ``model_id``'s pool as the single loader holding ``token`` (R4.2); record the outcome.
+
+    Returns:
+        The reply payload ``{"ok": true, "owner", "boot", "duration_ms"}`` or
+        ``{"ok": false, "error", "duration_ms"}``; None when the claim was
+        abandoned or replaced before the load started (nothing done).
+    """
+    scheduler = sync_scheduler()
+    host = worker.hostname or ""
+    if not scheduler.renew_load(model_id, token, host):
+        log.info("load of %s (token %s) was abandoned or replaced before it started; skipping", model_id, token)
+        return None
+    started = time.monotonic()
+    meta_json = sync_redis().hget(KEYS.models_meta, model_id)
+    try:
+        records.registration_record_loading(model_id)
+    except Exception:
+        log.exception("recording the start of a load failed")
+    error, capacity, built = "", 0, None
+    barrier = make_barrier(redis_url(), KEYS) if specs.fixture_family_enabled() else None
+    try:
+        if meta_json is None:
+            raise LookupError(f"model {model_id!r} is no longer registered")
+        with scheduler.keep_load_claim(model_id, token, host):
+            built = worker.build(model_id, json.loads(meta_json), meta_json, barrier=barrier)
+            capacity = built.capacity
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        log.exception("loading %s failed", model_id)
+    duration_ms = int((time.monotonic() - started) * 1000)
+    ok = not error
+    if scheduler.finish_load(model_id, token, ok, host, worker.boot, error, capacity) is LoadOutcome.STALE:
+        # Our claim was replaced or abandoned (an unload, a takeover): publish nothing.
+        if built is not None:
+            worker.discard(model_id, built)
+        ok, error = False, "the load was abandoned or superseded"
+        log.info("load of %s (token %s) finished after its claim was gone; discarded", model_id, token)
+    try:
+        records.registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=host)
+    except Exception:
+        log.exception("recording a load outcome failed")
+    payload: dict = {"ok": True, "owner": worker.hostname, "boot": worker.boot} if ok else {"ok": False, "error": error}
+    payload["duration_ms"] = duration_ms
+    return payload
+
+
+def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str, lease_id: str) -> dict:
+    """Serve one request on ``pool`` under ``lease_id``, renewing it, and release the lease on every path.
+
+    Returns:
+        ``{"ok": true, "result", "slot", "inference_ms", "worker"}`` or
+        ``{"ok": false, "kind": "invalid_input"|"expired"|"error", "message"[, "param"]}``.
+    """
+    scheduler = sync_scheduler()
+    try:
+        with scheduler.keep_alive(model_id, lease_id):
+            return _run(worker, pool, request_id)
+    except Exception as exc:  # a bug in an adapter: report it, keep the worker
+        log.exception("run of %s failed", model_id)
+        return {"ok": False, "kind": "error", "message": f"{type(exc).__name__}: {exc}"}
+    finally:
+        scheduler.release(model_id, lease_id)
+
+
+def _run(worker: WorkerState, pool: Pool, request_id: str) -> dict:
+    raw = sync_redis_bytes().getdel(KEYS.input(request_id))
+    if raw is None:
+        return {"ok": False, "kind": "expired", "message": "the request's input expired before it ran"}
+    samples, sample_rate_hz, options = audio.unpack_request(raw)
+    request = AudioRequest(samples, sample_rate_hz, {**pool.request_defaults, **options})
+    with pool.slot() as slot:
+        started = time.monotonic()
+        try:
+            result = pool.sessions[slot].run(request)
+        except InvalidInput as exc:
+            return {"ok": False, "kind": "invalid_input", "message": str(exc), "param": exc.param}
+        inference_ms = (time.monotonic() - started) * 1000
+    return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
+            "worker": worker.hostname}
+
+
+def destroy_pool(worker: WorkerState, model_id: str) -> dict:
+    """Unpublish and close this worker's pool of ``model_id`` (sessions, then weights; R4.5).
+
+    Returns:
+        ``{"ok": bool, "had_pool": bool, "duration_ms": int[, "error"]}``; ``error`` when closing raised.
+    """
+    started = time.monotonic()
+    pool = worker.remove(model_id)
+    payload: dict = {"ok": True, "had_pool": pool is not None}
+    if pool is not None:
+        try:
+            pool.close()
+        except Exception as exc:
+            log.exception("closing the pool of %s failed", model_id)
+            payload.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+    payload["duration_ms"] = int((time.monotonic() - started) * 1000)
+    return payload
+

@@ -1,0 +1,251 @@
+"""Management transitions (CONTRACT R4–R5): register, reconfigure, unload, unregister, bulk unload.
+
+The routes of ``registry.apis``, the Django admin and ``manage.py
+unload_model`` call these. Each transition runs under the model's manager
+lease (a barrier, R2.2): older requests drain first, later ones bind the
+configuration it leaves (R2.3). Teardowns go through
+``inference.services.model_teardown``; database writes through
+``registry.services`` (in a thread); Redis holds the published metadata every
+process reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from asgiref.sync import sync_to_async
+
+from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, NotFound
+from audiosite.serverconfig import get_config
+from inference import services as inference_services
+from inference.backend import resolve_backend
+from inference.runtime import leases
+from inference.runtime.context import AsyncContext
+from inference.runtime.published import ceiling_ms, slot_count
+from inference.scheduler import Lease, ModelState
+
+from . import services
+from .models import LifecycleState, ModelRegistration
+from .selectors import model_meta_all, model_meta_get, registration_first_load_published
+
+log = logging.getLogger(__name__)
+
+
+def _same_configuration(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
+
+
+async def _registered_meta(ctx: AsyncContext, model_id: str) -> dict:
+    """Published metadata of ``model_id``; raises NotFound (404, param ``id``) when it is not registered."""
+    meta = await model_meta_get(ctx, model_id)
+    if meta is None:
+        raise NotFound(f"model {model_id!r} is not registered", param="id")
+    return meta
+
+
+async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
+    """Load under the caller's manager lease unless the entry is lazy. Returns whether it is loaded.
+
+    Raises:
+        ModelLoadFailed, ServerBusy, InsufficientMemory: the load failed; the
+            entry stays registered and unloaded (R4.2, R4.4, R4.6).
+    """
+    lazy = meta["lazy"] if meta.get("lazy") is not None else get_config().lazy_load
+    if lazy:
+        return False
+    try:
+        await inference_services.ensure_loaded(ctx, model_id)
+    except ApplicationError as exc:
+        exc.committed = True  # the entry is registered; only its load failed
+        exc.message += "; the entry is registered and stays unloaded (the next request retries the load)"
+        if not isinstance(exc, ModelLoadFailed):  # a worker's failed load writes its own event
+            await sync_to_async(services.lifecycle_event_create)(model_id, "load", False, detail=exc.message)
+        raise
+    return True
+
+
+async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> dict:
+    """``POST /v1/models/load``: register a new id (R4.6) or reconfigure an existing one (R4.4).
+
+    New id: validate privately, take the id's manager lease (a second
+    registration of the same id queues on it), publish one complete entry
+    (visible as ``loading``/``unloaded`` while its first load runs), then load
+    unless lazy. A count the model cannot run registers the entry unloaded
+    and answers 400 with ``capacity=``; a failed first load leaves the entry
+    registered and unloaded.
+
+    Existing id: validate privately (an unsupported count is refused with
+    400 and nothing changes), take the manager lease under the model's busy
+    timeout (older requests drain), then: same configuration → just make
+    sure it is loaded (``reconfigured: false``); otherwise retire the old
+    pool (state ``reconfiguring``), commit the new metadata, load the
+    replacement. A post-commit load failure leaves the new metadata
+    registered and unloaded; the next request retries.
+
+    Returns:
+        ``{"id", "loaded": bool, "reconfigured": bool}``.
+
+    Raises:
+        InvalidRequest: invalid body or unsupported count (R4.4, R1.2).
+        ServerBusy: manager admission timeout or fail-fast (R3.4).
+        ModelLoadFailed / InsufficientMemory / ServerBusy: the (re)load failed after commit.
+    """
+    config = get_config()
+    backend = await asyncio.to_thread(resolve_backend, config.backend)
+    valid = await asyncio.to_thread(services.registration_validate, body, config.runtime, backend)
+    entry, model_id = valid.entry, valid.entry.id
+    existing = await model_meta_get(ctx, model_id)
+    if existing is not None and valid.count_problem:
+        raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
+
+    async def transition(lease: Lease) -> dict:
+        started = time.monotonic()
+        current = await model_meta_get(ctx, model_id)  # may have changed while we queued
+        if current is None:
+            meta = services.registration_meta_of(entry, ModelRegistration.Source.API)
+            await sync_to_async(services.registration_save)(entry, actor, "register", LifecycleState.UNLOADED)
+            await ctx.scheduler.publish_entry(meta, slot_count(meta), lease.lease_id, reset=True)
+            if valid.count_problem:
+                await sync_to_async(services.registration_record_state)(model_id, LifecycleState.UNLOADED,
+                                                                        valid.count_problem)
+                raise InvalidRequest(valid.count_problem + f"; model {model_id!r} is registered but stays "
+                                     "unloaded until it is reconfigured with a supported count", param="slots")
+            return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+        if valid.count_problem:
+            raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
+        meta = services.registration_meta_of(entry, current.get("source") or ModelRegistration.Source.API)
+        if _same_configuration(meta, current):
+            return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+        # The row is written first (state reconfiguring): a value the database refuses is a
+        # 400 while the old pool still serves. Then the commit point: retire the old pool and
+        # publish the complete new metadata (R4.4); traffic reads only the published entry.
+        await sync_to_async(services.registration_save)(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
+        await inference_services.model_teardown(ctx, lease, f"reconfigure by {actor}",
+                                                state=ModelState.RECONFIGURING)
+        await ctx.scheduler.publish_entry(meta, slot_count(meta), lease.lease_id, reset=True)
+        loaded = await _load_now(ctx, model_id, meta)
+        log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
+        return {"id": model_id, "loaded": loaded, "reconfigured": True}
+
+    return await leases.run_as_manager(ctx, model_id, ceiling_ms(existing), transition)
+
+
+async def model_unload(ctx: AsyncContext, model_id: str, actor: str, timeout_ms: int | None = None) -> dict:
+    """``POST /v1/models/unload`` and ``manage.py unload_model``: unload one model as a manager (R4.5). Idempotent.
+
+    Args:
+        timeout_ms: manager admission bound (R3.4); None = the model's busy timeout ceiling, 0 = unbounded.
+
+    Returns:
+        ``{"id", "loaded": false, "outcome": "destroyed"|"not_loaded"|"worker_lost"}``
+        (the route answers without ``outcome``).
+
+    Raises:
+        NotFound: the id is not registered.
+        ServerBusy: manager admission timeout or fail-fast (R3.4).
+    """
+    meta = await _registered_meta(ctx, model_id)
+
+    async def transition(lease: Lease) -> dict:
+        result = await inference_services.model_teardown(ctx, lease, actor)
+        await sync_to_async(services.lifecycle_event_create)(model_id, "unload", True, actor=actor,
+                                                            detail=str(result.outcome),
+                                                            duration_ms=result.duration_ms)
+        return {"id": model_id, "loaded": False, "outcome": str(result.outcome)}
+
+    return await leases.run_as_manager(ctx, model_id, ceiling_ms(meta) if timeout_ms is None else timeout_ms,
+                                       transition)
+
+
+async def model_unregister(ctx: AsyncContext, model_id: str, actor: str) -> dict:
+    """``DELETE /v1/models/{id}``: barrier, unload, then remove the registration.
+
+    Requests queued behind the barrier then answer 404. An entry of the
+    config file comes back at the next start (the file is the source of
+    truth for its entries).
+
+    Returns:
+        ``{"id", "deleted": true}``.
+
+    Raises:
+        NotFound: the id is not registered.
+        ServerBusy: manager admission timeout or fail-fast (R3.4).
+    """
+    meta = await _registered_meta(ctx, model_id)
+
+    async def transition(lease: Lease) -> dict:
+        started = time.monotonic()
+        await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
+        await inference_services.model_teardown(ctx, lease, f"unregister by {actor}")
+        await ctx.scheduler.unregister(model_id, lease.lease_id)
+        await sync_to_async(services.registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
+        return {"id": model_id, "deleted": True}
+
+    return await leases.run_as_manager(ctx, model_id, ceiling_ms(meta), transition)
+
+
+async def models_bulk_unload(ctx: AsyncContext, model_ids: list[str] | None, actor: str) -> dict:
+    """Bulk unload (R5): ``POST /v1/tasks/unload_models`` (a selection) or ``unload_all_models`` (None).
+
+    Snapshot of the selected registered models (unknown ids go to
+    ``not_found``; duplicates count once; later registrations are not
+    covered, R5.3), then one manager ticket on every selected model in one
+    atomic publication (R5.1, R5.2), then unload the models granted at once
+    (ready-idle) first and the rest as their older work drains. Waits without
+    bound (R3.4). On the legacy runtime, models whose first load is still
+    running are skipped (R5.4) and listed in ``skipped``. If the caller goes
+    away, every ticket and lease still held is given back.
+
+    Returns:
+        ``{"unloaded": [ids, in selection order], "not_found": [ids], "skipped": [ids]}``.
+    """
+    metas = await model_meta_all(ctx)
+    wanted = list(metas) if model_ids is None else list(dict.fromkeys(model_ids))
+    selected = [m for m in wanted if m in metas]
+    not_found = [m for m in wanted if m not in metas]
+    skipped: list[str] = []
+    if get_config().runtime == "legacy" and selected:
+        snapshot = await ctx.scheduler.snapshot(selected)
+        for model_id in selected:
+            status = snapshot[model_id]
+            # A first load is under way when the model was never loaded and someone holds it
+            # (a request or a registration loading it, perhaps still waiting on the cold-load guard).
+            busy = status["state"] == ModelState.LOADING or status["active_leases"] or status["manager_leases"]
+            if status["state"] != ModelState.READY and busy and \
+                    not await sync_to_async(registration_first_load_published)(model_id):
+                skipped.append(model_id)
+        selected = [m for m in selected if m not in skipped]
+    tickets: dict[str, str] = {}
+    futures = await ctx.scheduler.acquire_many(ctx.listener, selected, tickets) if selected else {}
+    pending = dict(futures)  # granted or still queued, not yet handed to a teardown
+    unloaded: set[str] = set()
+    gone: list[str] = []
+
+    async def teardown(lease: Lease) -> None:
+        model_id = lease.model_id
+        if await model_meta_get(ctx, model_id) is None:  # unregistered by a manager ahead of us
+            gone.append(model_id)
+            return
+        result = await inference_services.model_teardown(ctx, lease, f"bulk unload by {actor}")
+        await sync_to_async(services.lifecycle_event_create)(model_id, "unload", True, actor=actor,
+                                                            detail=f"bulk unload: {result.outcome}",
+                                                            duration_ms=result.duration_ms)
+        unloaded.add(model_id)
+
+    async def unload_one(model_id: str) -> None:
+        # Once granted, the teardown finishes even if the caller leaves (R4.5).
+        await leases.hold(ctx, pending.pop(model_id).result(), teardown)
+
+    try:
+        async with ctx.scheduler.keep_bulk(pending, tickets):
+            for model_id in [m for m, f in futures.items() if f.done()]:  # ready-idle first (R5.1)
+                await unload_one(model_id)
+            while pending:
+                await asyncio.wait(set(pending.values()), return_when=asyncio.FIRST_COMPLETED)
+                for model_id in [m for m, f in pending.items() if f.done()]:
+                    await unload_one(model_id)
+    finally:
+        for model_id in list(pending):  # caller gone or an error: leave nothing behind
+            await ctx.scheduler.abandon(model_id, tickets[model_id])
+    return {"unloaded": [m for m in selected if m in unloaded], "not_found": not_found + gone, "skipped": skipped}

@@ -1,0 +1,125 @@
+"""Services and their scheduler scripts on real Redis (db 15) and PostgreSQL, without a server stack.
+
+What needs no worker is tested here directly: the one teardown path and
+who records it, manager-only state transitions, unregistration, publication.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections
+
+from audiosite.serverconfig import parse_config
+from inference import services as inference_services
+from inference.runtime.context import KEYS, async_context
+from inference.runtime.teardown import TeardownOutcome
+from inference.scheduler import InvalidTransition, LeaseKind, LeaseNotHeld, ModelState
+from registry import services
+from registry.models import LifecycleEvent, ModelRegistration
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/15"),
+                       reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)"),
+]
+
+
+def _register(model_id: str) -> dict:
+    services.registration_sync_config(parse_config({"models": [{"id": model_id, "family": "silero_vad"}]}))
+    return ModelRegistration.objects.get(model_id=model_id).as_meta()
+
+
+def _run(coro_fn):
+    async def scenario():
+        ctx = await async_context()
+        try:
+            return await asyncio.wait_for(coro_fn(ctx), 20)
+        finally:
+            await ctx.listener.close()
+            # The services wrote through sync_to_async: close that thread's connection too.
+            await sync_to_async(connections.close_all)()
+    return asyncio.run(scenario())
+
+
+def test_teardown_of_a_pool_whose_worker_died_is_recorded_once_by_the_manager(redis_client):
+    """One teardown path, one writer: state unloading → unloaded and exactly one audit row, written here."""
+    meta = _register("td")
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        # A pool that a worker published, and the worker is gone (no liveness key).
+        await ctx.redis.hset(KEYS.load("td"), mapping={"state": "ready", "owner": "w@dead", "boot": "b1"})
+        lease = await ctx.scheduler.acquire(ctx.listener, "td", 1000, LeaseKind.MANAGER)
+        try:
+            result = await inference_services.model_teardown(ctx, lease, "tester")
+        finally:
+            await ctx.scheduler.release("td", lease.lease_id)
+        return result, await ctx.redis.hgetall(KEYS.load("td"))
+
+    result, load = _run(scenario)
+    assert result.outcome is TeardownOutcome.WORKER_LOST
+    assert load["state"] == "unloaded" and "owner" not in load and "boot" not in load
+    row = ModelRegistration.objects.get(model_id="td")
+    assert row.state == "unloaded" and row.last_error == ""
+    events = list(LifecycleEvent.objects.filter(model_id="td").exclude(event="register")
+                  .values_list("event", "outcome", "actor"))
+    assert events == [("teardown", "ok", "tester")]
+
+
+def test_teardown_of_an_unloaded_model_changes_state_but_audits_nothing(redis_client):
+    meta = _register("cold")
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        lease = await ctx.scheduler.acquire(ctx.listener, "cold", 1000, LeaseKind.MANAGER)
+        try:
+            return await inference_services.model_teardown(ctx, lease, "tester", state=ModelState.RECONFIGURING)
+        finally:
+            await ctx.scheduler.release("cold", lease.lease_id)
+
+    assert _run(scenario).outcome is TeardownOutcome.NOT_LOADED
+    assert ModelRegistration.objects.get(model_id="cold").state == "unloaded"
+    assert not LifecycleEvent.objects.filter(model_id="cold", event="teardown").exists()
+
+
+def test_state_changes_need_the_held_manager_lease_and_an_allowed_transition(redis_client):
+    """set_state.lua: only the manager writes state, and only along the documented transitions."""
+    meta = _register("st")
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        request = await ctx.scheduler.acquire(ctx.listener, "st", 1000)
+        with pytest.raises(LeaseNotHeld):  # a request lease is not a manager lease
+            await ctx.scheduler.set_state("st", ModelState.UNLOADING, request.lease_id)
+        await ctx.scheduler.release("st", request.lease_id)
+        lease = await ctx.scheduler.acquire(ctx.listener, "st", 1000, LeaseKind.MANAGER)
+        await ctx.scheduler.set_state("st", ModelState.UNLOADING, lease.lease_id)
+        with pytest.raises(InvalidTransition):  # a teardown in progress cannot begin again
+            await ctx.scheduler.set_state("st", ModelState.RECONFIGURING, lease.lease_id)
+        await ctx.scheduler.set_state("st", ModelState.UNLOADED, lease.lease_id)
+        await ctx.scheduler.release("st", lease.lease_id)
+        with pytest.raises(LeaseNotHeld):  # released: no more writes with it
+            await ctx.scheduler.set_state("st", ModelState.UNLOADING, lease.lease_id)
+        return (await ctx.scheduler.snapshot(["st"]))["st"]["state"]
+
+    assert _run(scenario) == ModelState.UNLOADED
+
+
+def test_unregister_removes_the_entry_only_for_the_manager(redis_client):
+    meta = _register("gone")
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 2)
+        lease = await ctx.scheduler.acquire(ctx.listener, "gone", 1000, LeaseKind.MANAGER)
+        with pytest.raises(LeaseNotHeld):
+            await ctx.scheduler.unregister("gone", "not-a-lease")
+        assert await ctx.redis.hexists(KEYS.models_meta, "gone")
+        await ctx.scheduler.unregister("gone", lease.lease_id)
+        await ctx.scheduler.release("gone", lease.lease_id)
+        return (await ctx.redis.hexists(KEYS.models_meta, "gone"),
+                await ctx.redis.exists(KEYS.load("gone"), KEYS.capacity("gone")))
+
+    assert _run(scenario) == (False, 0)
