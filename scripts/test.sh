@@ -2,8 +2,8 @@
 # Install (scripts/install.sh) and run the whole test suite against real
 # PostgreSQL and Redis. Defaults match a machine running both locally:
 #   DATABASE_URL  postgres://postgres@127.0.0.1:5432/audiosite  (tests create test_* databases)
-#   REDIS_URL     redis://127.0.0.1:6379/15   (tests FLUSH databases 14 and 15 of that server)
-# Extra arguments go to pytest (e.g. scripts/test.sh -k scheduler).
+#   REDIS_URL     redis://127.0.0.1:6379/15   (tests FLUSH databases 8 to 15 of that server)
+# Extra arguments go to pytest (e.g. scripts/test.sh -k scheduler). Lint: scripts/lint.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

@@ -11,7 +11,7 @@ from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, InvalidInput, LoadContext
 
-from .conftest import padded
+from .helpers import padded
 
 
 def session_of(family: str):

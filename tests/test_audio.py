@@ -6,7 +6,7 @@ import pytest
 
 from inference import audio
 
-from .conftest import wav_bytes
+from .helpers import wav_bytes
 
 
 def tone(rate: int, seconds: float = 0.5, freq: float = 440.0) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 
 from audiosite.serverconfig import ConfigError, DEFAULT_CONFIG_PATH, load_config, parse_config
 
-from .conftest import ROOT
+from .helpers import ROOT
 
 
 def problems_of(data) -> list[str]:
@@ -120,7 +120,7 @@ def test_invalid_json_file_names_the_line(tmp_path):
 def test_serve_refuses_to_start_on_a_bad_config(tmp_path):
     """R1.2: the start-up error names the model and the key; nothing is started."""
     path = tmp_path / "server.json"
-    path.write_text(json.dumps({"models": [{"id": "vad", "family": "silero_vad", "slots": 1}]}))
+    path.write_text(json.dumps({"backend": "cpu", "models": [{"id": "vad", "family": "silero_vad", "slots": 1}]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
     env["AUDIOSITE_VAR_DIR"] = str(tmp_path / "var")
     proc = subprocess.run([sys.executable, "manage.py", "serve", "--config", str(path)], cwd=ROOT, env=env,
@@ -187,7 +187,7 @@ def test_fixture_family_exists_only_when_enabled(monkeypatch):
 
 def test_serve_with_parallel_jobs_refuses_a_bad_count(tmp_path):
     path = tmp_path / "server.json"
-    path.write_text(json.dumps({"models": [{"id": "vad", "family": "silero_vad", "slots": 17}]}))
+    path.write_text(json.dumps({"backend": "cpu", "models": [{"id": "vad", "family": "silero_vad", "slots": 17}]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
     env["AUDIOSITE_VAR_DIR"] = str(tmp_path / "var")
     proc = subprocess.run([sys.executable, "manage.py", "serve", "--parallel-jobs", "--config", str(path)], cwd=ROOT,

@@ -1,6 +1,6 @@
 """End to end through HTTP: daphne + a real Celery worker + Redis + PostgreSQL + real models.
 
-The stack is ``manage.py serve`` itself (see conftest.Stack), configured with
+The stack is ``manage.py serve`` itself (see helpers.Stack), configured with
 ``lease_ttl_ms`` 3000 and ``max_request_body_bytes`` 3 MB.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jiwer
 import numpy as np
 import pytest
 
-from .conftest import STACK_MAX_BODY_BYTES, long_speech, padded, wav_bytes
+from .helpers import MODEL_S, STACK_MAX_BODY_BYTES, long_speech, padded, run, until, wav_bytes
 
 pytestmark = pytest.mark.stack
 
@@ -250,19 +250,12 @@ def test_unknown_model_is_404_on_every_inference_route(stack, speech):
 
 
 # -- the busy guard (R3) -----------------------------------------------------------------
-async def _post_task(client: httpx.AsyncClient, model: str, data: bytes, **extra) -> tuple[httpx.Response, float, float]:
+async def _post_task(client: httpx.AsyncClient, model: str, data: bytes,
+                     **extra) -> tuple[httpx.Response, float, float]:
     started = time.monotonic()
     resp = await client.post("/v1/tasks/run", json={"model": model, "request": {
         "audio_base64": base64.b64encode(data).decode(), **extra}})
     return resp, started, time.monotonic()
-
-
-async def _wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -274,26 +267,26 @@ def slow_audio(speech) -> bytes:
 def test_second_request_waits_for_the_first(stack, speech, slow_audio):
     """R1.1: two concurrent requests to one model are served one after the other."""
     async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=MODEL_S) as c:
             first = asyncio.create_task(_post_task(c, "whisper", slow_audio))
-            await _wait_for(lambda: stack.counters("whisper")["leases"] == 1)
+            await until(lambda: stack.counters("whisper")["leases"] == 1)
             second = asyncio.create_task(_post_task(c, "whisper", speech[0].wav))
-            await _wait_for(lambda: stack.counters("whisper")["queued"] == 1)
+            await until(lambda: stack.counters("whisper")["queued"] == 1)
             (r1, _, end1), (r2, start2, end2) = await asyncio.gather(first, second)
             assert r1.status_code == 200 and r2.status_code == 200, (r1.text, r2.text)
             assert end2 > end1
             assert r2.json()["timing"]["queue_ms"] > 500
             assert "concorde" in r2.json()["text"].lower()
-    asyncio.run(scenario())
+    run(scenario())
     stack.wait_idle("whisper")
 
 
 def test_busy_timeout_gives_503_at_the_deadline(stack, speech, slow_audio):
     """R3.2: 503 server_busy at the deadline, with Retry-After; its ticket is gone at once."""
     async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=MODEL_S) as c:
             first = asyncio.create_task(_post_task(c, "whisper", slow_audio))
-            await _wait_for(lambda: stack.counters("whisper")["leases"] == 1)
+            await until(lambda: stack.counters("whisper")["leases"] == 1)
             resp, started, ended = await _post_task(c, "whisper", speech[0].wav, busy_timeout_ms=800)
             elapsed_ms = (ended - started) * 1000
             error = assert_error(resp, 503, "server_busy")
@@ -304,16 +297,16 @@ def test_busy_timeout_gives_503_at_the_deadline(stack, speech, slow_audio):
             assert not first.done()
             r1, _, _ = await first
             assert r1.status_code == 200
-    asyncio.run(scenario())
+    run(scenario())
     stack.wait_idle("whisper")
 
 
 def test_request_behind_an_overdue_holder_fails_fast(stack, speech, slow_audio):
     """R3.3: the holder has run longer than the timeout → 503 at once, reason stated."""
     async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=MODEL_S) as c:
             first = asyncio.create_task(_post_task(c, "whisper", slow_audio))
-            await _wait_for(lambda: stack.counters("whisper")["leases"] == 1)
+            await until(lambda: stack.counters("whisper")["leases"] == 1)
             await asyncio.sleep(1.0)
             resp, started, ended = await _post_task(c, "whisper", speech[0].wav, busy_timeout_ms=500)
             elapsed_ms = (ended - started) * 1000
@@ -322,59 +315,59 @@ def test_request_behind_an_overdue_holder_fails_fast(stack, speech, slow_audio):
             assert elapsed_ms < 300, elapsed_ms
             assert not first.done()
             assert (await first)[0].status_code == 200
-    asyncio.run(scenario())
+    run(scenario())
     stack.wait_idle("whisper")
 
 
 def test_timeout_zero_waits_without_bound(stack, speech, slow_audio):
     """R3.5: under a model ceiling of 0 a request without a bound waits however long it takes."""
     async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=MODEL_S) as c:
             first = asyncio.create_task(_post_task(c, "whisper-unbounded", slow_audio))
-            await _wait_for(lambda: stack.counters("whisper-unbounded")["leases"] == 1)
+            await until(lambda: stack.counters("whisper-unbounded")["leases"] == 1)
             await asyncio.sleep(1.0)
             resp, _, end2 = await _post_task(c, "whisper-unbounded", speech[0].wav)
             r1, _, end1 = await first
             assert r1.status_code == 200 and resp.status_code == 200, resp.text
             assert end2 > end1
-    asyncio.run(scenario())
+    run(scenario())
     stack.wait_idle("whisper-unbounded")
 
 
 def test_client_that_leaves_while_queued_loses_its_ticket(stack, speech, slow_audio):
     """R8.1: disconnect while queued → the ticket is gone at once; its work never runs."""
     async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=MODEL_S) as c:
             first = asyncio.create_task(_post_task(c, "whisper", slow_audio))
-            await _wait_for(lambda: stack.counters("whisper")["leases"] == 1)
-            async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(120, read=0.5)) as impatient:
+            await until(lambda: stack.counters("whisper")["leases"] == 1)
+            async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(MODEL_S, read=0.5)) as impatient:
                 with pytest.raises(httpx.ReadTimeout):
                     await _post_task(impatient, "whisper", speech[0].wav)
             left_at = time.monotonic()
-            await _wait_for(lambda: stack.counters("whisper")["queued"] == 0, timeout_s=2)
+            await until(lambda: stack.counters("whisper")["queued"] == 0, timeout_s=2)
             assert time.monotonic() - left_at < 1.0
             assert not first.done()
             assert (await first)[0].status_code == 200
-    asyncio.run(scenario())
+    run(scenario())
     stack.wait_idle("whisper")
 
 
 def test_client_that_leaves_while_running_does_not_strand_the_lease(stack, speech, slow_audio):
     """R8.2: the running step finishes on the worker, then the lease is released; the next request works."""
     async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(120, read=1.0)) as impatient:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(MODEL_S, read=1.0)) as impatient:
             with pytest.raises(httpx.ReadTimeout):
                 await _post_task(impatient, "whisper", slow_audio)
         left_at = time.monotonic()
         # The step is not pre-empted: the lease stays held while the worker runs ...
         assert stack.counters("whisper")["leases"] == 1
         # ... and the worker releases it when the run ends (it renews it meanwhile).
-        await _wait_for(lambda: stack.counters("whisper")["leases"] == 0, timeout_s=60)
-        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        await until(lambda: stack.counters("whisper")["leases"] == 0, timeout_s=60)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=MODEL_S) as c:
             resp, _, _ = await _post_task(c, "whisper", speech[0].wav, busy_timeout_ms=1)
             assert resp.status_code == 200, resp.text
         return time.monotonic() - left_at
-    held_s = asyncio.run(scenario())
+    held_s = run(scenario())
     assert held_s > 0.5  # it really ran on after the client left
     stack.wait_idle("whisper")
 
@@ -386,9 +379,9 @@ def test_lazy_model_loads_once_for_concurrent_cold_requests(stack, speech):
         assert c.get("/v1/models/vad-lazy").json()["state"] == "unloaded"
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=MODEL_S) as c:
             return await asyncio.gather(*[_post_task(c, "vad-lazy", speech[0].wav) for _ in range(3)])
-    results = asyncio.run(scenario())
+    results = run(scenario())
     assert [r.status_code for r, _, _ in results] == [200, 200, 200]
     loads = stack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = %s AND event = 'load'", "vad-lazy")
     assert loads == [("ok",)]

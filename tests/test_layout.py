@@ -13,7 +13,8 @@ import pytest
 
 from inference.runtime.startup import UNTESTED_RULES
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import ROOT
+
 PACKAGES = ("audiosite", "inference", "registry")
 
 

@@ -14,12 +14,10 @@ import time
 import httpx
 import pytest
 
-from .conftest import run_stack
-from .test_parallel import body, post, until
+from .helpers import FIXTURE_ENV, MODEL_S, body, entry_of, events_of, fx, mclient, post, run, run_stack, until
 
 pytestmark = pytest.mark.stack
 
-FIXTURE_ENV = {"AUDIOSITE_ENABLE_FIXTURE_FAMILY": "1"}
 M_MODELS = [
     {"id": "fx-base", "family": "fixture", "slots": 2, "load_options": {"version": "v1"}},
     {"id": "whisper-lazy", "family": "whisper", "slots": 2, "lazy": True},
@@ -37,33 +35,6 @@ def token(mstack) -> str:
     done = mstack.manage("issue_token", "operator")
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
-
-
-def mclient(stack, token: str | None, **kw) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Token {token}"} if token else {}
-    return httpx.AsyncClient(base_url=stack.url, timeout=kw.pop("timeout", 120), headers=headers,
-                             limits=httpx.Limits(max_connections=64), **kw)
-
-
-def entry_of(stack, model_id: str) -> dict:
-    with stack.client() as c:
-        return c.get(f"/v1/models/{model_id}").json()
-
-
-def events_of(stack, model_id: str) -> list[tuple[str, str, str]]:
-    return stack.sql("SELECT event, outcome, actor FROM registry_lifecycleevent WHERE model_id = %s ORDER BY id",
-                     model_id)
-
-
-def fx(model_id: str, slots: int | None = None, **load_options) -> dict:
-    entry = {"id": model_id, "family": "fixture", "load_options": load_options}
-    if slots is not None:
-        entry["slots"] = slots
-    return entry
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 # -- the gate ----------------------------------------------------------------------------------
@@ -219,7 +190,8 @@ def test_registration_is_visible_while_its_first_load_runs_and_duplicates_queue(
             assert resp.status_code == 200 and resp.json()["config_version"] == "r1"
     run(scenario())
     assert mstack.arrived("reg1-load") == 1  # loaded once
-    assert mstack.sql("SELECT source, state FROM registry_modelregistration WHERE model_id = 'reg1'") == [("api", "ready")]
+    assert mstack.sql("SELECT source, state FROM registry_modelregistration WHERE model_id = 'reg1'") == \
+        [("api", "ready")]
     assert [e[0] for e in events_of(mstack, "reg1")] == ["register", "load"]
     assert events_of(mstack, "reg1")[0][2] == "operator"
 
@@ -330,11 +302,12 @@ def test_invalid_reconfiguration_preserves_live_state(mstack, token):
 def test_a_valid_resize_works_after_an_unsupported_one(mstack, token):
     """R4.4/R9: after slots=5 is refused on an existing whisper model, slots=1 → 2 loads and serves."""
     async def scenario():
-        async with mclient(mstack, token) as op:
+        async with mclient(mstack, token, timeout=MODEL_S) as op:  # loads the real Whisper model
             resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 5})
             assert resp.status_code == 400 and "capacity=4" in resp.json()["error"]["message"]
             resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 1})
-            assert resp.status_code == 200 and resp.json() == {"id": "whisper-lazy", "loaded": True, "reconfigured": True}
+            assert resp.status_code == 200 and \
+                resp.json() == {"id": "whisper-lazy", "loaded": True, "reconfigured": True}
             entry = entry_of(mstack, "whisper-lazy")
             assert (entry["slots"], entry["max_parallel_slots"], entry["state"]) == (1, 4, "ready")
             resp = await op.post("/v1/models/unload", json={"id": "whisper-lazy"})
@@ -448,7 +421,7 @@ def test_bulk_unload_behind_an_unregister_reports_the_model_not_found(mstack, to
     async def scenario():
         async with mclient(mstack, token) as op:
             assert (await op.post("/v1/models/load", json=fx("bd", 1))).status_code == 200
-            running = asyncio.create_task(post(op, "bd", barrier="bd-run"))
+            _running = asyncio.create_task(post(op, "bd", barrier="bd-run"))  # never awaited: holds the model
             await until(lambda: mstack.arrived("bd-run") == 1)
             delete = asyncio.create_task(op.delete("/v1/models/bd"))
             await until(lambda: mstack.managers("bd")["queued"] == 1)
@@ -494,7 +467,7 @@ def test_overlapping_managers_keep_their_order(mstack, token):
     async def scenario():
         async with mclient(mstack, token) as op:
             assert (await op.post("/v1/models/load", json=fx("ord", 1, version="v1"))).status_code == 200
-            running = asyncio.create_task(post(op, "ord", barrier="ord-run"))
+            _running = asyncio.create_task(post(op, "ord", barrier="ord-run"))  # never awaited: holds the model
             await until(lambda: mstack.arrived("ord-run") == 1)
             calls = []
             for i, (method, url, payload) in enumerate((("POST", "/v1/models/load", fx("ord", 1, version="v2")),

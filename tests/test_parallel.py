@@ -5,14 +5,14 @@ real models at 1..4 slots. Real Redis (db 13), PostgreSQL, Celery worker.
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 
 import httpx
 import numpy as np
 import pytest
 
-from .conftest import padded, run_stack, wav_bytes
+from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, body, entry_of, mclient, padded, post, run, run_stack, until,
+                      wav_bytes)
 
 pytestmark = pytest.mark.stack
 
@@ -26,45 +26,15 @@ PAR_MODELS = [
     *[{"id": f"whisper{n}", "family": "whisper", "slots": n, "lazy": True} for n in COUNTS],
     *[{"id": f"vad{n}", "family": "silero_vad", "slots": n, "lazy": True} for n in COUNTS],
 ]
-TINY = wav_bytes(np.zeros(1600, dtype=np.float32), 16000)
-
 
 @pytest.fixture(scope="module")
 def pstack(tmp_path_factory):
     yield from run_stack(tmp_path_factory.mktemp("pstack"), PAR_MODELS, redis_db=13, name="par", parallel=True,
-                         extra_env={"AUDIOSITE_ENABLE_FIXTURE_FAMILY": "1"})
-
-
-def body(model: str, data: bytes = TINY, **options) -> dict:
-    timeout = options.pop("busy_timeout_ms", None)
-    payload = {"model": model, "request": {"audio_base64": base64.b64encode(data).decode(), "options": options}}
-    if timeout is not None:
-        payload["busy_timeout_ms"] = timeout
-    return payload
-
-
-async def post(client: httpx.AsyncClient, model: str, data: bytes = TINY, **options):
-    started = time.monotonic()
-    resp = await client.post("/v1/tasks/run", json=body(model, data, **options))
-    return resp, started, time.monotonic()
-
-
-async def until(predicate, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
-def status(pstack, model_id: str) -> dict:
-    with pstack.client() as c:
-        return c.get(f"/v1/models/{model_id}").json()
+                         extra_env=FIXTURE_ENV)
 
 
 def client(pstack, **kw) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=pstack.url, timeout=kw.pop("timeout", 120),
-                             limits=httpx.Limits(max_connections=64), **kw)
+    return mclient(pstack, None, **kw)
 
 
 # -- start-up and status ------------------------------------------------------------------
@@ -99,13 +69,13 @@ def test_sixteen_queued_requests_are_admitted_in_fifo_order(pstack, n):
         async with client(pstack) as c:
             holders = [asyncio.create_task(post(c, model, barrier=f"h{n}")) for _ in range(n)]
             await until(lambda: pstack.arrived(f"h{n}") == n)  # all n run at the same time
-            entry = status(pstack, model)
+            entry = entry_of(pstack, model)
             assert (entry["active_slots"], entry["queued_requests"]) == (n, 0)
             queued = []
             for i in range(16):
                 queued.append(asyncio.create_task(post(c, model, barrier=f"q{n}-{i}", tag=str(i))))
                 await until(lambda: pstack.counters(model)["queued"] == i + 1)
-            assert status(pstack, model)["queued_requests"] == 16
+            assert entry_of(pstack, model)["queued_requests"] == 16
             pstack.release(f"h{n}", n)
             for i in range(16):
                 running = set(range(i, min(16, i + n)))
@@ -118,7 +88,7 @@ def test_sixteen_queued_requests_are_admitted_in_fifo_order(pstack, n):
                 assert (await task)[0].status_code == 200
             slots_used = {(await q)[0].json()["slot"] for q in queued}
             assert slots_used == set(range(n))
-    asyncio.run(scenario())
+    run(scenario())
     pstack.wait_idle(model)
 
 
@@ -159,7 +129,7 @@ def test_manager_barrier_older_drains_first_later_bind_the_new_pool(pstack, n):
             new_pools = {r.json()["pool_id"] for r in later_resps}
             assert len(new_pools) == 1 and holder_pool not in new_pools
             assert min(r.json()["started_ns"] for r in later_resps) > older_resp["finished_ns"]
-    asyncio.run(scenario())
+    run(scenario())
     pstack.wait_idle(model)
 
 
@@ -179,7 +149,7 @@ def test_overdue_fail_fast_with_a_waiting_manager_and_a_spare_slot(pstack):
             assert (await holder)[0].status_code == 200
             await asyncio.to_thread(manager.communicate, timeout=60)
             assert manager.returncode == 0
-    asyncio.run(scenario())
+    run(scenario())
     pstack.wait_idle("fx2")
 
 
@@ -199,14 +169,14 @@ def test_request_timeouts_at_the_deadline_and_zero(pstack):
             pstack.release("to")
             assert (await holder)[0].status_code == 200
             assert (await patient)[0].status_code == 200
-    asyncio.run(scenario())
+    run(scenario())
     pstack.wait_idle("fx1")
 
 
 def test_manager_timeouts_and_zero(pstack):
     """R3.4: a manager times out at its deadline, fails fast behind an overdue slot, 0 waits."""
     async def scenario():
-        async with client(pstack) as c:
+        async with client(pstack, timeout=MODEL_S) as c:  # the holder waits through three manage commands
             holder = asyncio.create_task(post(c, "fx1", barrier="mt"))
             await until(lambda: pstack.arrived("mt") == 1)
             # The command needs 1.5-3 s to start (Django), so the holder's age when the manager
@@ -227,7 +197,7 @@ def test_manager_timeouts_and_zero(pstack):
             assert (await holder)[0].status_code == 200
             await asyncio.to_thread(patient.communicate, timeout=60)
             assert patient.returncode == 0
-    asyncio.run(scenario())
+    run(scenario())
     pstack.wait_idle("fx1")
 
 
@@ -239,14 +209,14 @@ def test_concurrent_cold_requests_publish_one_pool_and_all_wait_for_it(pstack):
             tasks = [asyncio.create_task(post(c, "fx-cold")) for _ in range(3)]
             await until(lambda: pstack.arrived("cold-load") == 1)
             await until(lambda: pstack.counters("fx-cold") == {"leases": 2, "queued": 1})
-            entry = status(pstack, "fx-cold")
+            entry = entry_of(pstack, "fx-cold")
             assert (entry["state"], entry["active_slots"], entry["queued_requests"]) == ("loading", 2, 1)
             assert entry["max_parallel_slots"] is None
             await asyncio.sleep(0.3)
             assert pstack.arrived("cold-load") == 1  # nobody else started a load
             pstack.release("cold-load")
             return [(await t)[0] for t in tasks]
-    responses = asyncio.run(scenario())
+    responses = run(scenario())
     assert [r.status_code for r in responses] == [200, 200, 200]
     assert len({r.json()["pool_id"] for r in responses}) == 1
     assert {r.json()["config_version"] for r in responses} == {"cold"}
@@ -268,15 +238,15 @@ def test_failed_load_releases_everyone_and_a_retry_works(pstack):
             failed = [(await t)[0] for t in admitted]
             # The queued request is admitted now and starts the one retry load.
             await until(lambda: pstack.arrived("fail-load") == 2)
-            entry = status(pstack, "fx-fail")
+            entry = entry_of(pstack, "fx-fail")
             assert (entry["state"], entry["active_slots"], entry["queued_requests"]) == ("loading", 1, 0)
             pstack.release("fail-load")
             return failed, (await queued)[0]
-    failed, retry = asyncio.run(scenario())
+    failed, retry = run(scenario())
     for resp in failed:
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "load_failed"
     assert retry.status_code == 200 and retry.json()["tag"] == "queued"
-    assert status(pstack, "fx-fail")["state"] == "ready"
+    assert entry_of(pstack, "fx-fail")["state"] == "ready"
     loads = pstack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = %s AND event = 'load' ORDER BY id",
                        "fx-fail")
     assert loads == [("failed",), ("ok",)]
@@ -289,7 +259,7 @@ def test_failed_session_creation_publishes_nothing(pstack):
         for _ in range(2):
             resp = c.post("/v1/tasks/run", json=body("fx-session"))
             assert resp.status_code == 503 and "slot 2" in resp.json()["error"]["message"]
-    assert status(pstack, "fx-session")["state"] == "unloaded"
+    assert entry_of(pstack, "fx-session")["state"] == "unloaded"
     assert pstack.counters("fx-session") == {"leases": 0, "queued": 0}
 
 
@@ -306,7 +276,7 @@ def test_inference_failure_releases_its_slot_and_other_slots_keep_working(pstack
             assert ok.status_code == 200
             pstack.release("healthy")
             assert (await healthy)[0].status_code == 200
-    asyncio.run(scenario())
+    run(scenario())
     pstack.wait_idle("fx2")
 
 
@@ -329,7 +299,7 @@ def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
     inputs = _inputs(speech)[:n] if n > 1 else _inputs(speech)[:2]
 
     async def scenario():
-        async with client(pstack) as c:
+        async with client(pstack, timeout=MODEL_S) as c:  # real models: loads and inference
             serial = [_comparable((await post(c, model, data))[0].json()) for data in inputs]
             peak = 0
 
@@ -345,7 +315,7 @@ def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
                 waves.append([_comparable(r[0].json()) for r in results])
             watcher.cancel()
             return serial, waves, peak
-    serial, waves, peak = asyncio.run(scenario())
+    serial, waves, peak = run(scenario())
     assert all("segments" in s for s in serial)
     assert waves[0] == serial
     assert waves[1] == serial[::-1]
@@ -377,7 +347,7 @@ def test_a_lost_completion_wake_up_does_not_hang_the_request(pstack):
             started = time.monotonic()
             resp, _, _ = await asyncio.wait_for(task, 30)
             return resp, time.monotonic() - started
-    resp, waited_s = asyncio.run(scenario())
+    resp, waited_s = run(scenario())
     assert resp.status_code == 200
     assert waited_s < 15
     pstack.wait_idle("fx2")
@@ -390,7 +360,7 @@ def test_unload_waits_for_a_load_in_progress_instead_of_skipping_it(pstack):
     before = pstack.arrived("cold-load")
 
     async def scenario():
-        async with client(pstack, timeout=httpx.Timeout(120, read=1.0)) as c:
+        async with client(pstack, timeout=httpx.Timeout(QUICK_S, read=1.0)) as c:
             with pytest.raises(httpx.ReadTimeout):
                 await post(c, "fx-cold")  # starts the load, then the client leaves
         await until(lambda: pstack.arrived("cold-load") == before + 1)
@@ -401,7 +371,7 @@ def test_unload_waits_for_a_load_in_progress_instead_of_skipping_it(pstack):
         pstack.release("cold-load")
         out, _ = await asyncio.to_thread(manager.communicate, timeout=60)
         return manager.returncode, out
-    code, out = asyncio.run(scenario())
+    code, out = run(scenario())
     assert code == 0 and "pool destroyed" in out
-    assert status(pstack, "fx-cold")["state"] == "unloaded"
+    assert entry_of(pstack, "fx-cold")["state"] == "unloaded"
     assert pstack.arrived("cold-load") == before + 1

@@ -11,7 +11,7 @@ from inference.scheduler import Keys
 from registry import services
 from registry.models import LifecycleEvent, ModelRegistration
 
-from .conftest import unique_prefix
+from .helpers import unique_prefix
 
 pytestmark = pytest.mark.django_db
 

@@ -9,9 +9,7 @@ import time
 
 import pytest
 
-from .conftest import run_stack
-from .test_management import FIXTURE_ENV, entry_of, fx, mclient, run
-from .test_parallel import post, until
+from .helpers import FIXTURE_ENV, entry_of, fx, mclient, post, run, run_stack, until
 
 pytestmark = pytest.mark.stack
 

@@ -16,7 +16,7 @@ from inference.scheduler import (
     effective_timeout_ms,
 )
 
-from .conftest import REDIS_BASE, unique_prefix
+from .helpers import REDIS_BASE, run, unique_prefix, within
 
 TTL_MS = 1000
 
@@ -44,10 +44,6 @@ class Rig:
     async def counts(self, model_id: str) -> tuple[int, int]:
         snap = await self.scheduler.snapshot([model_id])
         return snap[model_id]["active_leases"], snap[model_id]["queued"]
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +79,7 @@ def test_second_request_waits_and_is_pushed_the_grant(redis_client):
             assert await rig.counts("m") == (1, 1)
             released_at = time.monotonic()
             await rig.scheduler.release("m", first.lease_id)
-            second = await waiter
+            second = await within(waiter)
             woke_ms = (time.monotonic() - released_at) * 1000
             assert woke_ms < 100, woke_ms
             assert second.waited_ms >= 250
@@ -111,7 +107,7 @@ def test_waiters_are_granted_in_fifo_order(redis_client):
                 await asyncio.sleep(0.02)  # enqueue one after the other
             assert (await rig.counts("m"))[1] == 8
             await rig.scheduler.release("m", holder.lease_id)
-            await asyncio.gather(*tasks)
+            await within(asyncio.gather(*tasks))
             assert order == list(range(8))
             assert await rig.counts("m") == (0, 0)
     run(scenario())
@@ -149,7 +145,7 @@ def test_overdue_holder_fails_fast(redis_client):
             await asyncio.sleep(0.05)
             assert (await rig.counts("m"))[1] == 1
             await rig.scheduler.release("m", holder.lease_id)
-            lease = await waiter
+            lease = await within(waiter)
             await rig.scheduler.release("m", lease.lease_id)
     run(scenario())
 
@@ -164,7 +160,7 @@ def test_timeout_zero_waits_without_bound_and_without_fail_fast(redis_client):
             await asyncio.sleep(0.6)
             assert not waiter.done()
             await rig.scheduler.release("m", holder.lease_id)
-            lease = await waiter
+            lease = await within(waiter)
             assert lease.waited_ms >= 550
             await rig.scheduler.release("m", lease.lease_id)
     run(scenario())
@@ -225,10 +221,10 @@ def test_two_processes_share_one_queue(redis_client):
             second = asyncio.create_task(a.acquire("m", 0))
             await asyncio.sleep(0.05)
             await a.scheduler.release("m", holder.lease_id)
-            lease_b = await first
+            lease_b = await within(first)
             assert not second.done()
             await b.scheduler.release("m", lease_b.lease_id)
-            lease_a = await second
+            lease_a = await within(second)
             await a.scheduler.release("m", lease_a.lease_id)
     run(scenario())
 
@@ -308,7 +304,7 @@ def test_consecutive_requests_fill_spare_slots(redis_client, slots):
             await asyncio.sleep(0.05)
             assert await rig.counts("m") == (slots, 1)
             await rig.scheduler.release("m", leases[0].lease_id)
-            leases = leases[1:] + [await extra]
+            leases = leases[1:] + [await within(extra)]
             for lease in leases:
                 await rig.scheduler.release("m", lease.lease_id)
             assert await rig.counts("m") == (0, 0)
@@ -382,7 +378,7 @@ def test_overlapping_managers_keep_enqueue_order(redis_client):
                 tasks.append(asyncio.create_task(manager(i)))
                 await asyncio.sleep(0.01)
             await rig.scheduler.release("m", request.lease_id)
-            await asyncio.gather(*tasks)
+            await within(asyncio.gather(*tasks))
             assert order == [0, 1, 2, 3]
     run(scenario())
 
@@ -400,7 +396,7 @@ def test_overdue_fail_fast_with_a_waiting_manager_and_spare_slots(redis_client):
                 await rig.acquire("m", 200)
             assert (time.monotonic() - started) * 1000 < 50
             await rig.scheduler.release("m", holder.lease_id)
-            await rig.scheduler.release("m", (await manager).lease_id)
+            await rig.scheduler.release("m", (await within(manager)).lease_id)
     run(scenario())
 
 
@@ -558,7 +554,8 @@ def test_seeded_random_stress_keeps_every_invariant(redis_client, slots):
                     model.release(cid)
                 await asyncio.sleep(0.02)
             snap = (await rig.scheduler.snapshot(["m"]))["m"]
-            assert (snap["active_leases"], snap["queued"], snap["manager_leases"], snap["queued_managers"]) == (0, 0, 0, 0)
+            assert (snap["active_leases"], snap["queued"], snap["manager_leases"], snap["queued_managers"]) == \
+                (0, 0, 0, 0)
     run(scenario())
 
 
@@ -592,7 +589,8 @@ def test_bulk_manager_publication_orders_overlapping_and_reversed_selections(red
             assert order.index("first:b") < order.index("second:b")
             for model_id in ("a", "b", "c"):
                 snap = (await rig.scheduler.snapshot([model_id]))[model_id]
-                assert (snap["active_leases"], snap["queued"], snap["manager_leases"], snap["queued_managers"]) == (0, 0, 0, 0)
+                assert (snap["active_leases"], snap["queued"], snap["manager_leases"], snap["queued_managers"]) == \
+                    (0, 0, 0, 0)
     run(scenario())
 
 
@@ -610,7 +608,7 @@ def test_try_acquire_takes_only_a_ready_idle_model_and_never_waits(redis_client)
             waiter = asyncio.create_task(rig.acquire("m", 0))
             await asyncio.sleep(0.02)
             await rig.scheduler.release("m", busy.lease_id)
-            queued_then_held = await waiter
+            queued_then_held = await within(waiter)
             assert await rig.scheduler.try_acquire("m") is None
             await rig.scheduler.release("m", queued_then_held.lease_id)
             lease = await rig.scheduler.try_acquire("m")
@@ -619,5 +617,5 @@ def test_try_acquire_takes_only_a_ready_idle_model_and_never_waits(redis_client)
             await asyncio.sleep(0.05)
             assert not blocked.done()  # the evicting manager holds the model
             await rig.scheduler.release("m", lease.lease_id)
-            await rig.scheduler.release("m", (await blocked).lease_id)
+            await rig.scheduler.release("m", (await within(blocked)).lease_id)
     run(scenario())

@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from .conftest import ROOT, free_port, run_stack, wav_bytes
+from .helpers import ROOT, free_port, run_stack, wav_bytes
 
 
 def start_embedded(tmp_path, *args: str) -> tuple[subprocess.Popen, object]:
@@ -73,7 +73,7 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
 def test_serve_stops_everything_and_fails_when_a_child_dies(tmp_path):
     """If the web process dies, serve stops the rest and exits non-zero (docs/operations.md)."""
     config = tmp_path / "server.json"
-    config.write_text('{"lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
+    config.write_text('{"backend": "cpu", "lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
     proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(free_port()))
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
