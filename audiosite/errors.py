@@ -29,6 +29,9 @@ class ApplicationError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        # Set by a management transition whose entry is committed although this error ends it
+        # (e.g. the first load failed): the admin then reports the entry as registered.
+        self.committed = False
 
     def body(self) -> dict:
         """Return the API.md error body for this error."""

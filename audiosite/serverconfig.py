@@ -218,7 +218,7 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
         for root in config.media_roots:
             if not os.path.isabs(root):
                 problems.append(f"key 'media_roots': {root!r} is not an absolute path")
-    if problems:
+    if problems or config is None:
         raise ConfigError(problems, source)
     return config
 

@@ -162,6 +162,7 @@ DATABASE_URL = env_url(
     f"sqlite:///{VAR_DIR / 'audiosite.sqlite3'}",
     ("sqlite", "postgres", "postgresql", "pgsql"),
 )
+assert DATABASE_URL is not None  # it has a default
 DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Several processes (web, worker) share the file: wait for the write lock

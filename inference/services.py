@@ -255,6 +255,7 @@ async def run(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, optio
                 break
             else:
                 raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+        assert reply is not None  # the loop ends with a reply or raises
         if not reply["ok"]:
             if reply["kind"] == "invalid_input":
                 raise InvalidRequest(reply["message"], param=reply.get("param"))

@@ -29,7 +29,7 @@ def fixture_family_enabled() -> bool:
     return env_bool(FIXTURE_FAMILY_ENV, False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read_specs() -> dict[str, dict]:
     found = {}
     for file in sorted(SPEC_DIR.glob("*.json")):
@@ -49,6 +49,18 @@ def all_specs() -> dict[str, dict]:
 def get_spec(family: str) -> dict | None:
     """The spec of ``family`` or None when no such family exists."""
     return all_specs().get(family)
+
+
+def require_spec(family: str) -> dict:
+    """The spec of ``family``.
+
+    Raises:
+        KeyError: no such family (callers validated the family before).
+    """
+    spec = all_specs().get(family)
+    if spec is None:
+        raise KeyError(f"unknown model family {family!r}")
+    return spec
 
 
 def _schema_problems(schema: dict, value: Any, block: str) -> list[str]:
@@ -95,12 +107,12 @@ def check_model_entry(entry: dict) -> list[str]:
 
 def request_option_problems(family: str, options: dict) -> list[str]:
     """Validate per-request options against the family's ``request_options`` schema."""
-    return _schema_problems(get_spec(family)["request_options"], options, "options")
+    return _schema_problems(require_spec(family)["request_options"], options, "options")
 
 
 def request_defaults(family: str) -> dict:
     """The ``default`` of every request option the family's schema declares."""
-    props = get_spec(family)["request_options"].get("properties", {})
+    props = require_spec(family)["request_options"].get("properties", {})
     return {name: prop["default"] for name, prop in props.items() if "default" in prop}
 
 
@@ -113,7 +125,7 @@ def resolve_checkpoint(family: str, path: str | None) -> Path | None:
     if path:
         resolved = Path(path)
     else:
-        default = get_spec(family).get("default_checkpoint")
+        default = require_spec(family).get("default_checkpoint")
         if default is None:  # a family without weights (the test family)
             return None
         resolved = Path(str(importlib.resources.files(default["package"]) / default["resource"]))
@@ -124,12 +136,12 @@ def resolve_checkpoint(family: str, path: str | None) -> Path | None:
 
 def default_task(family: str) -> str:
     """The family's first listed task."""
-    return get_spec(family)["tasks"][0]
+    return require_spec(family)["tasks"][0]
 
 
 def advertised_capacity(family: str, backend: str) -> int:
     """The family's advertised number of independent sessions on ``backend`` (R9.1), 1..16."""
-    return min(MAX_SLOTS, int(get_spec(family).get("capacity", {}).get(backend, 1)))
+    return min(MAX_SLOTS, int(require_spec(family).get("capacity", {}).get(backend, 1)))
 
 
 def estimated_footprint_mb(family: str, slots: int, load_options: dict | None = None) -> int:
@@ -140,13 +152,13 @@ def estimated_footprint_mb(family: str, slots: int, load_options: dict | None = 
     spec gives none. The test family takes its estimate from the
     ``footprint_mb`` load option when given.
     """
-    if load_options and "footprint_mb" in load_options and get_spec(family).get("test_only"):
+    if load_options and "footprint_mb" in load_options and require_spec(family).get("test_only"):
         return int(load_options["footprint_mb"])
-    block = get_spec(family).get("memory_mb") or {}
+    block = require_spec(family).get("memory_mb") or {}
     return int(block.get("weights", 0)) + max(1, slots) * int(block.get("per_slot", 0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _admission_table(backend: str) -> dict:
     path = ADMISSION_DIR / f"{backend}.json"
     return json.loads(path.read_text()) if path.exists() else {}

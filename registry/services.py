@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import DataError, transaction
 from django.utils import timezone
@@ -241,7 +242,7 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
     return ValidatedEntry(entry, count_problem)
 
 
-def registration_meta_of(entry: ModelConfig, source: str) -> dict:
+def registration_meta_of(entry: ModelConfig, source: Any) -> dict:
     """The metadata ``entry`` would publish once saved (``ModelRegistration.as_meta`` of an unsaved row)."""
     return ModelRegistration(model_id=entry.id, source=source, **_entry_fields(entry)).as_meta()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .base import AudioRequest, LoadContext, spec_capacity
@@ -31,7 +32,7 @@ class Shared:
 
     pool_id: str
     version: str
-    barrier: object
+    barrier: Callable[[str], str] | None
     teardown_barrier: str | None
     fail_session: int | None = None
     events: list = field(default_factory=list)
@@ -59,7 +60,7 @@ class FixtureSession:
         """
         opts = request.options
         started = time.monotonic_ns()
-        if opts.get("barrier") and self.shared.barrier(opts["barrier"]) == "fail":
+        if opts.get("barrier") and self.shared.barrier and self.shared.barrier(opts["barrier"]) == "fail":
             raise InjectedFailure(f"injected failure at barrier {opts['barrier']!r}")
         if opts.get("sleep_ms"):
             time.sleep(opts["sleep_ms"] / 1000)
@@ -101,6 +102,7 @@ class FixtureAdapter:
 
     def unload(self, shared: Shared) -> None:
         if shared.teardown_barrier:
-            shared.barrier(shared.teardown_barrier)  # a teardown cannot be refused: 'fail' also proceeds
+            if shared.barrier:
+                shared.barrier(shared.teardown_barrier)  # a teardown cannot be refused: 'fail' also proceeds
         with shared.lock:
             shared.events.append("unload weights")

@@ -38,6 +38,6 @@ def make_barrier(redis_url: str, keys: Keys) -> Callable[[str], str]:
         item = client.blpop([keys.fixture_release(name)], timeout=BARRIER_TIMEOUT_S)
         if item is None:
             raise TimeoutError(f"barrier {name!r} was not released within {BARRIER_TIMEOUT_S} s")
-        return item[1]
+        return str(item[1])
 
     return barrier

@@ -17,6 +17,7 @@ probability ≥ ``threshold``; it ends once probability stays below
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -136,7 +137,7 @@ def segment(probs: np.ndarray, *, n_samples: int, sample_rate_hz: int, threshold
     if start is not None:
         raw.append([start, n_samples])
     kept = [s for s in raw if s[1] - s[0] >= min_speech]
-    out = []
+    out: list[dict[str, Any]] = []
     for s, e in kept:
         lo = max(0, s - pad)
         hi = min(n_samples, e + pad)

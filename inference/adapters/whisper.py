@@ -59,7 +59,8 @@ class WhisperSession:
         )
         out_segments, words = [], []
         for seg in segments:
-            out_segments.append({"id": seg.id, "start": round(seg.start, 3), "end": round(seg.end, 3), "text": seg.text.strip()})
+            out_segments.append({"id": seg.id, "start": round(seg.start, 3), "end": round(seg.end, 3),
+                                 "text": seg.text.strip()})
             for word in seg.words or []:
                 words.append({"word": word.word.strip(), "start": round(word.start, 3), "end": round(word.end, 3)})
         result = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -38,12 +39,14 @@ def _sync_client(decode_responses: bool) -> redis.Redis:
     return redis.Redis.from_url(redis_url(), decode_responses=decode_responses)
 
 
-def sync_redis() -> redis.Redis:
+# redis-py's annotations cannot tell a decode_responses=True client (str) from a bytes one,
+# so the clients below are typed Any where their replies are used as text.
+def sync_redis() -> Any:
     """A process-wide synchronous client (thread-safe pool), decoding to str."""
     return _sync_client(True)
 
 
-def sync_redis_bytes() -> redis.Redis:
+def sync_redis_bytes() -> Any:
     """A process-wide synchronous client that returns bytes (audio input keys)."""
     return _sync_client(False)
 
@@ -58,8 +61,8 @@ def sync_scheduler() -> Scheduler:
 class AsyncContext:
     """What an async view needs: clients, scheduler and this loop's listener."""
 
-    redis: aioredis.Redis
-    redis_bytes: aioredis.Redis
+    redis: Any  # redis.asyncio.Redis, decode_responses=True
+    redis_bytes: Any  # redis.asyncio.Redis returning bytes
     scheduler: Scheduler
     listener: Listener
 

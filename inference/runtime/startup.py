@@ -31,7 +31,8 @@ def experimental_warning() -> str:
             if family.startswith("_") or family not in specs.all_specs():
                 continue
             for task_mode in sorted(rows):
-                top = specs.admitted_counts(family, *task_mode.split("/"), backend)
+                task, mode = task_mode.split("/")
+                top = specs.admitted_counts(family, task, mode, backend)
                 if top > 1:
                     scope.append(f"{family} {task_mode} on {backend} up to {top} slots")
     return ("EXPERIMENTAL: the parallel runtime (--parallel-jobs) is experimental. Multi-slot admission is "

@@ -51,7 +51,8 @@ async def wait_for_load_in_progress(ctx: AsyncContext, model_id: str) -> None:
             wait = await ctx.scheduler.add_load_waiter(ctx.listener, model_id, token)
             if not wait.waiting:
                 return
-            await asyncio.wait({wake}, timeout=min(WATCHDOG_S, max(0.05, (wait.loader_expires_ms - wait.now_ms) / 1000)))
+            claim_left_s = (wait.loader_expires_ms - wait.now_ms) / 1000
+            await asyncio.wait({wake}, timeout=min(WATCHDOG_S, max(0.05, claim_left_s)))
         finally:
             ctx.listener.forget(f"load:{token}")
 

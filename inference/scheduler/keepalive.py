@@ -66,10 +66,9 @@ class KeepAlive:
         self._task = asyncio.create_task(self._loop(), name=f"keep-alive {self.what}")
         return self
 
-    async def __aexit__(self, *exc) -> bool:
+    async def __aexit__(self, *exc) -> None:
         if self._task is not None:
             self._task.cancel()
-        return False
 
     # -- in a thread -------------------------------------------------------------
     def _run_thread(self) -> None:
@@ -88,9 +87,8 @@ class KeepAlive:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        return False
 

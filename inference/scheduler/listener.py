@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,11 @@ class Listener:
         self._futures: dict[str, asyncio.Future] = {}
         self._early: dict[str, None] = {}
         self._task: asyncio.Task | None = None
-        self._pubsub = None
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self._pubsub: Any = None  # redis.asyncio PubSub, set by start()
+        self.loop: Any = None  # the event loop of start(); asyncio.AbstractEventLoop
 
     @classmethod
-    async def start(cls, redis, channel_for) -> "Listener":
+    async def start(cls, redis, channel_for) -> Listener:
         """Subscribe (confirmed before returning) and start dispatching.
 
         Args:

@@ -131,6 +131,14 @@ def effective_timeout_ms(request_ms: int | None, ceiling_ms: int) -> int:
     return min(request_ms, ceiling_ms)
 
 
+def _settle_with(future: asyncio.Future, lease: Lease) -> Callable[[asyncio.Future], None]:
+    """A done-callback that resolves ``future`` with ``lease`` unless it is already settled."""
+    def settle(_done: asyncio.Future) -> None:
+        if not future.done():
+            future.set_result(lease)
+    return settle
+
+
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -342,7 +350,8 @@ class Scheduler:
         grant_key = f"grant:{ticket}"
         future = listener.expect(grant_key)
         enqueue = asyncio.ensure_future(
-            self._run("enqueue", [base, self.keys.seq], [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind)])
+            self._run("enqueue", [base, self.keys.seq],
+                      [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind)])
         )
         try:
             reply = await asyncio.shield(enqueue)
@@ -366,7 +375,7 @@ class Scheduler:
             while True:
                 wait_s = None if deadline is None else max(0.0, deadline - loop.time())
                 reap_first = reap_in_s is not None and (wait_s is None or reap_in_s + 0.05 < wait_s)
-                if reap_first:
+                if reap_in_s is not None and reap_first:
                     wait_s = max(0.0, reap_in_s) + 0.05  # a small margin lets Redis TIME pass the expiry
                 done, _ = await asyncio.wait({future}, timeout=wait_s)
                 if done:
@@ -440,15 +449,14 @@ class Scheduler:
             raise
         loop = asyncio.get_running_loop()
         out: dict[str, asyncio.Future] = {}
-        for (model_id, ticket), now in zip(tickets.items(), granted):
+        for (model_id, ticket), now in zip(tickets.items(), granted, strict=True):
             future = loop.create_future()
             lease = Lease(model_id, ticket, 0, 0.0, LeaseKind.MANAGER)
             if int(now):
                 listener.forget(f"grant:{ticket}")
                 future.set_result(lease)
             else:
-                waits[model_id].add_done_callback(
-                    lambda done, f=future, lease=lease: f.cancelled() or f.done() or f.set_result(lease))
+                waits[model_id].add_done_callback(_settle_with(future, lease))
             out[model_id] = future
         return out
 
@@ -526,5 +534,5 @@ class Scheduler:
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
                        "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
                        "last_used_ms": int(row[8])}
-            for model_id, row in zip(model_ids, result)
+            for model_id, row in zip(model_ids, result, strict=True)
         }

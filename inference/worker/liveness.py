@@ -24,24 +24,24 @@ log = logging.getLogger(__name__)
 _stop = threading.Event()
 
 
-def _beat(redis_client, keys: Keys, worker: WorkerState) -> None:
+def _beat(redis_client, keys: Keys, worker: WorkerState, hostname: str) -> None:
     available_mb = psutil.virtual_memory().available // (1024 * 1024)
     pipe = redis_client.pipeline(transaction=False)
-    pipe.set(keys.worker_live(worker.hostname), worker.boot, px=LIVENESS_TTL_MS)
-    pipe.hset(keys.worker_memory, worker.hostname, available_mb)
+    pipe.set(keys.worker_live(hostname), worker.boot, px=LIVENESS_TTL_MS)
+    pipe.hset(keys.worker_memory, hostname, available_mb)
     pipe.execute()
 
 
 def liveness_start(worker: WorkerState, hostname: str, redis_client, keys: Keys) -> None:
     """Name the worker ``hostname``, publish its liveness at once, then every ``LIVENESS_EVERY_S`` in a thread."""
     worker.hostname = hostname
-    _beat(redis_client, keys, worker)
+    _beat(redis_client, keys, worker, hostname)
     redis_client.hset(keys.worker_pid, hostname, os.getpid())
 
     def loop() -> None:
         while not _stop.wait(LIVENESS_EVERY_S):
             try:
-                _beat(redis_client, keys, worker)
+                _beat(redis_client, keys, worker, hostname)
             except Exception:
                 log.exception("liveness beat failed")
 

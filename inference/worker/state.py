@@ -44,7 +44,7 @@ class Pool:
     sessions: list
     capacity: int
     request_defaults: dict = field(default_factory=dict)
-    free: "queue.SimpleQueue[int]" = field(default_factory=queue.SimpleQueue)
+    free: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)
     loaded_at: float = field(default_factory=time.time)
 
     def __post_init__(self):

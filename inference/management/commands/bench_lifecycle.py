@@ -116,7 +116,8 @@ class Command(BaseCommand):
                 unload.append(ms)
             for i in range(8):
                 await c.post("/v1/tasks/run", json=_task_body(f"m{i}", self.wav))
-            ms, r = await self._timed(c.post("/v1/tasks/unload_models", json={"model_ids": [f"m{i}" for i in range(8)]}))
+            ms, r = await self._timed(c.post("/v1/tasks/unload_models",
+                                             json={"model_ids": [f"m{i}" for i in range(8)]}))
             assert len(r.json()["unloaded"]) == 8, r.text
             out = {"register_load_p50": round(statistics.median(register), 1),
                    "reconfigure_p50": round(statistics.median(reconfigure), 1),
@@ -202,7 +203,7 @@ class Command(BaseCommand):
         async with self._client(server) as c:
             await c.post("/v1/tasks/unload_all_models")
             plain, evicting = [], []
-            for i in range(REPEATS):
+            for _ in range(REPEATS):
                 for name in ("e1", "e2", "e3"):
                     await c.post("/v1/models/load", json=_fx(name) | {"lazy": True})
                 await c.post("/v1/tasks/unload_all_models")

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -70,6 +71,9 @@ def _q(values: list[float], q: float) -> float:
 class Server:
     """One ``manage.py serve`` child on a private embedded Redis and SQLite file."""
 
+    token: str = ""  # set by bench_lifecycle (an API token)
+    redis: Any = None  # set by bench_lifecycle (a client of this server's Redis)
+
     def __init__(self, workdir: Path, models: list[dict], parallel: bool, extra_config: dict | None = None):
         self.workdir = workdir
         self.port = _port()
@@ -90,9 +94,14 @@ class Server:
                 self.stop()
                 raise CommandError("a benchmark server did not start:\n" + self.log.read_text()[-3000:])
             time.sleep(0.2)
-        self.redis_url = re.search(r"embedded redis-server on (\S+)", self.log.read_text()).group(1)
+        found = re.search(r"embedded redis-server on (\S+)", self.log.read_text())
+        if found is None:
+            self.stop()
+            raise CommandError("a benchmark server did not print its Redis URL:\n" + self.log.read_text()[-3000:])
+        self.redis_url = found.group(1)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**env, "REDIS_URL": self.redis_url, "DATABASE_URL": f"sqlite:///{workdir / 'var' / 'audiosite.sqlite3'}"}
+        self.env = {**env, "REDIS_URL": self.redis_url,
+                    "DATABASE_URL": f"sqlite:///{workdir / 'var' / 'audiosite.sqlite3'}"}
         if parallel:
             self.env["AUDIOSITE_PARALLEL_JOBS"] = "1"
 
@@ -147,7 +156,7 @@ class Command(BaseCommand):
                 report["legacy_one_request_ms"] = asyncio.run(self._one_request(legacy, ["whisper", "vad"]))
             finally:
                 legacy.stop()
-            models = [{"id": "fx", "family": "fixture", "slots": 2},
+            models: list[dict] = [{"id": "fx", "family": "fixture", "slots": 2},
                       *[{"id": f"whisper{n}", "family": "whisper", "slots": n} for n in (1, 2, 4)],
                       *[{"id": f"vad{n}", "family": "silero_vad", "slots": n} for n in (1, 2, 4)]]
             (Path(tmp) / "parallel").mkdir()
@@ -331,4 +340,5 @@ class Command(BaseCommand):
           f"+{m['whisper_4_slot_load_delta']} MB with 4 slots")
         w(f"{'batch':<12} {'serial ms':>10} {'N slots ms':>11} {'speedup':>8} {'saved %':>8}")
         for name, row in report["n_slots_vs_serial"].items():
-            w(f"{name:<12} {row['serial_ms']:>10} {row['parallel_ms']:>11} {row['speedup']:>8} {row['time_saved_pct']:>8}")
+            w(f"{name:<12} {row['serial_ms']:>10} {row['parallel_ms']:>11} {row['speedup']:>8} "
+              f"{row['time_saved_pct']:>8}")

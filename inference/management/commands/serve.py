@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import redis
@@ -70,7 +70,8 @@ class Command(BaseCommand):
         try:
             config = load_config(config_path, overrides)
         except ConfigError as exc:
-            raise CommandError("\n".join([f"invalid configuration ({exc.source}):"] + [f"  - {p}" for p in exc.problems]))
+            raise CommandError("\n".join([f"invalid configuration ({exc.source}):"]
+                                         + [f"  - {p}" for p in exc.problems])) from None
         if opts["workers"] < 1:
             raise CommandError("--workers must be ≥ 1")
         env = os.environ.copy()
@@ -101,7 +102,8 @@ class Command(BaseCommand):
                 name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
                 self._spawn(f"worker {name}", [
                     sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
-                    "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+                    "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle",
+                    "--loglevel", "INFO",
                 ], env)
             self._spawn("web", [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
                                 "audiosite.asgi:application"], env)
@@ -159,13 +161,14 @@ class Command(BaseCommand):
         ``worker_lost`` after the watchdog). Only workers of this host whose
         recorded pid is no longer a running process are dropped.
         """
-        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        client: Any = redis.Redis.from_url(redis_url, decode_responses=True)  # replies are str
         suffix = "@" + socket.gethostname()
         for hostname, pid in client.hgetall(KEYS.worker_pid).items():
             if not hostname.endswith(suffix):
                 continue
             try:
-                alive = psutil.Process(int(pid)).is_running() and "celery" in " ".join(psutil.Process(int(pid)).cmdline())
+                process = psutil.Process(int(pid))
+                alive = process.is_running() and "celery" in " ".join(process.cmdline())
             except (psutil.Error, ValueError):
                 alive = False
             if not alive:
@@ -192,7 +195,7 @@ class Command(BaseCommand):
                 break
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
-                    raise CommandError("the embedded Redis did not start")
+                    raise CommandError("the embedded Redis did not start") from None
                 time.sleep(0.05)
         self.stdout.write(f"redis: embedded redis-server on {url}")
         return url
