@@ -246,7 +246,7 @@ async def run(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, optio
                     handover.sent = False
                     await ctx.scheduler.mark_unloaded(model_id, placement.boot, "worker lost")
                     raise ServerBusy(f"model {model_id!r}: its worker stopped responding; retry", code="worker_lost")
-                if reply.get("kind") == "not_loaded":
+                if reply.get("kind") == rpc.RunFailure.NOT_LOADED:
                     # The owner never took the run (its pool is gone): the lease is
                     # still ours alone; forget the pool and load again once.
                     handover.sent = False
@@ -257,9 +257,9 @@ async def run(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, optio
                 raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
         assert reply is not None  # the loop ends with a reply or raises
         if not reply["ok"]:
-            if reply["kind"] == "invalid_input":
+            if reply["kind"] == rpc.RunFailure.INVALID_INPUT:
                 raise InvalidRequest(reply["message"], param=reply.get("param"))
-            if reply["kind"] == "error":  # an adapter failed on valid input: a bug, reported as such
+            if reply["kind"] == rpc.RunFailure.ERROR:  # an adapter failed on valid input: a bug, reported as such
                 raise ApplicationError(f"model {model_id!r} failed: {reply['message']}")
             raise ServerBusy(f"model {model_id!r} could not serve the request: {reply['message']}", code=reply["kind"])
         return Outcome(reply["result"], lease.waited_ms, load_ms, reply["inference_ms"], reply["slot"],

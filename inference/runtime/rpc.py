@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import StrEnum
 
 from celery.utils import worker_direct
 
@@ -128,6 +129,21 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
         finally:
             ctx.listener.forget(f"load:{token}")
+
+
+class RunFailure(StrEnum):
+    """``kind`` of a failed run reply (``{"ok": false, "kind", "message"[, "param"]}``).
+
+    ``NOT_LOADED``: the worker holds no such pool and never took the run (the
+    caller keeps the lease); ``INVALID_INPUT``: the adapter refused the
+    request (400); ``EXPIRED``: the input key expired before the run (503);
+    ``ERROR``: the adapter failed on valid input (500, a bug).
+    """
+
+    NOT_LOADED = "not_loaded"
+    INVALID_INPUT = "invalid_input"
+    EXPIRED = "expired"
+    ERROR = "error"
 
 
 class Handover:

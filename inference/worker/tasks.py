@@ -12,6 +12,7 @@ from celery import shared_task, signals
 
 from audiosite.serverconfig import get_config
 from inference.runtime.context import KEYS, sync_redis, sync_scheduler
+from inference.runtime.rpc import RunFailure
 from inference.runtime.startup import check_runtime
 from registry import services as records
 
@@ -69,7 +70,8 @@ def run_model(model_id: str, request_id: str, lease_id: str, boot: str, channel:
     """
     pool = WORKER.get(model_id)
     if pool is None or boot != WORKER.boot:
-        payload = {"ok": False, "kind": "not_loaded", "message": f"model {model_id!r} is not loaded on this worker"}
+        payload = {"ok": False, "kind": RunFailure.NOT_LOADED,
+                   "message": f"model {model_id!r} is not loaded on this worker"}
     else:
         payload = work.run_request(WORKER, pool, model_id, request_id, lease_id)
     work.reply(channel, KEYS.result(request_id), f"done:{request_id}", payload)

@@ -17,6 +17,7 @@ from inference import audio, specs
 from inference.adapters.base import AudioRequest, InvalidInput
 from inference.adapters.fixture_barrier import make_barrier
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
+from inference.runtime.rpc import RunFailure
 from inference.scheduler import LoadOutcome
 from registry import services as records
 
@@ -94,7 +95,7 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
             return _run(worker, pool, request_id)
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("run of %s failed", model_id)
-        return {"ok": False, "kind": "error", "message": f"{type(exc).__name__}: {exc}"}
+        return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
     finally:
         scheduler.release(model_id, lease_id)
 
@@ -102,7 +103,7 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
 def _run(worker: WorkerState, pool: Pool, request_id: str) -> dict:
     raw = sync_redis_bytes().getdel(KEYS.input(request_id))
     if raw is None:
-        return {"ok": False, "kind": "expired", "message": "the request's input expired before it ran"}
+        return {"ok": False, "kind": RunFailure.EXPIRED, "message": "the request's input expired before it ran"}
     samples, sample_rate_hz, options = audio.unpack_request(raw)
     request = AudioRequest(samples, sample_rate_hz, {**pool.request_defaults, **options})
     with pool.slot() as slot:
@@ -110,7 +111,7 @@ def _run(worker: WorkerState, pool: Pool, request_id: str) -> dict:
         try:
             result = pool.sessions[slot].run(request)
         except InvalidInput as exc:
-            return {"ok": False, "kind": "invalid_input", "message": str(exc), "param": exc.param}
+            return {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
             "worker": worker.hostname}
