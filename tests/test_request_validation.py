@@ -26,14 +26,16 @@ def refusal(serializer_class, data, query: str = "") -> tuple[int, str | None, s
     ({"model": "vad", "request": {"audio_base64": "@@"}}, "request.audio_base64",
      "request.audio_base64 is not valid base64"),
     ({"model": "vad", "request": {"audio": 7}}, "request.audio", "request.audio must be a path string"),
-    ({"model": "vad", "request": {"audio": "x", "options": []}}, "request.options", "request.options must be an object"),
+    ({"model": "vad", "request": {"audio": "x", "options": []}}, "request.options",
+     "request.options must be an object"),
     ({"model": "vad", "request": {"audio": "x", "options": {"prompt": "\ud800"}}}, "request.options.prompt",
      "request.options.prompt is not valid Unicode text"),
     ({"model": "vad", "request": {"audio": "x", "options": {"a": {"b": "x\x00"}}}}, "request.options.a.b",
      "request.options.a.b must not contain NUL characters"),
     ({"model": "vad", "request": {"audio": "x", "busy_timeout_ms": "soon"}}, "request.busy_timeout_ms",
      "request.busy_timeout_ms must be an integer"),
-    ({"model": "vad", "request": {"options": {}}}, "request", "request needs 'audio' (server-local path) or 'audio_base64'"),
+    ({"model": "vad", "request": {"options": {}}}, "request",
+     "request needs 'audio' (server-local path) or 'audio_base64'"),
     ({"model": "vad", "request": None}, "request", "request must be a JSON object with 'audio' or 'audio_base64'"),
     ({"model": "vad", "busy_timeout_ms": -1, "request": {"audio": "x"}}, "busy_timeout_ms",
      "busy_timeout_ms must be between 0 and 2147483647"),
@@ -47,7 +49,8 @@ def test_task_run_problems_name_the_field_path(data, param, message):
 
 def test_busy_timeout_ms_comes_from_body_then_query_then_request():
     def timeout(data, query=""):
-        return validated(TaskRunInputSerializer(data=data, context={"query_params": QueryDict(query)}))["busy_timeout_ms"]
+        serializer = TaskRunInputSerializer(data=data, context={"query_params": QueryDict(query)})
+        return validated(serializer)["busy_timeout_ms"]
     inner = {"audio": "x", "busy_timeout_ms": 3}
     assert timeout({"model": "vad", "busy_timeout_ms": 1.0, "request": inner}, "busy_timeout_ms=2") == 1
     assert timeout({"model": "vad", "request": inner}, "busy_timeout_ms=2") == 2
@@ -71,7 +74,8 @@ def test_transcription_form_fields():
 
 
 @pytest.mark.parametrize("serializer_class, data, param, message", [
-    (ModelUnloadInputSerializer, {"id": "a", "force": True}, "force", "unknown key(s) ['force']; this route takes ['id']"),
+    (ModelUnloadInputSerializer, {"id": "a", "force": True}, "force",
+     "unknown key(s) ['force']; this route takes ['id']"),
     (ModelUnloadInputSerializer, {"id": ""}, "id", "key 'id': a model id (string) is required"),
     (UnloadModelsInputSerializer, {"model_ids": ["a", 1]}, "model_ids",
      "key 'model_ids': a list of model ids (strings) is required"),
