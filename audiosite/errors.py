@@ -14,6 +14,7 @@ import redis
 from django.http import JsonResponse
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,28 @@ class InsufficientMemory(ServerBusy):
     type = "insufficient_memory"
 
 
+def invalid_request_from(detail) -> InvalidRequest:
+    """Our error for the first problem in a DRF ``ValidationError`` detail (a serializer's ``errors``).
+
+    The first problem follows the serializer's field order (nested serializers
+    included). ``param`` is its field path: the dict keys leading to it
+    joined by dots (``request.audio_base64``), without ``non_field_errors``
+    (a problem of a whole object names that object; of the whole body, None)
+    and without list indices. The message is the field's own. A problem
+    with code ``payload_too_large`` becomes :class:`PayloadTooLarge` (413).
+    """
+    keys: list[str] = []
+    while isinstance(detail, (dict, list)) and detail:
+        if isinstance(detail, dict):
+            key, detail = next(iter(detail.items()))
+            if isinstance(key, str) and key != api_settings.NON_FIELD_ERRORS_KEY:
+                keys.append(key)
+        else:
+            detail = detail[0]
+    error_class = PayloadTooLarge if getattr(detail, "code", None) == "payload_too_large" else InvalidRequest
+    return error_class(str(detail) or "invalid request", param=".".join(keys) or None)
+
+
 def error_response(error: ApplicationError) -> Response:
     """Render ``error`` as a DRF response."""
     return Response(error.body(), status=error.status, headers=error.headers())
@@ -142,12 +165,16 @@ _DRF_MAP = {
 def drf_exception_handler(exc: Exception, context: dict) -> Response:
     """DRF ``EXCEPTION_HANDLER``: every error leaves in the API.md shape.
 
-    ``ApplicationError`` renders itself; DRF's own errors (parse errors,
+    ``ApplicationError`` renders itself; a serializer's ``ValidationError``
+    becomes one ``invalid_request_error`` naming the first bad field (see
+    :func:`invalid_request_from`); DRF's other errors (parse errors,
     method not allowed) map to their status with the documented type; anything
     else is a bug and becomes a logged 500 ``server_error``.
     """
     if isinstance(exc, ApplicationError):
         return error_response(exc)
+    if isinstance(exc, drf_exceptions.ValidationError):  # an input serializer refused the body
+        return error_response(invalid_request_from(exc.detail))
     if isinstance(exc, drf_exceptions.APIException):
         status = exc.status_code
         err_type = _DRF_MAP.get(status, ("server_error", None))[0]

@@ -1,18 +1,18 @@
 """Inference routes: ``POST /v1/audio/transcriptions`` and ``POST /v1/tasks/run``.
 
 Views only translate HTTP to the runtime and back (async: a waiting request
-holds no thread). Input problems are refused before any ticket is taken, so a
-bad request never holds a lease.
+holds no thread): the length check, the input serializer
+(``inference.serializers``; its first problem becomes a 400 naming the field
+path in ``param``), the checks that need the model, then the runtime. Input
+problems are refused before any ticket is taken, so a bad request never holds
+a lease.
 """
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import math
 import os
-import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from adrf.views import APIView
@@ -20,167 +20,35 @@ from django.http import HttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 
-from audiosite.errors import InvalidRequest, LengthRequired, NotFound, PayloadTooLarge, UnsupportedMedia
-from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
+from audiosite.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMedia
+from audiosite.serverconfig import get_config
+from audiosite.validation import check_length, validated
+from audiosite.validation import check_text as _check_text
 from inference import audio, services, specs
-from inference.runtime.context import async_context
+from inference.runtime.context import AsyncContext, async_context
 from registry.selectors import model_meta_get
 
-RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+from .serializers import TaskRunInputSerializer, TranscriptionInputSerializer
 
 
-def check_length(request, body_optional: bool = False) -> int:
-    """The body's Content-Length in bytes; refuse one over ``max_request_body_bytes`` (413).
-
-    Chunked request bodies are not supported (Django would see them as
-    empty): a body without Content-Length is refused with 411, unless
-    ``body_optional`` and no body was sent at all (then 0).
-    """
-    limit = get_config().max_request_body_bytes
-    raw = request.META.get("CONTENT_LENGTH")
-    if raw in (None, ""):
-        if body_optional and not request.META.get("HTTP_TRANSFER_ENCODING"):
-            return 0
-        raise LengthRequired("Content-Length is required (chunked request bodies are not supported)")
-    if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
-        raise InvalidRequest("Content-Length is not a number")
-    if int(raw) > limit:
-        raise PayloadTooLarge(f"request body of {int(raw)} bytes exceeds max_request_body_bytes={limit}")
-    return int(raw)
-
-
-def _data(request) -> dict:
+def _data(request):
+    """The parsed body (a JSON value or a multipart form); its shape is the serializer's check."""
     try:
-        data = request.data
+        return request.data
     except ParseError as exc:
         raise InvalidRequest(f"malformed request body: {exc.detail}") from None
     except (RecursionError, UnicodeDecodeError):
         raise InvalidRequest("malformed request body: nested too deeply or not UTF-8") from None
-    if not hasattr(data, "get"):
-        raise InvalidRequest("the request body must be a JSON object or a multipart form")
-    return data
 
 
-def _check_text(value: str, name: str) -> str:
-    """Refuse strings that cannot travel as UTF-8 (lone surrogates) or hold NUL characters."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest(f"{name} is not valid Unicode text", param=name) from None
-    if "\x00" in value:
-        raise InvalidRequest(f"{name} must not contain NUL characters", param=name)
-    return value
+async def _model(model_id: str) -> tuple[dict, AsyncContext]:
+    """``(meta, ctx)``: the published metadata of ``model_id`` and the runtime context.
 
+    ``model_id`` comes from an input serializer; the first checks guard other callers.
 
-def _field(data, name: str):
-    """A present, non-empty field, or None."""
-    value = data.get(name)
-    return None if value is None or (isinstance(value, str) and value == "") else value
-
-
-def _str_field(data, name: str) -> str | None:
-    value = _field(data, name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise InvalidRequest(f"{name} must be a string", param=name)
-    return _check_text(value, name)
-
-
-def _int_field(value, name: str, minimum: int = 0, maximum: int = MAX_BUSY_TIMEOUT_MS) -> int | None:
-    """An integer from JSON (int, or a float with no fraction) or a form (ASCII digits)."""
-    if value is None or value == "":
-        return None
-    number = None
-    if isinstance(value, bool):
-        number = None
-    elif isinstance(value, int):
-        number = value
-    elif isinstance(value, float) and value.is_integer():
-        number = int(value)
-    elif isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value.strip()):
-        number = int(value.strip())
-    if number is None:
-        raise InvalidRequest(f"{name} must be an integer", param=name)
-    if not minimum <= number <= maximum:
-        raise InvalidRequest(f"{name} must be between {minimum} and {maximum}", param=name)
-    return number
-
-
-def _float_field(value, name: str) -> float | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InvalidRequest(f"{name} must be a number", param=name)
-    try:
-        number = float(value)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be a number", param=name) from None
-    if not math.isfinite(number):
-        raise InvalidRequest(f"{name} must be a finite number", param=name)
-    return number
-
-
-def _bool_field(value, name: str) -> bool:
-    if value is None or value == "":
-        return False
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "1", "false", "0"):
-        return value.lower() in ("true", "1")
-    raise InvalidRequest(f"{name} must be true or false", param=name)
-
-
-def _is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return "\x00" not in value
-
-
-def bad_text_path(value, name: str = "") -> tuple[str, str] | None:
-    """The first string (key or value) inside decoded JSON that is not plain text, else None.
-
-    Plain text encodes as UTF-8 (no unpaired surrogates) and holds no NUL
-    character: PostgreSQL, Redis and the JSON renderer all need that.
-
-    Returns:
-        ``(path, text)``: the dotted path of the value (for a bad key, the
-        path of the object holding it) and the offending string.
+    Raises:
+        NotFound: ``model_id`` is not registered (404, ``param`` "model").
     """
-    if isinstance(value, str):
-        return None if _is_text(value) else (name, value)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not _is_text(str(key)):
-                return name, str(key)
-            found = bad_text_path(item, f"{name}.{key}" if name else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for item in value:
-            found = bad_text_path(item, name)
-            if found:
-                return found
-    return None
-
-
-def _check_strings(value, name: str) -> None:
-    """Apply :func:`_check_text` to every string inside ``value`` (options blocks)."""
-    found = bad_text_path(value, name)
-    if found:
-        _check_text(found[1], found[0])
-
-
-def _busy_timeout(request, data) -> int | None:
-    value = data.get("busy_timeout_ms")
-    if value is None:
-        value = request.query_params.get("busy_timeout_ms")
-    return _int_field(value, "busy_timeout_ms")
-
-
-async def _model(model_id) -> tuple[dict, object]:
     if not model_id:
         raise InvalidRequest("model is required", param="model")
     if not isinstance(model_id, str):
@@ -193,12 +61,18 @@ async def _model(model_id) -> tuple[dict, object]:
     return meta, ctx
 
 
-def _read_local(path_value, param: str) -> bytes:
-    """Bytes of a server-local file that lies inside a configured media root."""
+def _read_local(path_value: str, param: str) -> bytes:
+    """Bytes of a server-local file that lies inside a configured media root.
+
+    Args:
+        path_value: a path of plain text (checked by the input serializer).
+        param: its field path, for errors.
+
+    Raises:
+        InvalidRequest: no ``media_roots``, a path outside them, not a readable file (400).
+        PayloadTooLarge: a file over ``max_request_body_bytes`` (413).
+    """
     config = get_config()
-    if not isinstance(path_value, str):
-        raise InvalidRequest(f"{param} must be a path string", param=param)
-    _check_text(path_value, param)
     if not config.media_roots:
         raise InvalidRequest("server-local paths are disabled (no media_roots configured)", param=param)
     try:
@@ -216,7 +90,7 @@ def _read_local(path_value, param: str) -> bytes:
 
 
 async def _decode(data: bytes, family: str, param: str):
-    rate = specs.get_spec(family)["sample_rate_hz"]
+    rate = specs.require_spec(family)["sample_rate_hz"]
     try:
         samples, _source_rate = await asyncio.to_thread(audio.decode, data, rate, get_config().max_audio_seconds)
     except audio.UndecodableAudio as exc:
@@ -228,11 +102,22 @@ async def _decode(data: bytes, family: str, param: str):
     return samples, rate
 
 
-def _check_options(family: str, options: dict) -> None:
-    _check_strings(options, "options")
-    problems = specs.request_option_problems(family, options)
-    if problems:
-        raise InvalidRequest("; ".join(problems), param="options")
+def _check_options(family: str, options: dict, param_of: Callable[[list[str]], str | None]) -> None:
+    """Refuse model options that the family's ``request_options`` schema rejects.
+
+    Args:
+        param_of: the field path of the option at the given keys inside ``options``.
+
+    Raises:
+        InvalidRequest: 400, one ``key '<field path>': <schema message>`` per problem;
+            ``param`` is the field path of the first.
+    """
+    errors = specs.request_option_errors(family, options)
+    if errors:
+        params = [param_of(keys) for keys, _message in errors]
+        message = "; ".join(f"key {param or 'options'!r}: {text}"
+                            for param, (_keys, text) in zip(params, errors, strict=True))
+        raise InvalidRequest(message, param=params[0])
 
 
 def _timing(started: float, n_samples: int, rate: int, outcome: services.Outcome) -> dict:
@@ -266,52 +151,33 @@ def subtitles(segments: list[dict], kind: str) -> str:
 
 
 class TranscriptionApi(APIView):
-    """``POST /v1/audio/transcriptions`` (OpenAI-compatible)."""
+    """``POST /v1/audio/transcriptions`` (OpenAI-compatible; input: :class:`TranscriptionInputSerializer`).
+
+    Responds ``{"text", "timing"}`` (json), plain text (text, srt, vtt), or
+    verbose_json with ``task, language, duration, segments`` (s) and ``words``.
+
+    Raises:
+        InvalidRequest: bad input, a model of another task, ``stream=true``, options the model refuses (400).
+        NotFound: unknown model (404). PayloadTooLarge (413), UnsupportedMedia (415): see ``_decode``.
+        ServerBusy: from the runtime (503).
+    """
 
     async def post(self, request):
         started = time.monotonic()
         check_length(request)
-        data = _data(request)
-        meta, ctx = await _model(_field(data, "model"))
+        data = validated(TranscriptionInputSerializer(data=_data(request),
+                                                      context={"query_params": request.query_params}))
+        meta, ctx = await _model(data["model"])
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
-        response_format = _str_field(data, "response_format") or "json"
-        if response_format not in RESPONSE_FORMATS:
-            raise InvalidRequest(f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
-        if _bool_field(data.get("stream"), "stream"):
+        response_format = data["response_format"]
+        if data["stream"]:
             raise InvalidRequest("stream=true needs a model in mode 'streaming'; this model is offline", param="stream")
-        options = {}
-        for name in ("language", "prompt"):
-            value = _str_field(data, name)
-            if value is not None:
-                options[name] = value
-        temperature = _float_field(data.get("temperature"), "temperature")
-        if temperature is not None:
-            options["temperature"] = temperature
-        if hasattr(data, "getlist"):
-            granularities = data.getlist("timestamp_granularities[]") or data.getlist("timestamp_granularities")
-        else:
-            granularities = data.get("timestamp_granularities", data.get("timestamp_granularities[]")) or []
-        if not isinstance(granularities, list) or any(g not in ("word", "segment") for g in granularities):
-            raise InvalidRequest("timestamp_granularities must be a list of 'word' and/or 'segment'",
-                                 param="timestamp_granularities")
-        if "word" in granularities:
-            options["word_timestamps"] = True
-        _check_options(meta["family"], options)
-        timeout_ms = _busy_timeout(request, data)
-        upload = request.FILES.get("file") if hasattr(request, "FILES") else None
-        if upload is not None:
-            limit = get_config().max_request_body_bytes
-            if upload.size > limit:
-                raise PayloadTooLarge(f"file of {upload.size} bytes exceeds max_request_body_bytes={limit}")
-            raw = upload.read()
-            param = "file"
-        else:
-            path_value = next((data.get(k) for k in ("audio", "audio_path", "file") if data.get(k)), None)
-            if path_value is None:
-                raise InvalidRequest("file is required (multipart upload, or a server-local path in JSON)", param="file")
-            raw = _read_local(path_value, "file")
-            param = "file"
+        options = data["options"]
+        _check_options(meta["family"], options, TranscriptionInputSerializer.option_param)
+        timeout_ms = data["busy_timeout_ms"]
+        param, source = data["source"]
+        raw = _read_local(source, param) if isinstance(source, str) else source.read()
         samples, rate = await _decode(raw, meta["family"], param)
         outcome = await services.run(ctx, meta, samples, rate, options, timeout_ms)
         result = outcome.result
@@ -319,7 +185,8 @@ class TranscriptionApi(APIView):
         if response_format == "text":
             return HttpResponse(result["text"], content_type="text/plain; charset=utf-8")
         if response_format in ("srt", "vtt"):
-            return HttpResponse(subtitles(result["segments"], response_format), content_type="text/plain; charset=utf-8")
+            return HttpResponse(subtitles(result["segments"], response_format),
+                                content_type="text/plain; charset=utf-8")
         body = {"text": result["text"], "timing": timing}
         if response_format == "verbose_json":
             body.update(task="transcribe", language=result["language"], duration=result["duration"],
@@ -330,38 +197,21 @@ class TranscriptionApi(APIView):
 
 
 class TaskRunApi(APIView):
-    """``POST /v1/tasks/run``: generic task input (VAD, ASR)."""
+    """``POST /v1/tasks/run``: generic task input (VAD, ASR; input: :class:`TaskRunInputSerializer`).
+
+    Responds ``{"model", "task", <the task's outputs>, "timing"}``; errors as :class:`TranscriptionApi`.
+    """
 
     async def post(self, request):
         started = time.monotonic()
         check_length(request)
-        data = _data(request)
-        meta, ctx = await _model(_field(data, "model"))
-        task_request = data.get("request")
-        if not isinstance(task_request, dict):
-            raise InvalidRequest("request must be a JSON object with 'audio' or 'audio_base64'", param="request")
-        options = task_request.get("options")
-        options = {} if options is None else options
-        if not isinstance(options, dict):
-            raise InvalidRequest("request.options must be an object", param="request.options")
-        _check_options(meta["family"], options)
-        timeout_ms = _busy_timeout(request, data)
-        if timeout_ms is None:
-            timeout_ms = _int_field(task_request.get("busy_timeout_ms"), "busy_timeout_ms")
-        if task_request.get("audio_base64") is not None:
-            encoded = task_request["audio_base64"]
-            if not isinstance(encoded, str):
-                raise InvalidRequest("request.audio_base64 must be a string", param="request.audio_base64")
-            try:
-                raw = base64.b64decode(encoded, validate=True)
-            except (binascii.Error, ValueError):
-                raise InvalidRequest("request.audio_base64 is not valid base64", param="request.audio_base64") from None
-            param = "request.audio_base64"
-        elif task_request.get("audio") is not None:
-            raw = _read_local(task_request["audio"], "request.audio")
-            param = "request.audio"
-        else:
-            raise InvalidRequest("request needs 'audio' (server-local path) or 'audio_base64'", param="request")
+        data = validated(TaskRunInputSerializer(data=_data(request), context={"query_params": request.query_params}))
+        meta, ctx = await _model(data["model"])
+        options = data["request"]["options"]
+        _check_options(meta["family"], options, lambda keys: ".".join(["request.options", *keys]))
+        timeout_ms = data["busy_timeout_ms"]
+        param, source = data["request"]["source"]
+        raw = source if isinstance(source, bytes) else _read_local(source, param)
         samples, rate = await _decode(raw, meta["family"], param)
         outcome = await services.run(ctx, meta, samples, rate, options, timeout_ms)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result,

@@ -63,13 +63,15 @@ def require_spec(family: str) -> dict:
     return spec
 
 
-def _schema_problems(schema: dict, value: Any, block: str) -> list[str]:
+def _schema_errors(schema: dict, value: Any) -> list[tuple[list[str], str]]:
+    """``(keys inside value, message)`` of every violation of ``schema``, ordered by keys."""
     validator = jsonschema.Draft202012Validator(schema)
-    problems = []
-    for error in sorted(validator.iter_errors(value), key=lambda e: list(e.path)):
-        where = ".".join([block, *[str(p) for p in error.path]])
-        problems.append(f"key {where!r}: {error.message}")
-    return problems
+    return [([str(p) for p in error.path], error.message)
+            for error in sorted(validator.iter_errors(value), key=lambda e: list(e.path))]
+
+
+def _schema_problems(schema: dict, value: Any, block: str) -> list[str]:
+    return [f"key {'.'.join([block, *keys])!r}: {message}" for keys, message in _schema_errors(schema, value)]
 
 
 def check_model_entry(entry: dict) -> list[str]:
@@ -105,9 +107,15 @@ def check_model_entry(entry: dict) -> list[str]:
     return problems
 
 
-def request_option_problems(family: str, options: dict) -> list[str]:
-    """Validate per-request options against the family's ``request_options`` schema."""
-    return _schema_problems(require_spec(family)["request_options"], options, "options")
+def request_option_errors(family: str, options: dict) -> list[tuple[list[str], str]]:
+    """Validate per-request options against the family's ``request_options`` schema.
+
+    Returns:
+        ``(keys, message)`` per problem, ordered by keys: the option keys
+        leading to the bad value (empty for a problem of the whole block, e.g.
+        an unknown option) and the schema's message.
+    """
+    return _schema_errors(require_spec(family)["request_options"], options)
 
 
 def request_defaults(family: str) -> dict:

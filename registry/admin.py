@@ -18,7 +18,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
 from audiosite.errors import ApplicationError
-from inference.apis import bad_text_path
+from audiosite.validation import bad_text_path
 from inference.runtime.context import async_context
 
 from . import lifecycle

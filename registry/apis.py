@@ -14,7 +14,7 @@ from rest_framework.response import Response
 
 from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
-from inference.apis import bad_text_path, check_length
+from audiosite.validation import check_length, validated
 from inference.backend import resolve_backend
 from inference.runtime.context import async_context
 
@@ -22,6 +22,8 @@ from . import lifecycle
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 from .selectors import model_meta_all, model_status_list
 
+from .serializers import (ManagementBodySerializer, ModelLoadInputSerializer, ModelUnloadInputSerializer,
+                          UnloadAllInputSerializer, UnloadModelsInputSerializer)
 
 _backend: str | None = None
 
@@ -108,35 +110,26 @@ class ModelDetailApi(ManagementApi):
         return super().get_permissions() if self.request.method == "DELETE" else []
 
 
-def _json_body(request, allowed: tuple[str, ...] | None) -> dict:
-    """The JSON object of a management request (an absent or empty body reads as ``{}``).
+def _json_body(request, serializer_class: type[ManagementBodySerializer] | None) -> dict:
+    """The validated JSON object of a management request (an absent or empty body reads as ``{}``).
 
     Args:
-        allowed: the keys the route takes (None = any; the service checks them).
+        serializer_class: the route's input serializer (``registry.serializers``); None for a
+            model entry (:class:`ModelLoadInputSerializer`: the outer shape; the service checks the values).
 
     Raises:
         PayloadTooLarge, LengthRequired: over ``max_request_body_bytes`` (413); chunked (411).
-        InvalidRequest: not a JSON object, nested too deeply, or an unknown key (400).
+        InvalidRequest: not a JSON object, nested too deeply, text that is not plain, an unknown key,
+            a bad field (400, ``param`` = the key).
         UnsupportedMediaType: not ``application/json`` (415, from the parser).
     """
-    if check_length(request, body_optional=True) == 0:
-        return {}
-    try:
-        data = request.data
-    except RecursionError:
-        raise InvalidRequest("the JSON body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    found = bad_text_path(data)
-    if found:
-        key = found[0].split(".")[0]  # a top-level key is plain text; a bad key reads as the body's
-        raise InvalidRequest("text in the body may not contain NUL characters or unpaired UTF-16 surrogates",
-                             param=key or None)
-    if allowed is not None:
-        unknown = sorted(set(data) - set(allowed))
-        if unknown:
-            raise InvalidRequest(f"unknown key(s) {unknown}; this route takes {list(allowed)}", param=unknown[0])
-    return dict(data)
+    data = {}
+    if check_length(request, body_optional=True) > 0:
+        try:
+            data = request.data
+        except RecursionError:
+            raise InvalidRequest("the JSON body is nested too deeply") from None
+    return validated((serializer_class or ModelLoadInputSerializer)(data=data))
 
 
 class ModelLoadApi(ManagementApi):
@@ -152,10 +145,7 @@ class ModelUnloadApi(ManagementApi):
     """``POST /v1/models/unload`` ``{"id"}`` → ``{"id", "loaded": false}`` (idempotent, R4.5)."""
 
     async def post(self, request):
-        body = _json_body(request, ("id",))
-        model_id = body.get("id")
-        if not isinstance(model_id, str) or not model_id:
-            raise InvalidRequest("key 'id': a model id (string) is required", param="id")
+        model_id = _json_body(request, ModelUnloadInputSerializer)["id"]
         ctx = await async_context()
         outcome = await lifecycle.model_unload(ctx, model_id, self.actor(request))
         return Response({"id": outcome["id"], "loaded": outcome["loaded"]})
@@ -165,10 +155,7 @@ class UnloadModelsApi(ManagementApi):
     """``POST /v1/tasks/unload_models`` ``{"model_ids": [...]}`` (R5)."""
 
     async def post(self, request):
-        body = _json_body(request, ("model_ids",))
-        ids = body.get("model_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            raise InvalidRequest("key 'model_ids': a list of model ids (strings) is required", param="model_ids")
+        ids = _json_body(request, UnloadModelsInputSerializer)["model_ids"]
         ctx = await async_context()
         return Response(await lifecycle.models_bulk_unload(ctx, ids, self.actor(request)))
 
@@ -177,6 +164,6 @@ class UnloadAllModelsApi(ManagementApi):
     """``POST /v1/tasks/unload_all_models`` (R5)."""
 
     async def post(self, request):
-        _json_body(request, ())  # no keys: an empty body or {}
+        _json_body(request, UnloadAllInputSerializer)  # no keys: an empty body or {}
         ctx = await async_context()
         return Response(await lifecycle.models_bulk_unload(ctx, None, self.actor(request)))

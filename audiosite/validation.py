@@ -1,0 +1,315 @@
+"""Checks at the HTTP edge shared by every route: body length, plain text, and DRF input fields.
+
+Input serializers (``inference.serializers``, ``registry.serializers``) are
+built from the fields below. Every field treats JSON ``null`` and an empty
+form value as "not sent", and words its errors with its *field path* (``model``,
+``request.audio_base64``, ``request.options.prompt``): the path a client
+sent. ``audiosite.errors.invalid_request_from`` turns the first error of a
+serializer into our error shape with that path as ``param``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, NoReturn
+
+from rest_framework import serializers
+from rest_framework.fields import empty
+from rest_framework.settings import api_settings
+
+from audiosite.errors import InvalidRequest, LengthRequired, PayloadTooLarge, invalid_request_from
+from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
+
+
+def check_length(request, body_optional: bool = False) -> int:
+    """The body's Content-Length in bytes; refuse one over ``max_request_body_bytes`` (413).
+
+    Chunked request bodies are not supported (Django would see them as
+    empty): a body without Content-Length is refused with 411, unless
+    ``body_optional`` and no body was sent at all (then 0).
+    """
+    limit = get_config().max_request_body_bytes
+    raw = request.META.get("CONTENT_LENGTH")
+    if raw in (None, ""):
+        if body_optional and not request.META.get("HTTP_TRANSFER_ENCODING"):
+            return 0
+        raise LengthRequired("Content-Length is required (chunked request bodies are not supported)")
+    if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
+        raise InvalidRequest("Content-Length is not a number")
+    if int(raw) > limit:
+        raise PayloadTooLarge(f"request body of {int(raw)} bytes exceeds max_request_body_bytes={limit}")
+    return int(raw)
+
+
+# -- plain text ---------------------------------------------------------------------------------------
+
+TEXT_PROBLEMS = {"unicode": "is not valid Unicode text", "nul": "must not contain NUL characters"}
+
+
+def text_problem(value: str) -> str | None:
+    """Why ``value`` is not plain text, as a key of :data:`TEXT_PROBLEMS` ("unicode" or "nul"), else None.
+
+    Plain text encodes as UTF-8 (no unpaired surrogates) and holds no NUL
+    character: PostgreSQL, Redis and the JSON renderer all need that.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "unicode"
+    if "\x00" in value:
+        return "nul"
+    return None
+
+
+def check_text(value: str, name: str) -> str:
+    """Return ``value`` if it is plain text (see :func:`text_problem`).
+
+    Raises:
+        InvalidRequest: ``"<name> is not valid Unicode text"`` or ``"<name> must not contain NUL characters"``
+            (400, ``param`` = ``name``).
+    """
+    problem = text_problem(value)
+    if problem:
+        raise InvalidRequest(f"{name} {TEXT_PROBLEMS[problem]}", param=name)
+    return value
+
+
+def bad_text_keys(value, keys: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str] | None:
+    """The first string (key or value) inside decoded JSON that is not plain text, else None.
+
+    Returns:
+        ``(keys, text)``: the object keys leading to the value (list indices
+        are skipped; for a bad key, the keys of the object holding it) and
+        the offending string.
+    """
+    if isinstance(value, str):
+        return None if text_problem(value) is None else (keys, value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if text_problem(str(key)) is not None:
+                return keys, str(key)
+            found = bad_text_keys(item, (*keys, str(key)))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = bad_text_keys(item, keys)
+            if found:
+                return found
+    return None
+
+
+def bad_text_path(value, name: str = "") -> tuple[str, str] | None:
+    """Like :func:`bad_text_keys`, with the keys as one dotted path (prefixed by ``name``).
+
+    Returns:
+        ``(path, text)`` or None when every string is plain text.
+    """
+    found = bad_text_keys(value)
+    if found is None:
+        return None
+    return ".".join(filter(None, (name, *found[0]))), found[1]
+
+
+# -- DRF input fields ---------------------------------------------------------------------------------
+
+def field_path(field: serializers.Field) -> str:
+    """The dotted path of a bound field from the root serializer, e.g. ``request.options``."""
+    names = []
+    while field is not None:
+        if field.field_name:
+            names.append(field.field_name)
+        field = field.parent
+    return ".".join(reversed(names))
+
+
+def nested_error(keys: tuple[str, ...], message: str, code: str = "invalid") -> serializers.ValidationError:
+    """A ValidationError whose detail nests ``message`` under ``keys`` (so its field path grows by them).
+
+    With no keys the problem is the object's own (``non_field_errors``), which a serializer may raise too.
+    """
+    detail: object = {api_settings.NON_FIELD_ERRORS_KEY: [serializers.ErrorDetail(message, code=code)]}
+    for key in reversed(keys):
+        detail = {key: detail}
+    return serializers.ValidationError(detail)
+
+
+class InputField(serializers.Field):
+    """Base of our input fields: ``null`` or ``""`` means "not sent"; messages name the field path.
+
+    Error messages are ``str.format`` templates; ``{name}`` is the field
+    path. ``blank_is_absent=False`` keeps ``""`` as a value (in ``/v1/tasks/run``
+    an empty ``audio_base64`` is empty audio, refused by the decoder).
+    """
+
+    default_error_messages = {"required": "{name} is required"}
+
+    def __init__(self, *, blank_is_absent: bool = True, **kwargs):
+        self.blank_is_absent = blank_is_absent
+        super().__init__(**kwargs)
+
+    @property
+    def path(self) -> str:
+        return field_path(self)
+
+    def fail(self, key: str, **kwargs: Any) -> NoReturn:
+        """Raise the ``ValidationError`` of message ``key`` (DRF's ``Field.fail`` always raises)."""
+        super().fail(key, name=self.path, **kwargs)
+        raise AssertionError("unreachable: Field.fail raises")
+
+    def validate_empty_values(self, data):
+        if data is empty or data is None or (self.blank_is_absent and isinstance(data, str) and data == ""):
+            if self.required:
+                self.fail("required")
+            return True, self.get_default()
+        return False, data
+
+    def to_representation(self, value):
+        return value
+
+
+class TextField(InputField):
+    """A string of plain text (see :func:`text_problem`)."""
+
+    default_error_messages = {"type": "{name} must be a string",
+                              **{key: "{name} " + text for key, text in TEXT_PROBLEMS.items()}}
+
+    def to_internal_value(self, data) -> str:
+        if not isinstance(data, str):
+            self.fail("type")
+        problem = text_problem(data)
+        if problem:
+            self.fail(problem)
+        return data
+
+
+class ChoiceField(TextField):
+    """A string from ``choices``: ``"<name> must be one of a, b, c"``."""
+
+    default_error_messages = {"choice": "{name} must be one of {choices}"}
+
+    def __init__(self, choices: tuple[str, ...], **kwargs):
+        self.choices = tuple(choices)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data) -> str:
+        value = super().to_internal_value(data)
+        if value not in self.choices:
+            self.fail("choice", choices=", ".join(self.choices))
+        return value
+
+
+class IntegerField(InputField):
+    """An integer in ``[minimum, maximum]``: a JSON int, a float without fraction, or ASCII digits (forms).
+
+    Booleans are not integers. Defaults to the busy-timeout range ``0..MAX_BUSY_TIMEOUT_MS``.
+    """
+
+    default_error_messages = {
+        "type": "{name} must be an integer",
+        "range": "{name} must be between {minimum} and {maximum}",
+    }
+
+    def __init__(self, *, minimum: int = 0, maximum: int = MAX_BUSY_TIMEOUT_MS, **kwargs):
+        self.minimum, self.maximum = minimum, maximum
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data) -> int:
+        number: int | None = None
+        if isinstance(data, bool):
+            number = None
+        elif isinstance(data, int):
+            number = data
+        elif isinstance(data, float) and data.is_integer():
+            number = int(data)
+        elif isinstance(data, str) and re.fullmatch(r"-?[0-9]+", data.strip()):
+            number = int(data.strip())
+        if number is None:
+            self.fail("type")
+        if not self.minimum <= number <= self.maximum:
+            self.fail("range", minimum=self.minimum, maximum=self.maximum)
+        return number
+
+
+class NumberField(InputField):
+    """A finite number: a JSON int or float, or a numeric string (forms). Booleans are not numbers."""
+
+    default_error_messages = {"type": "{name} must be a number", "finite": "{name} must be a finite number"}
+
+    def to_internal_value(self, data) -> float:
+        if isinstance(data, bool) or not isinstance(data, (int, float, str)):
+            self.fail("type")
+        try:
+            number = float(data)
+        except ValueError:
+            self.fail("type")
+        except OverflowError:  # an integer beyond the float range
+            self.fail("finite")
+        if not math.isfinite(number):
+            self.fail("finite")
+        return number
+
+
+class BooleanField(InputField):
+    """A JSON boolean, or ``true``/``1``/``false``/``0`` (any case) from a form."""
+
+    default_error_messages = {"type": "{name} must be true or false"}
+
+    def to_internal_value(self, data) -> bool:
+        if isinstance(data, bool):
+            return data
+        if isinstance(data, str) and data.lower() in ("true", "1", "false", "0"):
+            return data.lower() in ("true", "1")
+        self.fail("type")
+
+
+class ObjectField(InputField):
+    """A JSON object whose keys and strings are all plain text (an options block); ``null`` is ``{}``.
+
+    A bad string deep inside is reported at its own path, e.g.
+    ``request.options.prompt is not valid Unicode text``.
+    """
+
+    default_error_messages = {"type": "{name} must be an object"}
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("default", dict)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data) -> dict:
+        if not isinstance(data, dict):
+            self.fail("type")
+        found = bad_text_keys(data)
+        if found:
+            keys, text = found
+            name = ".".join((self.path, *keys))
+            raise nested_error(keys, f"{name} {TEXT_PROBLEMS[text_problem(text) or 'unicode']}")
+        return data
+
+
+class InputSerializer(serializers.Serializer):
+    """Base of the input serializers: a body that is not an object is refused with ``body_message``."""
+
+    body_message = "the request body must be a JSON object"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for key in ("invalid", "null", "required"):
+            self.error_messages[key] = self.body_message
+
+    def validate_empty_values(self, data):
+        if data is None:  # a JSON null (DRF would report a null body as "No data provided")
+            raise nested_error((), self.body_message, code="null")
+        return super().validate_empty_values(data)
+
+
+def validated(serializer: serializers.Serializer) -> dict:
+    """``serializer.validated_data``, or our error for its first problem.
+
+    Raises:
+        InvalidRequest: 400 with ``param`` = the field path (see ``audiosite.errors.invalid_request_from``).
+        PayloadTooLarge: 413 for a field problem with code ``payload_too_large``.
+    """
+    if not serializer.is_valid():
+        raise invalid_request_from(serializer.errors)
+    return serializer.validated_data
