@@ -23,7 +23,6 @@ from rest_framework.response import Response
 from audiosite.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMedia
 from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
-from audiosite.validation import check_text as _check_text
 from inference import audio, services, specs
 from inference.runtime.context import AsyncContext, async_context
 from registry.selectors import model_meta_get
@@ -42,18 +41,11 @@ def _data(request):
 
 
 async def _model(model_id: str) -> tuple[dict, AsyncContext]:
-    """``(meta, ctx)``: the published metadata of ``model_id`` and the runtime context.
-
-    ``model_id`` comes from an input serializer; the first checks guard other callers.
+    """``(meta, ctx)``: the published metadata of ``model_id`` (checked by an input serializer) and the context.
 
     Raises:
         NotFound: ``model_id`` is not registered (404, ``param`` "model").
     """
-    if not model_id:
-        raise InvalidRequest("model is required", param="model")
-    if not isinstance(model_id, str):
-        raise InvalidRequest("model must be a string", param="model")
-    _check_text(model_id, "model")
     ctx = await async_context()
     meta = await model_meta_get(ctx, model_id)
     if meta is None:

@@ -19,9 +19,11 @@ import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
+from inference.backend import resolve_backend
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 
@@ -71,9 +73,6 @@ class Command(BaseCommand):
                 f"{_quantile(direct_ms, 0.9):11.1f} {hp50 - dp50:13.1f} {hp50 / dp50:6.2f}")
 
     def _direct(self, family: str, samples: np.ndarray, repeats: int) -> list[float]:
-        from audiosite.serverconfig import get_config
-        from inference.backend import resolve_backend
-
         config = get_config()
         ctx = LoadContext(specs.resolve_checkpoint(family, None), resolve_backend(config.backend), config.device,
                           config.threads, {}, {})
