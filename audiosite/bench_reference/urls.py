@@ -1,7 +1,7 @@
 """One route: ``GET /health`` → :class:`MinimalApi`."""
+from adrf.views import APIView
 from django.urls import path
 from rest_framework.response import Response
-from adrf.views import APIView
 
 
 class MinimalApi(APIView):

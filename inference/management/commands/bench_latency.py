@@ -103,8 +103,9 @@ class Command(BaseCommand):
 
     # -- servers -----------------------------------------------------------------------------------
     def _spawn(self, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, stdout=open(log, "wb"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        with open(log, "wb") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -140,7 +141,8 @@ class Command(BaseCommand):
             time.sleep(0.2)
         # The serve process holds the embedded Redis URL; issue_token needs only the database.
         done = subprocess.run([sys.executable, "manage.py", "issue_token", "bench"], cwd=settings.BASE_DIR,
-                              env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"}, capture_output=True, text=True)
+                              env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"}, capture_output=True, text=True,
+                              check=False)
         if done.returncode != 0:
             raise CommandError(f"issue_token failed: {done.stderr}")
         return f"http://127.0.0.1:{port}", done.stdout.strip().splitlines()[-1]
@@ -289,14 +291,13 @@ class Command(BaseCommand):
                 step = steps[round_index % len(steps)]
                 done = threading.Event()
 
-                def reader() -> None:
+                def reader(done: threading.Event) -> None:
                     conn = _Conn(url)
                     while not done.is_set():
-                        status, ms = conn.get("/v1/models")
-                        reads.append(ms)
+                        reads.append(conn.get("/v1/models")[1])
                     conn.close()
 
-                read_thread = threading.Thread(target=reader)
+                read_thread = threading.Thread(target=reader, args=(done,))
                 read_thread.start()
                 time.sleep(0.05)
                 futures = [pool.submit(step, client, i) for i in ids]
