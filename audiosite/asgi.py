@@ -1,7 +1,10 @@
 """ASGI entry point: ``daphne audiosite.asgi:application``.
 
-HTTP goes to Django (DRF async views). ``get_asgi_application()`` runs before
-anything that imports models, as Channels requires.
+HTTP goes to Django (DRF async views): the API through
+``audiosite.handlers.ApiHandler`` (async-only middleware, no per-request
+thread), the admin through Django's own handler with the full
+``MIDDLEWARE``. ``get_asgi_application()`` runs before anything that imports
+models, as Channels requires.
 """
 import os
 
@@ -12,10 +15,11 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
+from audiosite.handlers import http_application  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402
 from inference.runtime.startup import check_runtime  # noqa: E402
 
 # R1.4: refuse to serve when the deployment records another runtime; R1.5: warn on parallel.
 check_runtime(sync_scheduler())
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})

@@ -136,6 +136,15 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
 ]
+# MIDDLEWARE serves the paths below (the admin, the future /ui/, static files) through Django's own
+# ASGIHandler. Every other path (the API) goes through audiosite.handlers.ApiHandler with
+# API_MIDDLEWARE: async-only middleware, so a status or inference request makes no thread hop. The
+# API authenticates sessions and tokens itself (registry.authentication), asynchronously.
+FULL_STACK_PATH_PREFIXES = ("/admin/", "/ui/")
+API_MIDDLEWARE = [
+    "audiosite.middleware.SecurityOnLoop",
+    "audiosite.middleware.CommonOnLoop",
+]
 
 ROOT_URLCONF = "audiosite.urls"
 APPEND_SLASH = False

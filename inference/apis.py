@@ -13,9 +13,10 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from adrf.views import APIView
+from audiosite.apiview import APIView
 from django.http import HttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
@@ -81,10 +82,16 @@ def _read_local(path_value: str, param: str) -> bytes:
         raise InvalidRequest(f"{param} cannot be read: {type(exc).__name__}", param=param) from None
 
 
+# Audio decoding has its own bounded pool: never asyncio's default executor, which also sends the
+# Celery tasks (a burst of uploads must not delay a dispatch). Threads start on demand and stay.
+_DECODE_POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="decode")
+
+
 async def _decode(data: bytes, family: str, param: str):
     rate = specs.require_spec(family)["sample_rate_hz"]
     try:
-        samples, _source_rate = await asyncio.to_thread(audio.decode, data, rate, get_config().max_audio_seconds)
+        samples, _source_rate = await asyncio.get_running_loop().run_in_executor(
+            _DECODE_POOL, audio.decode, data, rate, get_config().max_audio_seconds)
     except audio.UndecodableAudio as exc:
         raise UnsupportedMedia(str(exc), param=param) from None
     except audio.AudioTooLong as exc:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from adrf.views import APIView
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from asgiref.sync import sync_to_async
 from rest_framework.exceptions import NotAuthenticated
 from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
+from audiosite.apiview import APIView, authenticate
 from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
@@ -19,6 +19,7 @@ from inference.backend import resolve_backend
 from inference.runtime.context import async_context
 
 from . import lifecycle
+from .authentication import AsyncSessionAuthentication, AsyncTokenAuthentication
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 from .selectors import model_meta_all, model_status_list
 
@@ -58,17 +59,18 @@ class ManagementGate(BasePermission):
     ``ui_management`` off → 403 ``forbidden`` (for everyone, before any
     credential check); no or invalid credentials → 401
     ``authentication_error``; an authenticated caller without
-    ``registry.manage_models`` → 403 ``forbidden``.
+    ``registry.manage_models`` → 403 ``forbidden``. Async: the credentials are
+    looked up only after the first check (``audiosite.apiview``).
     """
 
-    def has_permission(self, request, view) -> bool:
+    async def has_permission(self, request, view) -> bool:
         if not management_enabled():
             raise Forbidden(MANAGEMENT_DISABLED, code="management_disabled")
-        user = request.user
+        user = await authenticate(request)
         if user is None or not user.is_authenticated:
             raise NotAuthenticated("management routes need credentials: 'Authorization: Token <key>' "
                                    "(python manage.py issue_token USER) or a Django admin session")
-        if not may_manage(user):
+        if not await sync_to_async(may_manage)(user):
             raise Forbidden(f"user {user.get_username()!r} lacks the registry.manage_models permission",
                             code="permission_denied")
         return True
@@ -77,7 +79,7 @@ class ManagementGate(BasePermission):
 class ManagementApi(APIView):
     """Base of the management views: token or session auth, then :class:`ManagementGate`."""
 
-    authentication_classes = [TokenAuthentication, SessionAuthentication]
+    authentication_classes = [AsyncTokenAuthentication, AsyncSessionAuthentication]
     permission_classes = [ManagementGate]
     parser_classes = [JSONParser]
 

@@ -1,31 +1,63 @@
-"""``python manage.py bench_latency``: one request through HTTP vs the adapter called directly.
+"""``python manage.py bench_latency``: the request path against two references, in one run.
 
-Runs against a server that is already up (``--url``), with warm models.
-For each of a VAD model and an ASR model it times ``--repeats`` sequential
-HTTP requests and the same input on an in-process session of the same
-family, and prints p50/p90 and the HTTP overhead (p50 difference and ratio).
-Input: the shipped LibriSpeech sample (3.5 s, 16 kHz).
+Starts, on free ports and with the same server software as audiosite
+(``python -m audiosite.web``, i.e. daphne):
+
+1. a bare ASGI app (``audiosite.bench_reference.bare``): what daphne costs;
+2. a minimal ``adrf`` APIView with no middleware and no authentication
+   (``audiosite.bench_reference``): what Django + DRF + adrf cost;
+
+and, unless ``--url`` names a running server, audiosite itself
+(``manage.py serve`` with silero_vad + whisper on the CPU, ``--ui-management``,
+a temporary SQLite database and the embedded Redis). Then it measures, on
+keep-alive connections from this process (the servers are separate processes):
+
+- p50/p90 of sequential ``GET`` on each reference, ``/health`` and ``/v1/models``
+  (interleaved in rounds, so a load change hits all of them alike);
+- ``/health`` throughput with ``--clients`` concurrent clients, against the references;
+- 503 fail-fast: whisper busy with a ~30 s request, then ``busy_timeout_ms=1`` requests
+  (a 0.25 s clip), each followed by a ``GET /health`` (the ratio compares the two in that window);
+- silero_vad over HTTP against the same adapter called in this process;
+- status reads (``GET /v1/models``) during bursts of 16 mixed calls (management
+  register/unload/unregister of silero_vad models and silero_vad inference).
+
+It prints a table with ratios and PASS/FAIL per target (issue 8, item 7). The
+machine's other load adds noise: the ratios come from one run, so compare those.
 """
 from __future__ import annotations
 
 import base64
+import http.client
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 import soundfile
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
-from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
-from inference.backend import resolve_backend
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
+VAD, ASR = "silero-vad", "whisper-tiny.en"
+BURST = 16
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -33,56 +65,330 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Conn:
+    """A keep-alive HTTP/1.1 connection (http.client: a light client, so it adds little noise)."""
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
+
+    def get(self, path: str) -> tuple[int, float]:
+        started = time.perf_counter()
+        self.conn.request("GET", path)
+        resp = self.conn.getresponse()
+        resp.read()
+        return resp.status, (time.perf_counter() - started) * 1000
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 class Command(BaseCommand):
-    help = "Measure per-request latency through HTTP against a direct adapter call (warm models)."
+    help = "Latency and throughput of the request path against a bare ASGI app and a minimal adrf view."
 
     def add_arguments(self, parser):
-        parser.add_argument("--url", default="http://127.0.0.1:8080")
-        parser.add_argument("--vad-model", default="silero-vad")
-        parser.add_argument("--asr-model", default="whisper-tiny.en")
-        parser.add_argument("--repeats", type=int, default=20)
+        parser.add_argument("--url", help="a running audiosite (default: start one with manage.py serve)")
+        parser.add_argument("--token", help="management token for --url (default: issued on the started server)")
+        parser.add_argument("--repeats", type=int, default=300, help="sequential GETs per target (default 300)")
+        parser.add_argument("--vad-repeats", type=int, default=40)
+        parser.add_argument("--clients", type=int, default=8)
+        parser.add_argument("--seconds", type=float, default=3.0, help="per throughput measurement")
+        parser.add_argument("--bursts", type=int, default=3)
 
-    def handle(self, *args, **opts):
-        wav = SAMPLE.read_bytes()
-        samples, rate = soundfile.read(SAMPLE, dtype="float32")
-        assert rate == 16000
-        repeats = opts["repeats"]
-        with httpx.Client(base_url=opts["url"], timeout=120) as client:
-            rows = []
-            for family, model_id, send in (
-                ("silero_vad", opts["vad_model"], lambda: client.post("/v1/tasks/run", json={
-                    "model": opts["vad_model"], "request": {"audio_base64": base64.b64encode(wav).decode()}})),
-                ("whisper", opts["asr_model"], lambda: client.post(
-                    "/v1/audio/transcriptions", data={"model": opts["asr_model"]},
-                    files={"file": (SAMPLE.name, wav)})),
-            ):
-                send().raise_for_status()  # warm: loads if lazy
-                http_ms = []
-                for _ in range(repeats):
+    # -- servers -----------------------------------------------------------------------------------
+    def _spawn(self, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+        with open(log, "wb") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def _daphne(self, app: str, env: dict, log: Path) -> str:
+        port = _free_port()
+        self._spawn([sys.executable, "-m", "audiosite.web", "-b", "127.0.0.1", "-p", str(port), app], env, log)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise CommandError(f"reference {app} did not start; see {log}")
+
+    def _serve(self, tmp: Path) -> tuple[str, str]:
+        port = _free_port()
+        config = {"host": "127.0.0.1", "port": port, "backend": "cpu", "lazy_load": False,
+                  "models": [{"id": ASR, "family": "whisper", "task": "asr"},
+                             {"id": VAD, "family": "silero_vad", "task": "vad"}]}
+        (tmp / "server.json").write_text(json.dumps(config))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_") and k != "REDIS_URL"}
+        env.update(DATABASE_URL=f"sqlite:///{tmp / 'bench.sqlite3'}", AUDIOSITE_VAR_DIR=str(tmp / "var"),
+                   HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        log = tmp / "serve.log"
+        proc = self._spawn([sys.executable, "manage.py", "serve", "--config", str(tmp / "server.json"),
+                            "--ui-management"], env, log)
+        deadline = time.monotonic() + 180
+        while b"listening on" not in log.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise CommandError(f"manage.py serve did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        # The serve process holds the embedded Redis URL; issue_token needs only the database.
+        done = subprocess.run([sys.executable, "manage.py", "issue_token", "bench"], cwd=settings.BASE_DIR,
+                              env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"}, capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            raise CommandError(f"issue_token failed: {done.stderr}")
+        return f"http://127.0.0.1:{port}", done.stdout.strip().splitlines()[-1]
+
+    def _stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    # -- measurements ------------------------------------------------------------------------------
+    def _latency(self, targets: dict[str, tuple[str, str]], repeats: int) -> dict[str, list[float]]:
+        """Sequential GETs, interleaved: ``rounds`` rounds of ``repeats/rounds`` on each target."""
+        conns = {name: _Conn(url) for name, (url, _) in targets.items()}
+        times: dict[str, list[float]] = {name: [] for name in targets}
+        for name, (_, path) in targets.items():
+            for _ in range(20):
+                conns[name].get(path)
+        rounds = 10
+        for _ in range(rounds):
+            for name, (_, path) in targets.items():
+                for _ in range(max(1, repeats // rounds)):
+                    status, ms = conns[name].get(path)
+                    if status != 200:
+                        raise CommandError(f"{name}: GET {path} answered {status}")
+                    times[name].append(ms)
+        for conn in conns.values():
+            conn.close()
+        return times
+
+    def _throughput(self, url: str, path: str, clients: int, seconds: float) -> float:
+        """Requests per second of ``clients`` threads sending GETs without pause for ``seconds``."""
+        counts = [0] * clients
+        start = threading.Barrier(clients + 1)
+        stop_at = [0.0]
+
+        def client(index: int) -> None:
+            conn = _Conn(url)
+            conn.get(path)
+            start.wait()
+            while time.perf_counter() < stop_at[0]:
+                conn.get(path)
+                counts[index] += 1
+            conn.close()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        stop_at[0] = time.perf_counter() + seconds + 10  # placeholder until all are connected
+        start.wait()
+        began = time.perf_counter()
+        stop_at[0] = began + seconds
+        for thread in threads:
+            thread.join()
+        return sum(counts) / (time.perf_counter() - began)
+
+    def _fail_fast(self, url: str, wav: bytes) -> tuple[list[float], list[float], int]:
+        """Whisper busy with ~30 s of audio; meanwhile ``busy_timeout_ms=1`` requests (expect 503
+        ``overdue``), each followed by a ``GET /health`` on the same connection: the 503 times, the
+        /health times of the same window (the worker is busy, so both run on a loaded machine) and
+        the count of answers that were not 503."""
+        samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+        buf = io.BytesIO()
+        soundfile.write(buf, np.tile(samples, 9), rate, format="WAV")
+        long_wav = buf.getvalue()
+        buf = io.BytesIO()
+        soundfile.write(buf, samples[: rate // 4], rate, format="WAV")  # 0.25 s: the request is refused unheard
+        short_b64 = base64.b64encode(buf.getvalue()).decode()
+        times: list[float] = []
+        health: list[float] = []
+        others = 0
+        with httpx.Client(base_url=url, timeout=300) as slow_client, httpx.Client(base_url=url, timeout=30) as fast:
+            with ThreadPoolExecutor(1) as pool:
+                slow = pool.submit(slow_client.post, "/v1/audio/transcriptions", data={"model": ASR},
+                                   files={"file": ("long.wav", long_wav)})
+                time.sleep(0.5)  # upload, decode and admission of the long request
+                body = {"model": ASR, "busy_timeout_ms": 1, "request": {"audio_base64": short_b64}}
+                fast.post("/v1/tasks/run", json=body)  # warm this connection
+                while not slow.done() and len(times) < 60:
                     started = time.perf_counter()
-                    send().raise_for_status()
-                    http_ms.append((time.perf_counter() - started) * 1000)
-                direct_ms = self._direct(family, samples, repeats)
-                rows.append((family, model_id, http_ms, direct_ms))
-        self.stdout.write(f"{'family':<11} {'model':<16} {'http p50':>9} {'http p90':>9} {'direct p50':>11} "
-                          f"{'direct p90':>11} {'overhead p50':>13} {'ratio':>6}   (ms, {repeats} warm repeats)")
-        for family, model_id, http_ms, direct_ms in rows:
-            hp50, dp50 = statistics.median(http_ms), statistics.median(direct_ms)
-            self.stdout.write(
-                f"{family:<11} {model_id:<16} {hp50:9.1f} {_quantile(http_ms, 0.9):9.1f} {dp50:11.1f} "
-                f"{_quantile(direct_ms, 0.9):11.1f} {hp50 - dp50:13.1f} {hp50 / dp50:6.2f}")
+                    resp = fast.post("/v1/tasks/run", json=body)
+                    ms = (time.perf_counter() - started) * 1000
+                    if resp.status_code == 503:
+                        times.append(ms)
+                    else:
+                        others += 1
+                    started = time.perf_counter()
+                    fast.get("/health").raise_for_status()
+                    health.append((time.perf_counter() - started) * 1000)
+                slow.result().raise_for_status()
+        return times, health, others
+
+    def _vad(self, url: str, wav: bytes, repeats: int) -> tuple[list[float], list[float], dict[str, list[float]]]:
+        """HTTP times, direct adapter times, and the server's own ``timing`` parts of each response."""
+        body = json.dumps({"model": VAD, "request": {"audio_base64": base64.b64encode(wav).decode()}})
+        with httpx.Client(base_url=url, timeout=60, headers={"content-type": "application/json"}) as client:
+            for _ in range(5):
+                client.post("/v1/tasks/run", content=body).raise_for_status()
+            http_ms = []
+            parts: dict[str, list[float]] = {"wall_ms": [], "queue_ms": [], "inference_ms": []}
+            for _ in range(repeats):
+                started = time.perf_counter()
+                resp = client.post("/v1/tasks/run", content=body)
+                http_ms.append((time.perf_counter() - started) * 1000)
+                resp.raise_for_status()
+                for key in parts:
+                    parts[key].append(float(resp.json()["timing"][key] or 0))
+        samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+        return http_ms, self._direct("silero_vad", samples, repeats), parts
 
     def _direct(self, family: str, samples: np.ndarray, repeats: int) -> list[float]:
+        from audiosite.serverconfig import get_config
+
         config = get_config()
-        ctx = LoadContext(specs.resolve_checkpoint(family, None), resolve_backend(config.backend), config.device,
-                          config.threads, {}, {})
+        ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", config.device, config.threads, {}, {})
         adapter = get_adapter(family)
         session = adapter.new_session(adapter.load(specs.get_spec(family), ctx), 0)
         request = AudioRequest(samples, 16000, specs.request_defaults(family))
-        session.run(request)
+        for _ in range(5):
+            session.run(request)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             session.run(request)
             times.append((time.perf_counter() - started) * 1000)
         return times
+
+    def _bursts(self, url: str, token: str, wav: bytes, rounds: int) -> tuple[list[float], dict[int, int]]:
+        """``rounds`` bursts of 16 concurrent calls (8 management, 8 silero_vad runs) while one client
+        reads ``GET /v1/models`` without pause; returns the read latencies and the burst's status codes."""
+        vad_body = {"model": VAD, "request": {"audio_base64": base64.b64encode(wav).decode()}}
+        auth = {"Authorization": f"Token {token}"}
+        ids = [f"bench-vad-{i}" for i in range(BURST // 2)]
+        steps = [lambda c, i: c.post("/v1/models/load", json={"id": i, "family": "silero_vad"}, headers=auth),
+                 lambda c, i: c.post("/v1/models/unload", json={"id": i}, headers=auth),
+                 lambda c, i: c.delete(f"/v1/models/{i}", headers=auth)]
+        reads: list[float] = []
+        codes: dict[int, int] = {}
+        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=BURST)) as client, \
+                ThreadPoolExecutor(BURST) as pool:
+            for round_index in range(rounds):
+                step = steps[round_index % len(steps)]
+                done = threading.Event()
+
+                def reader(done: threading.Event) -> None:
+                    conn = _Conn(url)
+                    while not done.is_set():
+                        reads.append(conn.get("/v1/models")[1])
+                    conn.close()
+
+                read_thread = threading.Thread(target=reader, args=(done,))
+                read_thread.start()
+                time.sleep(0.05)
+                futures = [pool.submit(step, client, i) for i in ids]
+                futures += [pool.submit(client.post, "/v1/tasks/run", json=vad_body) for _ in ids]
+                for future in futures:
+                    status = future.result().status_code
+                    codes[status] = codes.get(status, 0) + 1
+                done.set()
+                read_thread.join()
+        return reads, codes
+
+    # -- report ------------------------------------------------------------------------------------
+    def handle(self, *args, **opts):
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        self.procs: list[subprocess.Popen] = []
+        tmp = Path(tempfile.mkdtemp(prefix="bench_latency_"))
+        wav = SAMPLE.read_bytes()
+        began = time.monotonic()
+        try:
+            env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+            bare = self._daphne("audiosite.bench_reference.bare:application", env, tmp / "bare.log")
+            minimal = self._daphne("audiosite.bench_reference.asgi:application", env, tmp / "minimal.log")
+            if opts["url"]:
+                url, token = opts["url"].rstrip("/"), opts["token"]
+            else:
+                self.stdout.write("starting audiosite (manage.py serve: silero_vad + whisper, cpu, SQLite, "
+                                  "embedded Redis, --ui-management) ...")
+                url, token = self._serve(tmp)
+            self.stdout.write("measuring ...")
+            lat = self._latency({"bare ASGI app": (bare, "/health"), "minimal adrf APIView": (minimal, "/health"),
+                                 "GET /health": (url, "/health"), "GET /v1/models": (url, "/v1/models")},
+                                opts["repeats"])
+            tput = {name: self._throughput(u, "/health", opts["clients"], opts["seconds"])
+                    for name, u in (("bare ASGI app", bare), ("minimal adrf APIView", minimal),
+                                    ("GET /health", url))}
+            fail_ms, busy_health, fail_other = self._fail_fast(url, wav)
+            vad_http, vad_direct, vad_parts = self._vad(url, wav, opts["vad_repeats"])
+            reads, codes = self._bursts(url, token, wav, opts["bursts"]) if token else ([], {})
+        finally:
+            self._stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+        p50 = {name: statistics.median(values) for name, values in lat.items()}
+        ref = p50["minimal adrf APIView"]
+        out = self.stdout.write
+        out(f"\nsequential GET, {len(lat['GET /health'])} per target, interleaved (ms)")
+        out("| target | p50 | p90 | p50 / bare | p50 / minimal adrf |\n|---|---|---|---|---|")
+        for name, values in lat.items():
+            out(f"| {name} | {p50[name]:.2f} | {_quantile(values, 0.9):.2f} | {p50[name] / p50['bare ASGI app']:.2f} "
+                f"| {p50[name] / ref:.2f} |")
+        out(f"\n/health throughput, {opts['clients']} clients, {opts['seconds']:.0f} s each (req/s)")
+        out("| target | req/s | / bare | / minimal adrf |\n|---|---|---|---|")
+        for name, rate in tput.items():
+            out(f"| {name} | {rate:.0f} | {rate / tput['bare ASGI app']:.2f} "
+                f"| {rate / tput['minimal adrf APIView']:.2f} |")
+        fail50 = statistics.median(fail_ms) if fail_ms else float("nan")
+        vad50, direct50 = statistics.median(vad_http), statistics.median(vad_direct)
+        read99 = _quantile(reads, 0.99) if reads else float("nan")
+        busy50 = statistics.median(busy_health) if busy_health else float("nan")
+        out(f"\n503 fail-fast (whisper busy, busy_timeout_ms=1): n={len(fail_ms)} p50 {fail50:.2f} ms "
+            f"p90 {_quantile(fail_ms, 0.9) if fail_ms else float('nan'):.2f} ms ({fail_other} not 503); "
+            f"GET /health in the same window p50 {busy50:.2f} ms; ratio to the idle /health "
+            f"{fail50 / p50['GET /health']:.2f}")
+        out(f"silero_vad 3.5 s sample: HTTP p50 {vad50:.2f} p90 {_quantile(vad_http, 0.9):.2f} ms, direct p50 "
+            f"{direct50:.2f} p90 {_quantile(vad_direct, 0.9):.2f} ms ({len(vad_http)} each); server timing p50: "
+            + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in vad_parts.items()))
+        out(f"status reads during {opts['bursts']} bursts of {BURST} mixed calls: n={len(reads)} "
+            f"p50 {statistics.median(reads) if reads else float('nan'):.2f} p99 {read99:.2f} max "
+            f"{max(reads) if reads else float('nan'):.2f} ms; burst answers {dict(sorted(codes.items()))}")
+
+        def verdict(ok: bool) -> str:
+            return "PASS" if ok else "FAIL"
+
+        rows = [
+            ("/health p50 ≤ 1.2 × minimal adrf",
+             f"{p50['GET /health']:.2f} / {ref:.2f} = {p50['GET /health'] / ref:.2f}",
+             p50["GET /health"] <= 1.2 * ref),
+            ("/v1/models p50 ≤ 1.2 × minimal adrf",
+             f"{p50['GET /v1/models']:.2f} / {ref:.2f} = {p50['GET /v1/models'] / ref:.2f}",
+             p50["GET /v1/models"] <= 1.2 * ref),
+            ("503 fail-fast p50 ≤ 1.5 × /health (same busy window)", f"{fail50:.2f} / {busy50:.2f} = "
+             f"{fail50 / busy50:.2f}", bool(fail_ms) and fail50 <= 1.5 * busy50),
+            ("silero_vad HTTP − direct p50 ≤ 8 ms", f"{vad50:.2f} − {direct50:.2f} = {vad50 - direct50:.2f} ms",
+             vad50 - direct50 <= 8),
+            ("/health req/s ≥ 0.9 × minimal adrf", f"{tput['GET /health']:.0f} / {tput['minimal adrf APIView']:.0f} = "
+             f"{tput['GET /health'] / tput['minimal adrf APIView']:.2f}",
+             tput["GET /health"] >= 0.9 * tput["minimal adrf APIView"]),
+            ("status read p99 in a 16-call burst ≤ 50 ms", f"{read99:.2f} ms", bool(reads) and read99 <= 50),
+        ]
+        out("\n| target | measured | verdict |\n|---|---|---|")
+        for name, measured, ok in rows:
+            out(f"| {name} | {measured} | {verdict(ok)} |")
+        out(f"\n({time.monotonic() - began:.0f} s, {os.cpu_count()} CPUs, load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})")

@@ -1,0 +1,98 @@
+"""DRF's ``initial()`` on the event loop for ``adrf`` views (authentication awaited, not hopped).
+
+``adrf`` 0.1.14 runs ``APIView.initial`` (content negotiation, authentication,
+permissions, throttles) through ``sync_to_async`` on every request: a thread
+hop even for a view with nothing to authenticate, and a new thread per request
+inside Django's ``ThreadSensitiveContext``. Its "async authenticators" are
+called back through ``async_to_sync`` from that thread.
+
+Every view of the API derives from :class:`APIView` here, whose
+``async_dispatch`` runs ``initial`` on the event loop whenever that is safe:
+every authenticator has an ``aauthenticate`` coroutine, every permission's
+``has_permission`` is a coroutine function, and the view has no throttles.
+Anything else takes adrf's own path unchanged.
+
+On the event-loop path the view's permissions run first and authenticate when
+they need the caller (``await authenticate(request)``), so a permission can
+refuse before any credential is looked up (the management gate: management
+off → 403 for everyone); authentication always completes before the handler.
+"""
+from __future__ import annotations
+
+from inspect import iscoroutinefunction
+
+from adrf.views import APIView as AdrfAPIView
+from asgiref.sync import sync_to_async
+from rest_framework import exceptions
+
+
+async def authenticate(request):
+    """Run the request's authenticators (``aauthenticate``) once; return ``request.user``.
+
+    Same contract as DRF's ``Request._authenticate``: the first authenticator
+    returning ``(user, auth)`` wins; an ``APIException`` leaves the request
+    unauthenticated and propagates; no match → ``UNAUTHENTICATED_USER``.
+    """
+    if "_user" in request.__dict__:
+        return request.user
+    for authenticator in request.authenticators:
+        try:
+            user_auth = await authenticator.aauthenticate(request)
+        except exceptions.APIException:
+            request._not_authenticated()
+            raise
+        if user_auth is not None:
+            request._authenticator = authenticator
+            request.user, request.auth = user_auth
+            return request.user
+    request._not_authenticated()
+    return request.user
+
+
+def _on_loop(view, request, permissions) -> bool:
+    return (all(iscoroutinefunction(getattr(a, "aauthenticate", None)) for a in request.authenticators)
+            and all(iscoroutinefunction(p.has_permission) for p in permissions)
+            and not view.get_throttles())
+
+
+async def _initial(view, request, permissions, *args, **kwargs) -> None:
+    """DRF ``APIView.initial`` without blocking calls (see the module doc for the order)."""
+    view.format_kwarg = view.get_format_suffix(**kwargs)
+    request.accepted_renderer, request.accepted_media_type = view.perform_content_negotiation(request)
+    request.version, request.versioning_scheme = view.determine_version(request, *args, **kwargs)
+    for permission in permissions:
+        if not await permission.has_permission(request, view):
+            await authenticate(request)
+            view.permission_denied(request, message=getattr(permission, "message", None),
+                                   code=getattr(permission, "code", None))
+    await authenticate(request)
+
+
+class APIView(AdrfAPIView):
+    """Base of every API view: ``adrf``'s async view with ``initial`` on the event loop when safe."""
+
+    async def async_dispatch(self, request, *args, **kwargs):
+        """``adrf.views.APIView.async_dispatch`` with ``initial`` on the event loop when safe."""
+        self.args = args
+        self.kwargs = kwargs
+        request = self.initialize_request(request, *args, **kwargs)
+        self.request = request
+        self.headers = self.default_response_headers
+        try:
+            permissions = self.get_permissions()
+            if _on_loop(self, request, permissions):
+                await _initial(self, request, permissions, *args, **kwargs)
+            else:
+                await sync_to_async(self.initial)(request, *args, **kwargs)
+            method = request.method.lower()
+            handler = getattr(self, method, None) if method in self.http_method_names else None
+            if handler is None:
+                raise exceptions.MethodNotAllowed(request.method)  # 405, as DRF's http_method_not_allowed
+            if iscoroutinefunction(handler):
+                response = await handler(request, *args, **kwargs)
+            else:
+                response = await sync_to_async(handler)(request, *args, **kwargs)
+        except Exception as exc:
+            response = self.handle_exception(exc)
+        self.response = self.finalize_response(request, response, *args, **kwargs)
+        return self.response

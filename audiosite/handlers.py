@@ -1,0 +1,164 @@
+"""HTTP entry of the web process: the API on a lean async handler, the admin on Django's own.
+
+Profiled under daphne (``docs/benchmarks.md``), Django's ``ASGIHandler``
+spent most of a ``GET /health`` on thread hops: every sync-capable
+middleware hook, the ``request_started`` signal and ``response.close()``
+(which sends ``request_finished``) run through ``sync_to_async``, and since
+each request runs in its own ``ThreadSensitiveContext`` the first hop starts
+a fresh executor thread that is joined when the request ends.
+
+:func:`http_application` routes by path:
+
+- the admin (and the future ``/ui/``, and static files) go to Django's
+  unchanged ``ASGIHandler`` with ``settings.MIDDLEWARE`` (sessions, CSRF,
+  authentication, messages);
+- everything else (the API, and its JSON 404) goes to :class:`ApiHandler`:
+  ``settings.API_MIDDLEWARE`` (async only, see ``audiosite.middleware``) and
+  the request signals sent on the event loop. A request that does no
+  thread-sensitive sync work starts no thread and makes no hop. One that does
+  (a database write during an eviction, say) gets Django's per-request
+  thread as before, and ``response.close()`` (``request_finished`` →
+  ``close_old_connections``) runs in that same thread, so its database
+  connection is closed exactly as under Django's handler.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from asgiref.sync import SyncToAsync, iscoroutinefunction, sync_to_async
+from django.conf import settings
+from django.core import signals
+from django.core.exceptions import ImproperlyConfigured, RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.core.handlers.exception import convert_exception_to_response
+from django.urls import set_script_prefix
+from django.utils.module_loading import import_string
+
+
+def _used_a_thread() -> bool:
+    """True when this request's ``ThreadSensitiveContext`` has started its executor thread."""
+    context = SyncToAsync.thread_sensitive_context.get(None)
+    return context is not None and context in SyncToAsync.context_to_thread_executor
+
+
+class ApiHandler(ASGIHandler):
+    """Django's ``ASGIHandler`` for the API: async-only middleware, no hop unless the view needs one."""
+
+    def load_middleware(self, is_async: bool = True) -> None:
+        """Build the chain from ``settings.API_MIDDLEWARE`` (async-only middleware, no view hooks)."""
+        self._view_middleware: list = []
+        self._template_response_middleware: list = []
+        self._exception_middleware: list = []
+        handler = convert_exception_to_response(self._get_response_async)
+        for path in reversed(settings.API_MIDDLEWARE):
+            middleware = import_string(path)
+            if getattr(middleware, "sync_capable", True) or not getattr(middleware, "async_capable", False):
+                raise ImproperlyConfigured(f"API_MIDDLEWARE takes async-only middleware; {path} is not")
+            instance = middleware(handler)
+            if any(hasattr(instance, hook) for hook in ("process_view", "process_exception",
+                                                        "process_template_response")):
+                raise ImproperlyConfigured(f"API_MIDDLEWARE: {path} has a view hook; use plain __call__")
+            handler = convert_exception_to_response(instance)
+        self._middleware_chain = handler
+
+    async def _get_response_async(self, request):
+        """Resolve, call the view, render: Django's version without the view hooks (API_MIDDLEWARE
+        has none) and with the response rendered on the event loop instead of in a thread.
+
+        API views render JSON or text (DRF ``Response``), which is computation only; Django
+        would send every ``render()`` through ``sync_to_async``, starting the request's thread.
+        """
+        callback, callback_args, callback_kwargs = self.resolve_request(request)
+        view = self.make_view_atomic(callback)
+        if not iscoroutinefunction(view):
+            view = sync_to_async(view, thread_sensitive=True)
+        response = await view(request, *callback_args, **callback_kwargs)
+        self.check_response(response, callback)
+        render = getattr(response, "render", None)
+        if callable(render):
+            response = await render() if iscoroutinefunction(render) else render()
+        if asyncio.iscoroutine(response):
+            raise RuntimeError("Response is still a coroutine.")
+        return response
+
+    async def handle(self, scope, receive, send):
+        """Django's ``ASGIHandler.handle`` with the request signals sent without a hop (see module doc)."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        # Receivers are Django's close_old_connections / reset_queries: on the event loop thread
+        # there is never an open connection, so they return at once.
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, error_response = self.create_request(scope, body_file)
+        if request is None:
+            body_file.close()
+            await self.send_response(error_response, send)
+            await self._close(error_response)
+            return
+
+        async def process_request(request, send):
+            response = await self.run_get_response(request)
+            try:
+                await self.send_response(response, send)
+            except asyncio.CancelledError:
+                pass
+            return response
+
+        tasks = [
+            asyncio.create_task(self.listen_for_disconnect(receive)),
+            asyncio.create_task(process_request(request, send)),
+        ]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            if task.done():
+                try:
+                    task.result()
+                except RequestAborted:
+                    pass
+                except AssertionError:
+                    body_file.close()
+                    raise
+            else:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        try:
+            response = tasks[1].result()
+        except asyncio.CancelledError:
+            if _used_a_thread():
+                await signals.request_finished.asend(sender=self.__class__)
+            else:
+                signals.request_finished.send(sender=self.__class__)
+        else:
+            await self._close(response)
+        body_file.close()
+
+    @staticmethod
+    async def _close(response) -> None:
+        """``response.close()`` (sends ``request_finished``): in the request's thread if it has one."""
+        if _used_a_thread():
+            await sync_to_async(response.close)()
+        else:
+            response.close()
+
+
+def _full_stack_prefixes() -> tuple[str, ...]:
+    static = "/" + settings.STATIC_URL.lstrip("/")
+    return tuple(settings.FULL_STACK_PATH_PREFIXES) + (static,)
+
+
+def http_application(django_handler: ASGIHandler):
+    """The ASGI ``http`` app: admin-like paths → ``django_handler``; the rest → :class:`ApiHandler`."""
+    api_handler = ApiHandler()
+    prefixes = _full_stack_prefixes()
+
+    async def app(scope, receive, send):
+        if scope["path"].startswith(prefixes):
+            return await django_handler(scope, receive, send)
+        return await api_handler(scope, receive, send)
+
+    return app

@@ -1,0 +1,74 @@
+"""Async authentication of the management routes (``Authorization: Token`` and the admin session).
+
+DRF's ``TokenAuthentication`` and ``SessionAuthentication`` are synchronous
+(a database read in the view), so ``adrf`` runs them in a thread. These
+subclasses add ``aauthenticate`` coroutines, which ``audiosite.apiview``
+awaits on the event loop: the database reads go through Django's async ORM,
+and only a request that carries credentials reads anything. The sync
+``authenticate`` methods stay as DRF wrote them (other callers, tests).
+
+The session is read from its cookie here (the API has no session middleware,
+see ``audiosite.handlers``); a session-authenticated request must pass DRF's
+CSRF check exactly as with ``SessionAuthentication``.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+
+from django.conf import settings
+from django.contrib.auth import aget_user
+from rest_framework import exceptions
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication, get_authorization_header
+
+
+class AsyncTokenAuthentication(TokenAuthentication):
+    """``Authorization: Token <key>`` (``manage.py issue_token``), looked up asynchronously."""
+
+    def token_key(self, request) -> str | None:
+        """The key of an ``Authorization: Token <key>`` header, None without one (DRF's parsing).
+
+        Raises:
+            AuthenticationFailed: a ``Token`` header without a key, with spaces, or not text.
+        """
+        auth = get_authorization_header(request).split()
+        if not auth or auth[0].lower() != self.keyword.lower().encode():
+            return None
+        if len(auth) == 1:
+            raise exceptions.AuthenticationFailed("Invalid token header. No credentials provided.")
+        if len(auth) > 2:
+            raise exceptions.AuthenticationFailed("Invalid token header. Token string should not contain spaces.")
+        try:
+            return auth[1].decode()
+        except UnicodeError:
+            raise exceptions.AuthenticationFailed(
+                "Invalid token header. Token string should not contain invalid characters.") from None
+
+    async def aauthenticate(self, request):
+        key = self.token_key(request)
+        if key is None:
+            return None
+        model = self.get_model()
+        try:
+            token = await model.objects.select_related("user").aget(key=key)
+        except model.DoesNotExist:
+            raise exceptions.AuthenticationFailed("Invalid token.") from None
+        if not token.user.is_active:
+            raise exceptions.AuthenticationFailed("User inactive or deleted.")
+        return token.user, token
+
+
+class AsyncSessionAuthentication(SessionAuthentication):
+    """The Django admin's session cookie (CSRF enforced), read asynchronously."""
+
+    async def aauthenticate(self, request):
+        django_request = request._request
+        session_key = django_request.COOKIES.get(settings.SESSION_COOKIE_NAME)
+        if not session_key:
+            return None
+        if not hasattr(django_request, "session"):
+            django_request.session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+        user = await aget_user(django_request)
+        if not user or not user.is_active:
+            return None
+        self.enforce_csrf(request)
+        return user, None
