@@ -174,9 +174,13 @@ DATABASE_URL = env_url(
 assert DATABASE_URL is not None  # it has a default
 DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    # Several processes (web, worker) share the file: wait for the write lock
-    # instead of failing at once.
-    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # Several processes (web, worker) share the file. Write transactions take the write lock when
+    # they begin (IMMEDIATE) and wait up to 20 s for it: a deferred transaction that reads first and
+    # then upgrades to a write fails at once with "database is locked" when another process writes,
+    # whatever the timeout (SQLite cannot wait there without risking a deadlock). WAL lets readers go
+    # on beside the writer.
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        timeout=20, transaction_mode="IMMEDIATE", init_command="PRAGMA journal_mode=WAL;")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_url("REDIS_URL", None, ("redis", "rediss", "unix"))

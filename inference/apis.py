@@ -3,17 +3,17 @@
 Views only translate HTTP to the runtime and back (async: a waiting request
 holds no thread): the length check, the input serializer
 (``inference.serializers``; its first problem becomes a 400 naming the field
-path in ``param``), the checks that need the model, then the runtime. Input
-problems are refused before any ticket is taken, so a bad request never holds
-a lease.
+path in ``param``), the checks that need the model, then the service. Field
+and option problems are refused before any ticket is taken; the audio itself
+is decoded by the service once the request holds its slot (a refusal costs no
+decoding, a queued request holds only its upload), and audio that cannot be
+decoded gives the lease back with its 400/413/415.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from audiosite.apiview import APIView
@@ -21,10 +21,10 @@ from django.http import HttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 
-from audiosite.errors import InvalidRequest, NotFound, PayloadTooLarge, UnsupportedMedia
+from audiosite.errors import InvalidRequest, NotFound, PayloadTooLarge
 from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
-from inference import audio, services, specs
+from inference import services, specs
 from inference.runtime.context import AsyncContext, async_context
 from registry.selectors import model_meta_get
 
@@ -82,23 +82,6 @@ def _read_local(path_value: str, param: str) -> bytes:
         raise InvalidRequest(f"{param} cannot be read: {type(exc).__name__}", param=param) from None
 
 
-# Audio decoding has its own bounded pool: never asyncio's default executor, which also sends the
-# Celery tasks (a burst of uploads must not delay a dispatch). Threads start on demand and stay.
-_DECODE_POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="decode")
-
-
-async def _decode(data: bytes, family: str, param: str):
-    rate = specs.require_spec(family)["sample_rate_hz"]
-    try:
-        samples, _source_rate = await asyncio.get_running_loop().run_in_executor(
-            _DECODE_POOL, audio.decode, data, rate, get_config().max_audio_seconds)
-    except audio.UndecodableAudio as exc:
-        raise UnsupportedMedia(str(exc), param=param) from None
-    except audio.AudioTooLong as exc:
-        raise PayloadTooLarge(str(exc), param=param) from None
-    except audio.AudioError as exc:
-        raise InvalidRequest(str(exc), param=param) from None
-    return samples, rate
 
 
 def _check_options(family: str, options: dict, param_of: Callable[[list[str]], str | None]) -> None:
@@ -119,11 +102,11 @@ def _check_options(family: str, options: dict, param_of: Callable[[list[str]], s
         raise InvalidRequest(message, param=params[0])
 
 
-def _timing(started: float, n_samples: int, rate: int, outcome: services.Outcome) -> dict:
+def _timing(started: float, outcome: services.Outcome) -> dict:
     """``timing`` of a response: wall time, audio duration, real-time factor
     (wall ÷ audio), and the queue / load / inference parts, all in ms."""
     wall_ms = (time.monotonic() - started) * 1000
-    audio_ms = n_samples / rate * 1000
+    audio_ms = outcome.audio_ms
     return {"wall_ms": round(wall_ms, 3), "audio_duration_ms": round(audio_ms, 3),
             "rtf": round(wall_ms / audio_ms, 4) if audio_ms else None,
             "queue_ms": round(outcome.queue_ms, 3), "load_ms": round(outcome.load_ms, 3),
@@ -157,7 +140,8 @@ class TranscriptionApi(APIView):
 
     Raises:
         InvalidRequest: bad input, a model of another task, ``stream=true``, options the model refuses (400).
-        NotFound: unknown model (404). PayloadTooLarge (413), UnsupportedMedia (415): see ``_decode``.
+        NotFound: unknown model (404). PayloadTooLarge (413), UnsupportedMedia (415): see
+            ``inference.services.decode_audio``.
         ServerBusy: from the runtime (503).
     """
 
@@ -177,10 +161,9 @@ class TranscriptionApi(APIView):
         timeout_ms = data["busy_timeout_ms"]
         param, source = data["source"]
         raw = _read_local(source, param) if isinstance(source, str) else source.read()
-        samples, rate = await _decode(raw, meta["family"], param)
-        outcome = await services.run(ctx, meta, samples, rate, options, timeout_ms)
+        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
         result = outcome.result
-        timing = _timing(started, len(samples), rate, outcome)
+        timing = _timing(started, outcome)
         if response_format == "text":
             return HttpResponse(result["text"], content_type="text/plain; charset=utf-8")
         if response_format in ("srt", "vtt"):
@@ -211,8 +194,6 @@ class TaskRunApi(APIView):
         timeout_ms = data["busy_timeout_ms"]
         param, source = data["request"]["source"]
         raw = source if isinstance(source, bytes) else _read_local(source, param)
-        samples, rate = await _decode(raw, meta["family"], param)
-        outcome = await services.run(ctx, meta, samples, rate, options, timeout_ms)
-        body = {"model": meta["id"], "task": meta["task"], **outcome.result,
-                "timing": _timing(started, len(samples), rate, outcome)}
+        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
+        body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)

@@ -6,11 +6,17 @@ Views and Celery tasks call these; they use the mechanism of
 no thread held while waiting):
 
 1. acquire a request lease under the effective busy timeout (R3.1–R3.3);
-2. make sure the model is loaded (single flight across processes, R4.2;
+   a refusal (fail-fast, timeout) costs no decoding;
+2. decode the upload in the decode pool (a bounded executor of its own);
+   audio that cannot be decoded is refused (400/413/415) and the lease given back;
+3. make sure the model is loaded (single flight across processes, R4.2;
    with a residency limit, cold loads pass the cold-load guard and evict, R6);
-3. store the input in Redis (TTL) and send ``run_model`` to the owning
+4. store the input in Redis (TTL) and send ``run_model`` to the owning
    worker's direct queue;
-4. await the ``done:<id>`` wake-up; the worker releases the lease.
+5. await the ``done:<id>`` wake-up; the worker releases the lease.
+
+Decoding after the grant means a queued request holds only its upload, not
+the decoded samples (a small compressed file can decode to far more).
 
 The web process renews the lease until the worker reports back, and releases
 it itself on every path where the worker never took over (refusal, load
@@ -21,12 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import numpy as np
 
 from asgiref.sync import sync_to_async
 
-from audiosite.errors import ApplicationError, Conflict, InsufficientMemory, InvalidRequest, NotFound, ServerBusy
+from audiosite.errors import (
+    ApplicationError,
+    Conflict,
+    InsufficientMemory,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    ServerBusy,
+    UnsupportedMedia,
+)
 from audiosite.serverconfig import get_config
 from inference import audio, specs
 from inference.runtime import leases, published, rpc
@@ -45,7 +64,8 @@ class Outcome:
     """A served request: the adapter's ``result`` plus where and how long.
 
     Times in ms: ``queue_ms`` waiting for the lease, ``load_ms`` spent loading
-    (0 when warm), ``inference_ms`` inside the session.
+    (0 when warm), ``inference_ms`` inside the session, ``audio_ms`` the
+    decoded input's duration.
     """
 
     result: dict
@@ -54,6 +74,46 @@ class Outcome:
     inference_ms: float
     slot: int
     worker: str
+    audio_ms: float
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """An audio file as uploaded (``data``: its bytes, any container ``inference.audio`` reads) and
+    ``param``, the request field it came from (named by decoding errors)."""
+
+    data: bytes
+    param: str
+
+
+# Decoding is CPU work in libsndfile and soxr: a bounded pool of its own, so a burst of uploads
+# cannot take the threads that send Celery tasks (inference.runtime.rpc) or the event loop's.
+DECODE_THREADS = max(2, os.cpu_count() or 1)
+_DECODE_POOL = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="decode")
+
+
+async def decode_audio(audio_input: AudioInput, family: str) -> tuple[np.ndarray, int]:
+    """Decode ``audio_input`` to mono float32 ``(n,)`` at the family's rate, in the decode pool.
+
+    Returns:
+        ``(samples, sample_rate_hz)``.
+
+    Raises:
+        UnsupportedMedia: not a container/codec we read (415).
+        PayloadTooLarge: longer than ``max_audio_seconds`` (413).
+        InvalidRequest: empty, or implausible (sample rate, non-finite samples) (400).
+    """
+    rate = specs.require_spec(family)["sample_rate_hz"]
+    try:
+        samples, _source_rate = await asyncio.get_running_loop().run_in_executor(
+            _DECODE_POOL, audio.decode, audio_input.data, rate, get_config().max_audio_seconds)
+    except audio.UndecodableAudio as exc:
+        raise UnsupportedMedia(str(exc), param=audio_input.param) from None
+    except audio.AudioTooLong as exc:
+        raise PayloadTooLarge(str(exc), param=audio_input.param) from None
+    except audio.AudioError as exc:
+        raise InvalidRequest(str(exc), param=audio_input.param) from None
+    return samples, rate
 
 
 # -- the one teardown path -------------------------------------------------------------------------
@@ -200,19 +260,21 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
 
 # -- one request ---------------------------------------------------------------------------------
 
-async def run(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, options: dict,
+async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
               request_timeout_ms: int | None) -> Outcome:
     """Serve one request (either runtime).
 
     Args:
         meta: published registration of the model.
-        samples: float32 ``(n,)`` at ``sample_rate_hz`` (the family's rate).
+        audio_input: the uploaded audio, decoded once the request holds its slot.
         options: validated request options (merged with defaults on the worker).
         request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
 
     Raises:
         ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), or the
             worker was lost.
+        UnsupportedMedia, PayloadTooLarge, InvalidRequest: the audio (see
+            :func:`decode_audio`); the lease is given back.
         ModelLoadFailed: the model could not be loaded.
         InvalidRequest: the adapter refused the request's options.
         NotFound: the model was unregistered while the request waited.
@@ -232,7 +294,10 @@ async def run(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, optio
                 raise Conflict(f"model {model_id!r} was reconfigured to {current['family']}/{current['task']} "
                                "while the request waited; its input was prepared for the old family; retry",
                                param="model")
+            samples, sample_rate_hz = await decode_audio(audio_input, current["family"])
             payload = audio.pack_request(samples, sample_rate_hz, options)
+            audio_ms = len(samples) / sample_rate_hz * 1000
+            del samples  # the packed copy is what travels
             load_ms = 0.0
             for _attempt in range(2):
                 placement = await ensure_loaded(ctx, model_id)
@@ -263,7 +328,7 @@ async def run(ctx: AsyncContext, meta: dict, samples, sample_rate_hz: int, optio
                 raise ApplicationError(f"model {model_id!r} failed: {reply['message']}")
             raise ServerBusy(f"model {model_id!r} could not serve the request: {reply['message']}", code=reply["kind"])
         return Outcome(reply["result"], lease.waited_ms, load_ms, reply["inference_ms"], reply["slot"],
-                       reply["worker"])
+                       reply["worker"], audio_ms)
     finally:
         if not handover.sent:
             await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))

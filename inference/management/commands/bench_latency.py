@@ -51,6 +51,7 @@ import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
@@ -258,8 +259,6 @@ class Command(BaseCommand):
         return http_ms, self._direct("silero_vad", samples, repeats), parts
 
     def _direct(self, family: str, samples: np.ndarray, repeats: int) -> list[float]:
-        from audiosite.serverconfig import get_config
-
         config = get_config()
         ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", config.device, config.threads, {}, {})
         adapter = get_adapter(family)
