@@ -61,19 +61,6 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-def check_text(value: str, name: str) -> str:
-    """Return ``value`` if it is plain text (see :func:`text_problem`).
-
-    Raises:
-        InvalidRequest: ``"<name> is not valid Unicode text"`` or ``"<name> must not contain NUL characters"``
-            (400, ``param`` = ``name``).
-    """
-    problem = text_problem(value)
-    if problem:
-        raise InvalidRequest(f"{name} {TEXT_PROBLEMS[problem]}", param=name)
-    return value
-
-
 def bad_text_keys(value, keys: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str] | None:
     """The first string (key or value) inside decoded JSON that is not plain text, else None.
 
