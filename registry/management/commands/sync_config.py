@@ -1,4 +1,6 @@
 """``python manage.py sync_config``: upsert the config file's models and publish the registry to Redis."""
+import os
+
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
@@ -11,7 +13,13 @@ from registry.services import registration_sync_config, registry_publish
 class Command(BaseCommand):
     help = "Upsert the models of server.json into the database and publish all registrations to Redis."
 
+    def add_arguments(self, parser):
+        parser.add_argument("--parallel-jobs", action="store_true", dest="parallel_jobs",
+                            help="the deployment runs the parallel runtime (also AUDIOSITE_PARALLEL_JOBS=1)")
+
     def handle(self, *args, **options):
+        if options["parallel_jobs"]:
+            os.environ["AUDIOSITE_PARALLEL_JOBS"] = "1"  # read once, by get_config() below
         try:
             redis_url()
         except ImproperlyConfigured as exc:
