@@ -207,6 +207,13 @@ class OnlyServerErrors(logging.Filter):
         return getattr(record, "status_code", 500) == 500
 
 
+def bad_request_view(request, exception=None) -> JsonResponse:
+    """Django ``handler400``: a request Django itself refuses (e.g. an invalid ``Host`` header,
+    ``SuspiciousOperation``), in the API.md shape."""
+    body = InvalidRequest(f"bad request: {exception}" if exception else "bad request").body()
+    return JsonResponse(body, status=400, json_dumps_params={"separators": (",", ":")})
+
+
 def not_found_view(request, exception=None) -> JsonResponse:
     """Django ``handler404``: unknown route in the API.md shape."""
     body = NotFound(f"no route for {request.method} {request.path}").body()

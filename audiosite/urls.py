@@ -18,5 +18,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
 ]
 
+handler400 = "audiosite.errors.bad_request_view"
 handler404 = "audiosite.errors.not_found_view"
 handler500 = "audiosite.errors.server_error_view"

@@ -210,6 +210,10 @@ class IntegerField(InputField):
         elif isinstance(data, float) and data.is_integer():
             number = int(data)
         elif isinstance(data, str) and re.fullmatch(r"-?[0-9]+", data.strip()):
+            digits = data.strip().lstrip("-").lstrip("0")
+            if len(digits) > len(str(max(abs(self.minimum), abs(self.maximum)))):
+                self.fail("range", minimum=self.minimum, maximum=self.maximum)  # before int(): Python
+                # refuses to convert strings of more than 4300 digits (ValueError)
             number = int(data.strip())
         if number is None:
             self.fail("type")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from audiosite.apiview import APIView
+from django.core.exceptions import SuspiciousOperation
 from django.http import HttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
@@ -39,6 +40,8 @@ def _data(request):
         raise InvalidRequest(f"malformed request body: {exc.detail}") from None
     except (RecursionError, UnicodeDecodeError):
         raise InvalidRequest("malformed request body: nested too deeply or not UTF-8") from None
+    except SuspiciousOperation as exc:  # Django's limits: too many form fields or files
+        raise InvalidRequest(f"malformed request body: {exc}") from None
 
 
 async def _model(model_id: str) -> tuple[dict, AsyncContext]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 
 import numpy as np
 import soundfile
@@ -33,6 +34,10 @@ class ImplausibleAudio(AudioError):
     """Decodes, but its parameters cannot be real (sample rate out of range, NaN samples)."""
 
 
+class DecodeCancelled(AudioError):
+    """The caller withdrew (``cancel`` was set): decoding stopped between two blocks."""
+
+
 class AudioTooLong(AudioError):
     """Decodes to more audio than ``max_audio_seconds`` allows (a small file can hold hours of silence)."""
 
@@ -40,7 +45,8 @@ class AudioTooLong(AudioError):
 BLOCK_FRAMES = 65536  # frames decoded per step: memory stays bounded by the output, not the source
 
 
-def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0) -> tuple[np.ndarray, int]:
+def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
+           cancel: threading.Event | None = None) -> tuple[np.ndarray, int]:
     """Decode an audio file in memory to mono float32 at ``target_rate_hz``.
 
     Decoding is streamed block by block (mix to mono, then soxr's streaming
@@ -51,6 +57,8 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0) -> tup
         data: the file's bytes.
         target_rate_hz: the model's sample rate.
         max_seconds: longest accepted audio, in seconds.
+        cancel: when set (by another thread), decoding stops at the next block
+            (``BLOCK_FRAMES`` frames): a client that left frees the decoder.
 
     Returns:
         ``(samples, source_rate_hz)``: float32 ``(n,)`` in about [-1, 1] at
@@ -61,6 +69,7 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0) -> tup
         UndecodableAudio: libsndfile cannot open or read it.
         ImplausibleAudio: sample rate outside 1 kHz..384 kHz, or non-finite samples.
         AudioTooLong: more than ``max_seconds`` of audio.
+        DecodeCancelled: ``cancel`` was set.
     """
     if not data:
         raise EmptyAudio("the audio file is empty (0 bytes)")
@@ -79,6 +88,8 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0) -> tup
             stream = None if rate == target_rate_hz else soxr.ResampleStream(rate, target_rate_hz, 1, "float32", "VHQ")
             pieces, frames = [], 0
             for block in handle.blocks(blocksize=BLOCK_FRAMES, dtype="float32", always_2d=True):
+                if cancel is not None and cancel.is_set():
+                    raise DecodeCancelled("decoding was cancelled")
                 frames += block.shape[0]
                 if frames > max_frames:
                     raise AudioTooLong(f"the audio lasts more than max_audio_seconds={max_seconds:g}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,9 +105,13 @@ async def decode_audio(audio_input: AudioInput, family: str) -> tuple[np.ndarray
         InvalidRequest: empty, or implausible (sample rate, non-finite samples) (400).
     """
     rate = specs.require_spec(family)["sample_rate_hz"]
+    cancel = threading.Event()
     try:
         samples, _source_rate = await asyncio.get_running_loop().run_in_executor(
-            _DECODE_POOL, audio.decode, audio_input.data, rate, get_config().max_audio_seconds)
+            _DECODE_POOL, audio.decode, audio_input.data, rate, get_config().max_audio_seconds, cancel)
+    except asyncio.CancelledError:
+        cancel.set()  # the caller left: stop the decoder at its next block instead of finishing for nobody
+        raise
     except audio.UndecodableAudio as exc:
         raise UnsupportedMedia(str(exc), param=audio_input.param) from None
     except audio.AudioTooLong as exc:

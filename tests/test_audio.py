@@ -1,6 +1,9 @@
 """Audio input: soundfile decoding, mono mix, soxr resampling, and refusals."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -77,3 +80,33 @@ def test_non_finite_samples_are_refused():
 def test_bytes_roundtrip():
     samples = tone(16000)
     assert np.array_equal(audio.from_bytes(audio.to_bytes(samples)), samples)
+
+
+def test_a_cancelled_decode_stops_at_the_next_block():
+    """A client that leaves while its audio decodes frees the decoder (found by an adversarial run:
+    abandoned decodes kept the shared pool busy for their whole length)."""
+    rate = 48000
+    data = wav_bytes(np.zeros((rate * 240, 2), dtype=np.float32), rate, fmt="FLAC", subtype="PCM_16")  # 4 min
+    started = time.monotonic()
+    audio.decode(data, 16000)
+    full_s = time.monotonic() - started
+
+    cancel = threading.Event()
+    outcome: dict = {}
+
+    def decode() -> None:
+        try:
+            audio.decode(data, 16000, cancel=cancel)
+            outcome["result"] = "finished"
+        except audio.DecodeCancelled:
+            outcome["result"] = "cancelled"
+
+    thread = threading.Thread(target=decode)
+    started = time.monotonic()
+    thread.start()
+    time.sleep(full_s / 10)
+    cancel.set()
+    thread.join(timeout=full_s * 2)
+    cancelled_s = time.monotonic() - started
+    assert outcome == {"result": "cancelled"}
+    assert cancelled_s < full_s / 2, (cancelled_s, full_s)

@@ -112,3 +112,24 @@ def test_http_errors_carry_the_field_path(stack, speech):
     assert error["message"].startswith("key 'request.options.threshold': 7 is greater than the maximum")
     error = bad_temperature.json()["error"]
     assert bad_temperature.status_code == 400 and error["param"] == "temperature", error
+
+
+@pytest.mark.stack
+def test_inputs_that_break_python_or_django_limits_are_400_in_the_error_shape(stack):
+    """Found by an adversarial run: each of these was a 500 (or Django's HTML page)."""
+    huge = "9" * 5000  # beyond Python's int() digit limit (4300)
+    with stack.client() as c:
+        answers = {
+            "huge integer in JSON": c.post("/v1/tasks/run", json={"model": "vad", "busy_timeout_ms": huge,
+                                                                   "request": {"audio_base64": ""}}),
+            "huge integer in the query": c.post(f"/v1/tasks/run?busy_timeout_ms={huge}",
+                                                json={"model": "vad", "request": {"audio_base64": ""}}),
+            "too many form fields": c.post("/v1/audio/transcriptions",
+                                           data={f"f{i}": "x" for i in range(1200)} | {"model": "whisper"}),
+            "invalid Host header": c.get("/health", headers={"Host": "bad host!"}),
+        }
+    for name, resp in answers.items():
+        assert resp.status_code == 400, (name, resp.status_code, resp.text[:200])
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], name
+    assert answers["huge integer in JSON"].json()["error"]["param"] == "busy_timeout_ms"

@@ -96,9 +96,10 @@ def test_state_changes_need_the_held_manager_lease_and_an_allowed_transition(red
             await ctx.scheduler.set_state("st", ModelState.UNLOADING, request.lease_id)
         await ctx.scheduler.release("st", request.lease_id)
         lease = await ctx.scheduler.acquire(ctx.listener, "st", 1000, LeaseKind.MANAGER)
+        await ctx.redis.hset(KEYS.load("st"), mapping={"state": "ready", "owner": "w", "boot": "b"})
+        with pytest.raises(InvalidTransition):  # a pool is not "unloaded" before its teardown began
+            await ctx.scheduler.set_state("st", ModelState.UNLOADED, lease.lease_id)
         await ctx.scheduler.set_state("st", ModelState.UNLOADING, lease.lease_id)
-        with pytest.raises(InvalidTransition):  # a teardown in progress cannot begin again
-            await ctx.scheduler.set_state("st", ModelState.RECONFIGURING, lease.lease_id)
         await ctx.scheduler.set_state("st", ModelState.UNLOADED, lease.lease_id)
         await ctx.scheduler.release("st", lease.lease_id)
         with pytest.raises(LeaseNotHeld):  # released: no more writes with it
@@ -106,6 +107,29 @@ def test_state_changes_need_the_held_manager_lease_and_an_allowed_transition(red
         return (await ctx.scheduler.snapshot(["st"]))["st"]["state"]
 
     assert _run(scenario) == ModelState.UNLOADED
+
+
+def test_a_teardown_whose_manager_died_is_taken_over_by_the_next_manager(redis_client):
+    """A web process killed between the two steps of a teardown leaves the state 'unloading' (its lease
+    expires, R2.5): the next manager's teardown begins again from there and ends it; nothing is stuck."""
+    meta = _register("stuck")
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        dead = await ctx.scheduler.acquire(ctx.listener, "stuck", 1000, LeaseKind.MANAGER)
+        await ctx.scheduler.set_state("stuck", ModelState.UNLOADING, dead.lease_id)
+        await ctx.scheduler.release("stuck", dead.lease_id)  # as the TTL would reclaim it
+        lease = await ctx.scheduler.acquire(ctx.listener, "stuck", 1000, LeaseKind.MANAGER)
+        try:
+            result = await inference_services.model_teardown(ctx, lease, "next manager",
+                                                             state=ModelState.RECONFIGURING)
+        finally:
+            await ctx.scheduler.release("stuck", lease.lease_id)
+        return result, (await ctx.scheduler.snapshot(["stuck"]))["stuck"]["state"]
+
+    result, state = _run(scenario)
+    assert result.outcome is TeardownOutcome.NOT_LOADED and state == ModelState.UNLOADED
+    assert ModelRegistration.objects.get(model_id="stuck").state == "unloaded"
 
 
 def test_unregister_removes_the_entry_only_for_the_manager(redis_client):

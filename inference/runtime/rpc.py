@@ -20,7 +20,7 @@ from celery.utils import worker_direct
 
 from audiosite.celery import app as celery_app
 from audiosite.errors import ModelLoadFailed, ServerBusy
-from inference.scheduler import LIVENESS_TTL_MS, LoadAction
+from inference.scheduler import LIVENESS_TTL_MS, LoadAction, LoadClaim
 
 from .context import KEYS, AsyncContext
 
@@ -113,18 +113,34 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
             await send_task("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
             sent_at = time.monotonic()
 
-            async def picked_up_in_time(token: str = token, sent_at: float = sent_at) -> bool:
-                if await ctx.scheduler.load_picked_up(model_id, token):
+            async def load_goes_on(token: str = token, sent_at: float = sent_at) -> bool:
+                claim = await ctx.scheduler.load_claim(model_id, token)
+                if claim is LoadClaim.RUNNING:
                     return True  # a worker is loading and renewing its claim
-                if time.monotonic() - sent_at < pickup_timeout_s:
-                    return True
-                await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
-                raise ServerBusy(f"model {model_id!r}: no worker started its load within "
-                                 f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
+                if claim is LoadClaim.PENDING:
+                    if time.monotonic() - sent_at < pickup_timeout_s:
+                        return True
+                    await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
+                    raise ServerBusy(f"model {model_id!r}: no worker started its load within "
+                                     f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
+                if claim is LoadClaim.EXPIRED:
+                    # The loading worker stopped renewing its claim (R7.4): nobody will answer.
+                    await ctx.scheduler.finish_load(model_id, token, False, error="the loading worker stopped")
+                    raise ServerBusy(f"model {model_id!r}: the worker loading it stopped responding; retry",
+                                     code="worker_lost")
+                return False  # GONE: finished (its reply is read below) or taken over (decide again)
 
-            await await_reply(ctx, wake, KEYS.load_result(token), picked_up_in_time,
-                              tick_s=min(WATCHDOG_S, pickup_timeout_s))
-            outcome = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or '{"ok": false, "error": "lost"}')
+            replied = await await_reply(ctx, wake, KEYS.load_result(token), load_goes_on,
+                                        tick_s=min(WATCHDOG_S, pickup_timeout_s))
+            raw = await ctx.redis.getdel(KEYS.load_result(token))
+            if not replied and raw is None:
+                # Our claim is gone without a reply yet: the load just finished (its reply follows
+                # the worker's database write) or another loader took over. Read the outcome.
+                load = await ctx.redis.hgetall(KEYS.load(model_id))
+                if load.get("state") == "unloaded" and load.get("error"):
+                    raise ModelLoadFailed(f"model {model_id!r} failed to load: {load['error']}", code="load_failed")
+                continue  # ready (begin_load says so) or loading by another: decide again
+            outcome = json.loads(raw or '{"ok": false, "error": "lost"}')
             if not outcome["ok"]:
                 raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
         finally:

@@ -23,6 +23,7 @@ from .types import (
     Lease,
     LeaseKind,
     LoadAction,
+    LoadClaim,
     LoadDecision,
     LoadOutcome,
     LoadWait,
@@ -37,7 +38,7 @@ _SCRIPT_NAMES = (
     "enqueue", "cancel", "release", "renew", "reap",
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
-    "publish_entry", "publish_registry", "unregister", "claim_runtime",
+    "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -200,10 +201,10 @@ class Scheduler:
         """Extend the single loader's claim (``host`` = the worker loading). Returns 1 if still the loader."""
         return self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms, host])
 
-    async def load_picked_up(self, model_id: str, token: str) -> bool:
-        """True when a worker has started the load claimed by ``token`` (async client)."""
-        fields = await self.redis.hmget(self.keys.load(model_id), ["loader", "loader_host"])
-        return _text(fields[0]) == token and bool(fields[1])
+    def load_claim(self, model_id: str, token: str):
+        """How the load claimed by ``token`` is doing: :class:`LoadClaim` (an awaitable of it with an async client)."""
+        return _then(self._run("load_claim", [self.keys.model(model_id)], [token]),
+                     lambda r: LoadClaim(_text(r)))
 
     def finish_load(self, model_id: str, token: str, ok: bool, owner: str = "", boot: str = "", error: str = "",
                     capacity: int = 0):

@@ -14,8 +14,9 @@ class ModelState(StrEnum):
     """Lifecycle state of a model as published in Redis (``<base>:load`` field ``state``).
 
     ``unloaded`` → ``loading`` (single loader, R4.2) → ``ready``; a manager
-    moves ``ready``/``unloaded``/``loading`` → ``unloading`` or
-    ``reconfiguring`` → ``unloaded`` (R4.4, R4.5, ``set_state.lua``).
+    moves any state → ``unloading`` or ``reconfiguring`` → ``unloaded``
+    (R4.4, R4.5, ``set_state.lua``; beginning again from ``unloading`` or
+    ``reconfiguring`` recovers a teardown whose manager died).
     """
 
     UNLOADED = "unloaded"
@@ -45,6 +46,15 @@ class LoadOutcome(StrEnum):
 
     OK = "ok"
     STALE = "stale"
+
+
+class LoadClaim(StrEnum):
+    """How the single load claimed by a token is doing (``load_claim.lua``)."""
+
+    PENDING = "pending"  # claimed, no worker started it yet
+    RUNNING = "running"  # a worker started it and renews the claim
+    EXPIRED = "expired"  # a worker started it and stopped renewing (died or froze, R7.4)
+    GONE = "gone"  # the token no longer holds the claim (finished, abandoned or taken over)
 
 
 class TicketStatus(StrEnum):

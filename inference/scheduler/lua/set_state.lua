@@ -4,10 +4,14 @@
 -- ARGV[2] error text ('' clears it)
 -- ARGV[3] the caller's manager lease id (must be held: only the manager changes state)
 -- Allowed transitions (anything else changes nothing):
---   unloaded | ready | loading      -> unloading | reconfiguring   (teardown begins;
+--   any state                       -> unloading | reconfiguring   (teardown begins;
 --                                      the owner and any loader claim are forgotten,
---                                      so the logical residency is cleared first)
+--                                      so the logical residency is cleared first).
+--                                      From unloading/reconfiguring this is a teardown
+--                                      whose manager died before it ended: the caller
+--                                      holds the exclusive lease now, so that one is over.
 --   unloading | reconfiguring | unloaded -> unloaded              (teardown ends)
+-- Refused: ready | loading -> unloaded (a teardown must begin first).
 -- A model with no ':load' hash reads as 'unloaded'.
 -- Returns 'ok', 'not_held' (the lease is not a held manager lease of this
 -- model: it was reaped or never granted) or 'bad_transition'.
@@ -16,8 +20,7 @@ local key = base .. ':load'
 local want, err, lease = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('HEXISTS', base .. ':mleases', lease) == 0 then return 'not_held' end
 local state = redis.call('HGET', key, 'state') or 'unloaded'
-local begins = (want == 'unloading' or want == 'reconfiguring')
-    and (state == 'unloaded' or state == 'ready' or state == 'loading')
+local begins = want == 'unloading' or want == 'reconfiguring'
 local ends = want == 'unloaded' and (state == 'unloading' or state == 'reconfiguring' or state == 'unloaded')
 if not (begins or ends) then return 'bad_transition' end
 redis.call('HSET', key, 'state', want, 'error', err)
