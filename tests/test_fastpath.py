@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import base64
 import os
-import re
 import threading
 from pathlib import Path
 
 import psutil
 import pytest
 
-from .conftest import FIXTURES, run_stack
+from .helpers import FIXTURES
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 
@@ -93,35 +92,3 @@ def test_gate_off_answers_403_before_looking_at_credentials(stack):
     with stack.client(headers={"Authorization": "Token " + "0" * 40}) as c:
         resp = c.post("/v1/models/unload", json={"id": "vad"})
         assert resp.status_code == 403 and resp.json()["error"]["type"] == "forbidden"
-
-
-@pytest.fixture(scope="module")
-def sstack(tmp_path_factory):
-    """Management on, one model: for the API's own (async) session authentication."""
-    yield from run_stack(tmp_path_factory.mktemp("sstack"), [{"id": "vad", "family": "silero_vad", "task": "vad"}],
-                         redis_db=9, name="fast", extra_config={"ui_management": True, "backend": "cpu"})
-
-
-def test_an_admin_session_manages_through_the_api_with_csrf(sstack):
-    """The API has no session middleware: registry.authentication reads the admin's session itself,
-    and a session-authenticated call must carry the CSRF token (DRF's rule) while a token call need not."""
-    made = sstack.manage("shell", "--no-imports", "-c", (
-        "from django.contrib.auth.models import User\n"
-        "u, _ = User.objects.get_or_create(username='admin', defaults={'is_staff': True, 'is_superuser': True})\n"
-        "u.is_staff = u.is_superuser = True; u.set_password('pw-admin-1'); u.save()"))
-    assert made.returncode == 0, made.stderr
-    with sstack.client(follow_redirects=False) as c:
-        page = c.get("/admin/login/")
-        form_token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
-        resp = c.post("/admin/login/?next=/admin/", data={"username": "admin", "password": "pw-admin-1",
-                                                           "csrfmiddlewaretoken": form_token})
-        assert resp.status_code == 302, resp.text[:300]
-        resp = c.post("/v1/models/unload", json={"id": "nope"})
-        assert resp.status_code == 403 and "CSRF" in resp.json()["error"]["message"], resp.text
-        resp = c.post("/v1/models/unload", json={"id": "nope"}, headers={"X-CSRFToken": c.cookies["csrftoken"]})
-        assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found", resp.text
-        resp = c.post("/v1/models/unload", json={"id": "vad"}, headers={"X-CSRFToken": c.cookies["csrftoken"]})
-        assert resp.status_code == 200 and resp.json() == {"id": "vad", "loaded": False}, resp.text
-    with sstack.client(cookies={"sessionid": "not-a-session"}) as c:
-        resp = c.post("/v1/models/unload", json={"id": "vad"})
-        assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Token", resp.text

@@ -770,3 +770,28 @@ def test_bulk_unload_does_not_cover_models_registered_after_its_snapshot(mstack,
             assert "snap-busy" in resp.json()["unloaded"] and "snap-late" not in resp.json()["unloaded"]
             assert entry_of(mstack, "snap-late")["state"] == "ready"
     run(scenario())
+
+
+def test_an_admin_session_manages_through_the_api_with_csrf(mstack):
+    """The API has no session middleware: registry.authentication reads the admin's session itself,
+    and a session-authenticated call must carry the CSRF token (DRF's rule) while a token call need not."""
+    made = mstack.manage("shell", "--no-imports", "-c", (
+        "from django.contrib.auth.models import User\n"
+        "u, _ = User.objects.get_or_create(username='admin', defaults={'is_staff': True, 'is_superuser': True})\n"
+        "u.is_staff = u.is_superuser = True; u.set_password('pw-admin-1'); u.save()"))
+    assert made.returncode == 0, made.stderr
+    with mstack.client(follow_redirects=False) as c:
+        page = c.get("/admin/login/")
+        form_token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
+        resp = c.post("/admin/login/?next=/admin/", data={"username": "admin", "password": "pw-admin-1",
+                                                           "csrfmiddlewaretoken": form_token})
+        assert resp.status_code == 302, resp.text[:300]
+        resp = c.post("/v1/models/unload", json={"id": "nope"})
+        assert resp.status_code == 403 and "CSRF" in resp.json()["error"]["message"], resp.text
+        resp = c.post("/v1/models/unload", json={"id": "nope"}, headers={"X-CSRFToken": c.cookies["csrftoken"]})
+        assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found", resp.text
+        resp = c.post("/v1/models/unload", json={"id": "whisper-lazy"}, headers={"X-CSRFToken": c.cookies["csrftoken"]})
+        assert resp.status_code == 200 and resp.json() == {"id": "whisper-lazy", "loaded": False}, resp.text
+    with mstack.client(cookies={"sessionid": "not-a-session"}) as c:
+        resp = c.post("/v1/models/unload", json={"id": "whisper-lazy"})
+        assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Token", resp.text
