@@ -22,12 +22,11 @@ from django.http import HttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
 
-from audiosite.errors import InvalidRequest, NotFound, PayloadTooLarge
+from audiosite.errors import InvalidRequest, PayloadTooLarge
 from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
 from inference import services, specs
 from inference.runtime.context import AsyncContext, async_context
-from registry.selectors import model_meta_get
 
 from .serializers import TaskRunInputSerializer, TranscriptionInputSerializer
 
@@ -44,17 +43,15 @@ def _data(request):
         raise InvalidRequest(f"malformed request body: {exc}") from None
 
 
-async def _model(model_id: str) -> tuple[dict, AsyncContext]:
+async def _model(model_id: str, request_timeout_ms: int | None) -> tuple[dict, AsyncContext]:
     """``(meta, ctx)``: the published metadata of ``model_id`` (checked by an input serializer) and the context.
 
     Raises:
         NotFound: ``model_id`` is not registered (404, ``param`` "model").
+        ServerBusy: the model would refuse the request at once (overdue fail-fast, R3.3).
     """
     ctx = await async_context()
-    meta = await model_meta_get(ctx, model_id)
-    if meta is None:
-        raise NotFound(f"model {model_id!r} is not registered", param="model")
-    return meta, ctx
+    return await services.model_for_request(ctx, model_id, request_timeout_ms), ctx
 
 
 def _read_local(path_value: str, param: str) -> bytes:
@@ -153,7 +150,7 @@ class TranscriptionApi(APIView):
         check_length(request)
         data = validated(TranscriptionInputSerializer(data=_data(request),
                                                       context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"])
+        meta, ctx = await _model(data["model"], data["busy_timeout_ms"])
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         response_format = data["response_format"]
@@ -191,7 +188,7 @@ class TaskRunApi(APIView):
         started = time.monotonic()
         check_length(request)
         data = validated(TaskRunInputSerializer(data=_data(request), context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"])
+        meta, ctx = await _model(data["model"], data["busy_timeout_ms"])
         options = data["request"]["options"]
         _check_options(meta["family"], options, lambda keys: ".".join(["request.options", *keys]))
         timeout_ms = data["busy_timeout_ms"]

@@ -52,7 +52,7 @@ from inference import audio, specs
 from inference.runtime import leases, published, rpc
 from inference.runtime.context import KEYS, AsyncContext
 from inference.runtime.teardown import TeardownResult, teardown_held
-from inference.scheduler import Lease, ModelState, effective_timeout_ms
+from inference.scheduler import AdmissionOverdue, Lease, ModelState, effective_timeout_ms
 from registry import services as records
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,26 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
 
 
 # -- one request ---------------------------------------------------------------------------------
+
+async def model_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> dict:
+    """The published entry of ``model_id`` for a request, refusing it at once when it would be (R3.3).
+
+    One Redis round trip (``admission_probe.lua``): a request the model would
+    refuse as overdue is answered 503 before anything else is done for it (its
+    options are not checked, its audio not decoded). ``run`` still enqueues
+    through ``enqueue.lua``, the authority, for every other request.
+
+    Raises:
+        NotFound: not registered (404, ``param`` "model").
+        ServerBusy: (code ``overdue``) every occupied slot has run longer than the effective timeout.
+    """
+    probe = await ctx.scheduler.admission_probe(model_id, request_timeout_ms, get_config().busy_timeout_ms)
+    if probe.entry is None:
+        raise NotFound(f"model {model_id!r} is not registered", param="model")
+    if probe.verdict == "overdue":
+        raise leases.busy_error(AdmissionOverdue(model_id, probe.timeout_ms, probe.age_ms))
+    return probe.entry
+
 
 async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
               request_timeout_ms: int | None) -> Outcome:

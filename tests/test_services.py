@@ -16,7 +16,14 @@ from audiosite.serverconfig import parse_config
 from inference import services as inference_services
 from inference.runtime.context import KEYS, async_context
 from inference.runtime.teardown import TeardownOutcome
-from inference.scheduler import InvalidTransition, LeaseKind, LeaseNotHeld, ModelState
+from inference.scheduler import (
+    AdmissionOverdue,
+    InvalidTransition,
+    LeaseKind,
+    LeaseNotHeld,
+    ModelState,
+    effective_timeout_ms,
+)
 from registry import services
 from registry.models import LifecycleEvent, ModelRegistration
 
@@ -147,3 +154,39 @@ def test_unregister_removes_the_entry_only_for_the_manager(redis_client):
                 await ctx.redis.exists(KEYS.load("gone"), KEYS.capacity("gone")))
 
     assert _run(scenario) == (False, 0)
+
+
+def test_the_admission_probe_reads_the_entry_and_refuses_exactly_when_enqueue_would(redis_client):
+    """One round trip for a refusal (issue 8, item 7): admission_probe.lua returns the entry and the verdict
+    enqueue.lua would give at that instant (R3.3), with the effective timeout of R3.1."""
+    meta = dict(_register("probe"), busy_timeout_ms=None)
+    ceilings = {"probe-own": 100, "probe-zero": 0}
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        for model_id, own in ceilings.items():
+            await ctx.scheduler.publish_entry(dict(meta, id=model_id, busy_timeout_ms=own), 1)
+        missing = await ctx.scheduler.admission_probe("nobody", None, 300)
+        # R3.1, the same table as effective_timeout_ms: the request's value against the model's ceiling.
+        timeouts = {}
+        for model_id, ceiling in (("probe", 300), ("probe-own", 100), ("probe-zero", 0)):
+            for request in (None, 0, 50, 200):
+                probe = await ctx.scheduler.admission_probe(model_id, request, 300)
+                timeouts[(model_id, request)] = (probe.timeout_ms, effective_timeout_ms(request, ceiling),
+                                                 probe.verdict)
+        holder = await ctx.scheduler.acquire(ctx.listener, "probe", 0)
+        young = await ctx.scheduler.admission_probe("probe", 5000, 300)
+        await asyncio.sleep(0.12)
+        old = await ctx.scheduler.admission_probe("probe", 100, 300)
+        with pytest.raises(AdmissionOverdue):  # enqueue.lua agrees at once
+            await ctx.scheduler.acquire(ctx.listener, "probe", 100)
+        unbounded = await ctx.scheduler.admission_probe("probe", 0, 0)
+        await ctx.scheduler.release("probe", holder.lease_id)
+        return missing, timeouts, young, old, unbounded
+
+    missing, timeouts, young, old, unbounded = _run(scenario)
+    assert missing.verdict == "not_found" and missing.entry is None
+    assert all(got == want and verdict == "admit" for got, want, verdict in timeouts.values()), timeouts
+    assert young.verdict == "admit" and young.entry["id"] == "probe"  # the holder is younger than 5 s
+    assert old.verdict == "overdue" and old.timeout_ms == 100 and old.age_ms > 100
+    assert unbounded.verdict == "admit"  # 0 = unbounded: no fail-fast (R3.5)

@@ -18,6 +18,7 @@ from .slots import (
     effective_timeout_ms,
 )
 from .types import (
+    AdmissionProbe,
     Lease,
     LeaseKind,
     LoadAction,
@@ -32,6 +33,7 @@ from .types import (
 )
 
 __all__ = [
+    "AdmissionProbe",
     "LIVENESS_EVERY_S",
     "LIVENESS_TTL_MS",
     "AdmissionExpired",

@@ -20,6 +20,7 @@ from .keepalive import KeepAlive
 from .keys import Keys
 from .listener import Listener
 from .types import (
+    AdmissionProbe,
     Lease,
     LeaseKind,
     LoadAction,
@@ -38,7 +39,7 @@ _SCRIPT_NAMES = (
     "enqueue", "cancel", "release", "renew", "reap",
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
-    "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim",
+    "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -403,6 +404,26 @@ class Scheduler:
             raise
         finally:
             listener.forget(grant_key)
+
+    def admission_probe(self, model_id: str, request_timeout_ms: int | None, server_ceiling_ms: int):
+        """The published entry of ``model_id`` and whether a request sent now would be refused at once.
+
+        One round trip, nothing reserved (``admission_probe.lua``): a web process
+        refuses an overdue request (R3.3) before parsing its audio, and otherwise
+        has the entry it needs. :meth:`acquire` stays the authority.
+
+        Args:
+            request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
+            server_ceiling_ms: the server's ``busy_timeout_ms`` (a model without its own).
+
+        Returns:
+            :class:`AdmissionProbe` (an awaitable of it with an async client).
+        """
+        request = -1 if request_timeout_ms is None else request_timeout_ms
+        return _then(self._run("admission_probe", [self.keys.model(model_id), self.keys.models_meta],
+                               [model_id, request, server_ceiling_ms]),
+                     lambda r: AdmissionProbe(_text(r[0]), json.loads(_text(r[1])) if _text(r[1]) else None,
+                                              int(r[2]), int(r[3])))
 
     def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0):
         """Take the model's manager lease only if it is free right now (R6.1, R6.4).

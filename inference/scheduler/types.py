@@ -111,6 +111,17 @@ class LoadWait(NamedTuple):
     now_ms: int
 
 
+class AdmissionProbe(NamedTuple):
+    """Result of ``admission_probe.lua``: ``verdict`` 'admit', 'overdue' or 'not_found'; the published
+    ``entry`` (None when not found); the effective ``timeout_ms`` (R3.1); for 'overdue', the age of the
+    youngest holder in ms (R3.3)."""
+
+    verdict: str
+    entry: dict | None
+    timeout_ms: int
+    age_ms: int
+
+
 class ModelStatus(TypedDict):
     """One model in a snapshot (``snapshot.lua``, R4.7). Counts are integers; times Redis ms.
 
