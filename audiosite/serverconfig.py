@@ -117,6 +117,12 @@ class ServerConfig(_Strict):
         return None
 
 
+def slot_count(slots: int | None, runtime: str) -> int:
+    """Slots the scheduler admits for a model configured with ``slots``: ``slots`` (1 when unset)
+    on the parallel runtime, always 1 on the legacy runtime (R1.1, R1.3)."""
+    return (slots or 1) if runtime == "parallel" else 1
+
+
 def _where(loc: tuple, data: dict) -> str:
     if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
         index = loc[1]

@@ -17,12 +17,12 @@ import time
 from asgiref.sync import sync_to_async
 
 from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, NotFound
-from audiosite.serverconfig import get_config
+from audiosite.serverconfig import get_config, slot_count
 from inference import services as inference_services
 from inference.backend import resolve_backend
 from inference.runtime import leases
 from inference.runtime.context import AsyncContext
-from inference.runtime.published import ceiling_ms, slot_count
+from inference.runtime.published import ceiling_ms
 from inference.scheduler import Lease, ModelState
 
 from . import services
@@ -105,7 +105,8 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
         if current is None:
             meta = services.registration_meta_of(entry, ModelRegistration.Source.API)
             await sync_to_async(services.registration_save)(entry, actor, "register", LifecycleState.UNLOADED)
-            await ctx.scheduler.publish_entry(meta, slot_count(meta), lease.lease_id, reset=True)
+            await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), config.runtime), lease.lease_id,
+                                              reset=True)
             if valid.count_problem:
                 await sync_to_async(services.registration_record_state)(model_id, LifecycleState.UNLOADED,
                                                                         valid.count_problem)
@@ -123,7 +124,8 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
         await sync_to_async(services.registration_save)(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
         await inference_services.model_teardown(ctx, lease, f"reconfigure by {actor}",
                                                 state=ModelState.RECONFIGURING)
-        await ctx.scheduler.publish_entry(meta, slot_count(meta), lease.lease_id, reset=True)
+        await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), config.runtime), lease.lease_id,
+                                          reset=True)
         loaded = await _load_now(ctx, model_id, meta)
         log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
         return {"id": model_id, "loaded": loaded, "reconfigured": True}

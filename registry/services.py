@@ -21,7 +21,7 @@ from django.utils import timezone
 from pydantic import ValidationError
 
 from audiosite.errors import InvalidRequest
-from audiosite.serverconfig import ModelConfig, ServerConfig, get_config
+from audiosite.serverconfig import ModelConfig, ServerConfig, get_config, slot_count
 from inference import specs
 from inference.scheduler import Keys, Scheduler
 
@@ -117,7 +117,7 @@ def registry_publish(redis_client, keys: Keys, runtime: str = "legacy") -> list[
         The published model ids.
     """
     rows = list(ModelRegistration.objects.all())
-    entries = [(row.as_meta(), (row.slots or 1) if runtime == "parallel" else 1) for row in rows]
+    entries = [(row.as_meta(), slot_count(row.slots, runtime)) for row in rows]
     Scheduler(redis_client, keys, get_config().lease_ttl_ms).publish_registry(entries, runtime)
     return [row.model_id for row in rows]
 

@@ -26,12 +26,6 @@ async def meta_all(ctx: AsyncContext) -> dict[str, dict]:
     return {model_id: json.loads(value) for model_id, value in sorted(raw.items())}
 
 
-def slot_count(meta: dict) -> int:
-    """Slots the scheduler admits for ``meta``: its ``slots`` (1 when unset) on the
-    parallel runtime, always 1 on legacy (R1.1, R1.3)."""
-    return (meta.get("slots") or 1) if get_config().runtime == "parallel" else 1
-
-
 def ceiling_ms(meta: dict | None) -> int:
     """A model's admission ceiling in ms (R3.1): its ``busy_timeout_ms``, else the server's."""
     if meta is not None and meta.get("busy_timeout_ms") is not None:

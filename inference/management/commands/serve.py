@@ -28,7 +28,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from audiosite.serverconfig import ConfigError, load_config
+from audiosite.serverconfig import ConfigError, load_config, slot_count
 from inference.runtime.context import KEYS
 
 STARTUP_TIMEOUT_S = 120
@@ -96,7 +96,7 @@ class Command(BaseCommand):
             self._forget_dead_local_workers(redis_url)
             self._sync(env)
             # One thread per slot of every model, plus room for loads and unloads.
-            concurrency = max(32, sum((m.slots or 1) if config.runtime == "parallel" else 1
+            concurrency = max(32, sum(slot_count(m.slots, config.runtime)
                                      for m in config.models) + 4)
             for index in range(opts["workers"]):
                 name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
