@@ -133,6 +133,19 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
     return await leases.run_as_manager(ctx, model_id, ceiling_ms(existing), transition)
 
 
+async def _unload_recorded(ctx: AsyncContext, lease: Lease, actor: str, via: str = "") -> str:
+    """Tear down under ``lease`` and add the operation's ``unload`` audit row (``detail``: ``via`` + outcome).
+
+    Returns:
+        The teardown's outcome ('destroyed', 'not_loaded' or 'worker_lost').
+    """
+    result = await inference_services.model_teardown(ctx, lease, f"{via} by {actor}" if via else actor)
+    await sync_to_async(services.lifecycle_event_create)(lease.model_id, "unload", True, actor=actor,
+                                                        detail=f"{via}: {result.outcome}" if via else
+                                                        str(result.outcome), duration_ms=result.duration_ms)
+    return str(result.outcome)
+
+
 async def model_unload(ctx: AsyncContext, model_id: str, actor: str, timeout_ms: int | None = None) -> dict:
     """``POST /v1/models/unload`` and ``manage.py unload_model``: unload one model as a manager (R4.5). Idempotent.
 
@@ -150,11 +163,7 @@ async def model_unload(ctx: AsyncContext, model_id: str, actor: str, timeout_ms:
     meta = await _registered_meta(ctx, model_id)
 
     async def transition(lease: Lease) -> dict:
-        result = await inference_services.model_teardown(ctx, lease, actor)
-        await sync_to_async(services.lifecycle_event_create)(model_id, "unload", True, actor=actor,
-                                                            detail=str(result.outcome),
-                                                            duration_ms=result.duration_ms)
-        return {"id": model_id, "loaded": False, "outcome": str(result.outcome)}
+        return {"id": model_id, "loaded": False, "outcome": await _unload_recorded(ctx, lease, actor)}
 
     return await leases.run_as_manager(ctx, model_id, ceiling_ms(meta) if timeout_ms is None else timeout_ms,
                                        transition)
@@ -229,10 +238,7 @@ async def models_bulk_unload(ctx: AsyncContext, model_ids: list[str] | None, act
         if await model_meta_get(ctx, model_id) is None:  # unregistered by a manager ahead of us
             gone.append(model_id)
             return
-        result = await inference_services.model_teardown(ctx, lease, f"bulk unload by {actor}")
-        await sync_to_async(services.lifecycle_event_create)(model_id, "unload", True, actor=actor,
-                                                            detail=f"bulk unload: {result.outcome}",
-                                                            duration_ms=result.duration_ms)
+        await _unload_recorded(ctx, lease, actor, via="bulk unload")
         unloaded.add(model_id)
 
     async def unload_one(model_id: str) -> None:
