@@ -7,7 +7,6 @@ All functions raise :class:`AudioError` subclasses, which the web side maps to
 from __future__ import annotations
 
 import io
-import json
 import threading
 
 import numpy as np
@@ -122,27 +121,16 @@ def resample(samples: np.ndarray, source_rate_hz: int, target_rate_hz: int) -> n
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
-def to_bytes(samples: np.ndarray) -> bytes:
-    """Serialise float32 ``(n,)`` for a Redis input key (raw little-endian float32)."""
-    return np.ascontiguousarray(samples, dtype="<f4").tobytes()
+def to_bytes(samples: np.ndarray) -> memoryview:
+    """A byte view of float32 ``(n,)`` for a Redis input key (raw little-endian float32).
+
+    No copy when ``samples`` already is contiguous little-endian float32 (what
+    :func:`decode` returns): the view shares the array's memory, and redis-py
+    writes it to the socket as it is. Inverse: :func:`from_bytes`.
+    """
+    return np.ascontiguousarray(samples, dtype="<f4").data.cast("B")
 
 
 def from_bytes(data: bytes) -> np.ndarray:
-    """Inverse of :func:`to_bytes`."""
+    """Inverse of :func:`to_bytes`: a writable float32 ``(n,)`` array (one copy of ``data``)."""
     return np.frombuffer(data, dtype="<f4").copy()
-
-
-def pack_request(samples: np.ndarray, sample_rate_hz: int, options: dict) -> bytes:
-    """The input of one run as it waits in Redis: a JSON header line, then float32 samples.
-
-    Header: ``{"sample_rate_hz": int, "options": {...}}``. Inverse: :func:`unpack_request`.
-    """
-    header = json.dumps({"sample_rate_hz": sample_rate_hz, "options": options}).encode()
-    return header + b"\n" + to_bytes(samples)
-
-
-def unpack_request(data: bytes) -> tuple[np.ndarray, int, dict]:
-    """``(samples float32 (n,), sample_rate_hz, options)`` from :func:`pack_request`'s bytes."""
-    header, _, body = data.partition(b"\n")
-    info = json.loads(header)
-    return from_bytes(body), int(info["sample_rate_hz"]), info["options"]

@@ -11,8 +11,8 @@ no thread held while waiting):
    audio that cannot be decoded is refused (400/413/415) and the lease given back;
 3. make sure the model is loaded (single flight across processes, R4.2;
    with a residency limit, cold loads pass the cold-load guard and evict, R6);
-4. store the input in Redis (TTL) and send ``run_model`` to the owning
-   worker's direct queue;
+4. store the input in Redis (TTL) and push the run's header on the owning
+   worker's run queue (one round trip; ``inference.runtime.rpc.run_on_worker``);
 5. await the ``done:<id>`` wake-up; the worker releases the lease.
 
 Decoding after the grant means a queued request holds only its upload, not
@@ -320,14 +320,14 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                                "while the request waited; its input was prepared for the old family; retry",
                                param="model")
             samples, sample_rate_hz = await decode_audio(audio_input, current["family"])
-            payload = audio.pack_request(samples, sample_rate_hz, options)
+            run_input = rpc.RunInput(samples, sample_rate_hz, options)
             audio_ms = len(samples) / sample_rate_hz * 1000
-            del samples  # the packed copy is what travels
+            del samples
             load_ms = 0.0
             for _attempt in range(2):
                 placement = await ensure_loaded(ctx, model_id)
                 load_ms += placement.load_ms
-                reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, payload, handover)
+                reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, handover)
                 if reply is None:
                     # The owner stopped beating while it ran our request. It may be
                     # frozen rather than dead, so its run could still finish and

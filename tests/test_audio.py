@@ -77,9 +77,14 @@ def test_non_finite_samples_are_refused():
         audio.decode(wav_bytes(samples, 16000, "WAV", "FLOAT"), 16000)
 
 
-def test_bytes_roundtrip():
-    samples = tone(16000)
-    assert np.array_equal(audio.from_bytes(audio.to_bytes(samples)), samples)
+def test_bytes_roundtrip_without_a_copy_on_the_sending_side():
+    """The decoded samples travel to Redis as a view of the decoded array (issue 9 item 2: no extra copy)."""
+    samples = tone(16000).astype("<f4")
+    view = audio.to_bytes(samples)
+    assert view.nbytes == len(view) == samples.nbytes  # redis-py frames the value by len(): bytes, not floats
+    assert np.shares_memory(np.frombuffer(view, dtype="<f4"), samples)
+    restored = audio.from_bytes(bytes(view))
+    assert np.array_equal(restored, samples) and restored.flags.writeable
 
 
 def test_a_cancelled_decode_stops_at_the_next_block():

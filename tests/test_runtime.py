@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import time
 
@@ -12,6 +13,8 @@ from audiosite.errors import ServerBusy
 from inference.runtime.context import KEYS, async_context
 from inference.runtime.rpc import load_single_flight
 from inference.scheduler import Scheduler
+from inference.worker.runs import RunDispatcher
+from inference.worker.state import WorkerState
 
 from .helpers import run, within
 
@@ -73,3 +76,54 @@ def test_load_whose_worker_dies_after_starting_it_fails_with_503_worker_lost(red
     assert error.code == "worker_lost" and "stopped responding" in error.message
     assert 1.0 <= elapsed < 4  # the claim's TTL (1 s) plus at most one watchdog tick (1 s)
     assert status["state"] == "unloaded" and status["error"] == "the loading worker stopped"
+
+
+def _run_header(request_id: str, channel: str, boot: str, model_id: str = "absent") -> bytes:
+    return json.dumps({"model_id": model_id, "request_id": request_id, "lease_id": "L" + request_id,
+                       "boot": boot, "channel": channel, "sample_rate_hz": 16000, "options": {}}).encode()
+
+
+def test_a_stopping_worker_answers_its_queued_runs_not_loaded(redis_client):
+    """Warm shutdown of the run queue: runs still queued were never taken, so their senders are told
+    ``not_loaded`` (they keep their leases and load again elsewhere) instead of waiting for the
+    liveness TTL; the queue is left empty."""
+    worker = WorkerState()
+    worker.hostname = "gpu0@stopping"
+    dispatcher = RunDispatcher(worker, threads=2)  # never started: every header stays queued
+    queue_key = KEYS.run_queue(worker.hostname, worker.boot)
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe("test-channel")
+    assert pubsub.get_message(timeout=2)["type"] == "subscribe"
+    for request_id in ("r1", "r2", "r3"):
+        redis_client.lpush(queue_key, _run_header(request_id, "test-channel", worker.boot))
+    assert dispatcher.stop(timeout_s=5) == 3
+    assert redis_client.llen(queue_key) == 0
+    wakes = [pubsub.get_message(timeout=2)["data"] for _ in range(3)]
+    assert wakes == ["done:r1", "done:r2", "done:r3"]  # FIFO: the first pushed is answered first
+    for request_id in ("r1", "r2", "r3"):
+        reply = json.loads(redis_client.get(KEYS.result(request_id)))
+        assert reply["ok"] is False and reply["kind"] == "not_loaded"
+    pubsub.close()
+
+
+def test_the_run_dispatcher_pops_its_own_boots_queue_and_refuses_runs_it_holds_no_pool_for(redis_client):
+    """A started dispatcher serves headers from its own (hostname, boot) queue only: a header for a
+    previous boot of the same hostname stays unserved (its sender hears ``worker_lost`` from the
+    liveness check), and a run for a model this worker holds no pool of is answered ``not_loaded``."""
+    worker = WorkerState()
+    worker.hostname = "gpu0@popping"
+    stale_key = KEYS.run_queue(worker.hostname, "an-earlier-boot")
+    redis_client.lpush(stale_key, _run_header("stale", "test-channel", "an-earlier-boot"))
+    dispatcher = RunDispatcher(worker, threads=2)
+    dispatcher.start()
+    try:
+        redis_client.lpush(KEYS.run_queue(worker.hostname, worker.boot),
+                           _run_header("fresh", "test-channel", worker.boot))
+        deadline = time.monotonic() + 10
+        while redis_client.get(KEYS.result("fresh")) is None:
+            assert time.monotonic() < deadline, "the dispatcher did not serve its queue"
+            time.sleep(0.02)
+    finally:
+        assert dispatcher.stop(timeout_s=5) == 0
+    assert json.loads(redis_client.get(KEYS.result("fresh")))["kind"] == "not_loaded"
+    assert redis_client.get(KEYS.result("stale")) is None and redis_client.llen(stale_key) == 1

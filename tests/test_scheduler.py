@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +18,7 @@ from inference.scheduler import (
     effective_timeout_ms,
 )
 
-from .helpers import REDIS_BASE, run, unique_prefix, within
+from .helpers import REDIS_BASE, ROOT, run, unique_prefix, within
 
 TTL_MS = 1000
 
@@ -618,4 +620,79 @@ def test_try_acquire_takes_only_a_ready_idle_model_and_never_waits(redis_client)
             assert not blocked.done()  # the evicting manager holds the model
             await rig.scheduler.release("m", lease.lease_id)
             await rig.scheduler.release("m", (await within(blocked)).lease_id)
+    run(scenario())
+
+
+_DOOMED_PROCESS = """
+import asyncio, sys
+import redis.asyncio as aioredis
+from inference.scheduler import Keys, Listener, Scheduler
+
+async def main(url, prefix):
+    client = aioredis.Redis.from_url(url, decode_responses=True)
+    keys = Keys(prefix)
+    listener = await Listener.start(client, keys.process_channel, liveness_ttl_ms=1000)
+    scheduler = Scheduler(client, keys, 1000)
+    waiters = [asyncio.create_task(scheduler.acquire(listener, "m", 0)) for _ in range(4)]
+    await asyncio.sleep(0.3)
+    print("queued", flush=True)
+    await asyncio.gather(*waiters)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def test_tickets_of_a_killed_web_process_are_skipped_not_granted_one_ttl_each(redis_client):
+    """R7.5: a web process killed (SIGKILL) with 4 tickets queued strands nothing: once its liveness
+    key expires, the grant pass drops its tickets, and the next live waiter is granted as soon as the
+    holder releases (before the fix each orphan was granted in turn and cost a lease TTL)."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys, ttl_ms=5000) as rig:  # the holder outlives the wait below
+            holder = await rig.acquire("m", 0)
+            doomed = subprocess.Popen([sys.executable, "-c", _DOOMED_PROCESS, f"{REDIS_BASE}/15", keys.prefix],
+                                      cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            try:
+                line = await within(asyncio.to_thread(doomed.stdout.readline), 20)
+                assert line.strip() == "queued"
+                assert await rig.counts("m") == (1, 4)
+            finally:
+                doomed.kill()  # SIGKILL: its tickets stay queued, nobody cancels them
+                doomed.wait(10)
+            live = asyncio.create_task(rig.acquire("m", 0))
+            await asyncio.sleep(1.3)  # the dead process's liveness key (1 s TTL) expires
+            assert await rig.counts("m") == (1, 5)
+            released_at = time.monotonic()
+            await rig.scheduler.release("m", holder.lease_id)
+            lease = await within(live, 2)
+            assert time.monotonic() - released_at < 0.5
+            assert await rig.counts("m") == (1, 0)  # the orphans were dropped, not granted
+            await rig.scheduler.release("m", lease.lease_id)
+    run(scenario())
+
+
+def test_a_process_killed_just_before_the_release_costs_at_most_one_lease_ttl(redis_client):
+    """R7.5 bound: when the holder releases before the killed process's liveness key has expired, its
+    first ticket is granted (the process still looked alive) and its lease lapses after the TTL; the
+    other three are dropped by that reclaim's grant pass, so a live waiter waits about one TTL, not four."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            holder = await rig.acquire("m", 0)
+            doomed = subprocess.Popen([sys.executable, "-c", _DOOMED_PROCESS, f"{REDIS_BASE}/15", keys.prefix],
+                                      cwd=ROOT, stdout=subprocess.PIPE, text=True)
+            try:
+                assert (await within(asyncio.to_thread(doomed.stdout.readline), 20)).strip() == "queued"
+            finally:
+                doomed.kill()
+                doomed.wait(10)
+            live = asyncio.create_task(rig.acquire("m", 0))
+            await asyncio.sleep(0.1)
+            released_at = time.monotonic()
+            await rig.scheduler.release("m", holder.lease_id)  # the first orphan is granted: still "alive"
+            lease = await within(live, 5)
+            waited_s = time.monotonic() - released_at
+            assert 0.9 <= waited_s < 1.8, waited_s  # one lease TTL (1 s), not four
+            assert await rig.counts("m") == (1, 0)
+            await rig.scheduler.release("m", lease.lease_id)
     run(scenario())

@@ -1,6 +1,7 @@
-"""Worker RPC: Celery tasks out, replies back through Redis keys and a pushed wake-up.
+"""Worker RPC: loads and unloads as Celery tasks, runs on the worker's own run queue;
+replies back through Redis keys and a pushed wake-up.
 
-A task carries ids and Redis keys, never audio. Its outcome is written to a
+A task or run header carries ids and Redis keys, never audio. Its outcome is written to a
 reply key with a TTL and announced on the caller's process channel; a
 watchdog tick reads the key anyway, so a lost wake-up costs at most one
 tick. The web process never imports a worker module: tasks are sent by name.
@@ -16,10 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 
-from celery.utils import worker_direct
+import numpy as np
 
 from audiosite.celery import app as celery_app
 from audiosite.errors import ModelLoadFailed, ServerBusy
+from inference import audio
 from inference.scheduler import LIVENESS_TTL_MS, LoadAction, LoadClaim
 
 from .context import KEYS, AsyncContext
@@ -33,7 +35,7 @@ _SEND_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="celery-send")
 
 
 async def send_task(task_name: str, args: list, queue) -> None:
-    """Publish a Celery task by name on ``queue`` (a queue name or a ``worker_direct`` queue)."""
+    """Publish a Celery task by name on ``queue`` (a queue name or a ``celery.utils.worker_direct`` queue)."""
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(_SEND_POOL, lambda: celery_app.send_task(task_name, args=args, queue=queue))
 
@@ -170,29 +172,56 @@ class Handover:
         self.sent = False
 
 
+@dataclass(frozen=True)
+class RunInput:
+    """What one run needs besides the model: decoded ``samples`` (float32 ``(n,)``) at
+    ``sample_rate_hz`` and the request's validated ``options`` (merged with defaults on the worker)."""
+
+    samples: np.ndarray
+    sample_rate_hz: int
+    options: dict
+
+
 async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placement: Placement,
-                        payload: bytes, handover: Handover) -> dict | None:
-    """Send one run to the owning worker and await its reply; None when the worker died meanwhile.
+                        run_input: RunInput, handover: Handover) -> dict | None:
+    """Hand one run to the owning worker and await its reply; None when the worker died meanwhile.
+
+    One round trip hands it over: the samples go to ``Keys.input`` (a view of
+    the decoded array, no copy; TTL ``INPUT_TTL_MS``) and a JSON header
+    ``{"model_id", "request_id", "lease_id", "boot", "channel",
+    "sample_rate_hz", "options"}`` is pushed on the worker's run queue
+    (``Keys.run_queue(owner, boot)``), which its run dispatcher pops
+    (``inference.worker.runs``). No Celery message per run: that hop cost
+    about 5 ms of the 20 ms overhead of a short request (docs/benchmarks.md).
 
     Args:
-        payload: the request's input as the worker reads it (``inference.audio.pack_request``).
-        handover: set to sent once the task is on the worker's queue.
+        handover: set to sent once the header is on the worker's queue (the
+            worker then releases the lease).
 
     Returns:
-        The worker's reply (see ``inference.worker.tasks.run_model``), or None.
+        The worker's reply (see ``inference.worker.work.run_request``), or None.
     """
     request_id = uuid.uuid4().hex
-    await ctx.redis_bytes.set(KEYS.input(request_id), payload, px=INPUT_TTL_MS)
+    header = json.dumps({"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
+                         "boot": placement.boot, "channel": ctx.listener.channel,
+                         "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options})
+    queue_key = KEYS.run_queue(placement.owner, placement.boot)
     wake = ctx.listener.expect(f"done:{request_id}")
+
+    async def push() -> None:
+        async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
+            pipe.set(KEYS.input(request_id), audio.to_bytes(run_input.samples), px=INPUT_TTL_MS)
+            pipe.lpush(queue_key, header)
+            pipe.pexpire(queue_key, INPUT_TTL_MS)  # a dead worker's queue goes away on its own
+            await pipe.execute()
+
     try:
-        send = asyncio.ensure_future(send_task(
-            "inference.run_model", [model_id, request_id, lease_id, placement.boot, ctx.listener.channel],
-            worker_direct(placement.owner)))
+        send = asyncio.ensure_future(push())
         try:
             await asyncio.shield(send)
         except asyncio.CancelledError:
-            # The client left while the task was being sent: the send goes on
-            # in its thread; once it is on the queue the worker owns the lease.
+            # The client left while the run was being handed over: the push goes on;
+            # once it is on the queue the worker owns the lease.
             try:
                 await send
                 handover.sent = True

@@ -82,9 +82,27 @@ class Keys:
         """Pub/sub channel on which one web process receives grants, load and result notices."""
         return f"{self.prefix}proc:{process_id}"
 
+    @staticmethod
+    def process_live(channel: str) -> str:
+        """Liveness key of the process listening on ``channel`` (TTL ``LIVENESS_TTL_MS``, R7.5).
+
+        Derived from the channel alone, so the grant pass (``lua/lib.lua``) finds it
+        from a queued ticket's channel.
+        """
+        return channel + ":live"
+
     def input(self, request_id: str) -> str:
-        """Key holding a request's decoded audio and options (with a TTL)."""
+        """Key holding a request's decoded audio: raw float32 samples, native byte order (with a TTL)."""
         return f"{self.prefix}in:{request_id}"
+
+    def run_queue(self, hostname: str, boot: str) -> str:
+        """LIST of run headers (JSON) for one worker process, ``hostname`` with boot id ``boot``.
+
+        Web processes ``LPUSH``; the worker's run dispatcher ``BRPOP``s (FIFO).
+        One list per boot, so a restarted worker never takes a run meant for
+        its predecessor (the sender is told ``worker_lost`` instead, R7.4).
+        """
+        return f"{self.prefix}runs:{hostname}:{boot}"
 
     def result(self, request_id: str) -> str:
         """Key holding a request's result (with a TTL)."""

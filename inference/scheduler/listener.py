@@ -4,6 +4,11 @@ Waiters register a key (``grant:<ticket>``, ``load:<token>``,
 ``done:<request id>``) and await it; the Lua scripts and workers publish that
 key on the process channel. No waiter holds a thread or its own Redis
 connection, and nobody sleeps in a polling loop.
+
+The listener also beats for its process (R7.5): ``<channel>:live`` exists
+(TTL ``LIVENESS_TTL_MS``, renewed every fifth of it) while the
+process runs. The grant pass skips queued tickets whose channel's key is
+gone, so the tickets of a process that died do not each cost a lease TTL.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import asyncio
 import logging
 import uuid
 from typing import Any
+
+from .keys import LIVENESS_TTL_MS, Keys
 
 log = logging.getLogger(__name__)
 
@@ -29,29 +36,48 @@ class Listener:
 
     _EARLY_MAX = 4096
 
-    def __init__(self, redis, channel: str):
+    def __init__(self, redis, channel: str, liveness_ttl_ms: int = LIVENESS_TTL_MS):
         self.redis = redis
         self.channel = channel
+        self.liveness_ttl_ms = liveness_ttl_ms
         self._futures: dict[str, asyncio.Future] = {}
         self._early: dict[str, None] = {}
         self._task: asyncio.Task | None = None
+        self._beat_task: asyncio.Task | None = None
         self._pubsub: Any = None  # redis.asyncio PubSub, set by start()
         self.loop: Any = None  # the event loop of start(); asyncio.AbstractEventLoop
 
     @classmethod
-    async def start(cls, redis, channel_for) -> Listener:
-        """Subscribe (confirmed before returning) and start dispatching.
+    async def start(cls, redis, channel_for, liveness_ttl_ms: int = LIVENESS_TTL_MS) -> Listener:
+        """Subscribe (confirmed before returning), start dispatching and beating.
 
         Args:
             redis: async Redis client.
             channel_for: callable mapping a fresh process id to its channel name.
+            liveness_ttl_ms: TTL of the process's liveness key (renewed every fifth of it;
+                shorter only in tests).
         """
-        listener = cls(redis, channel_for(uuid.uuid4().hex))
+        listener = cls(redis, channel_for(uuid.uuid4().hex), liveness_ttl_ms)
         listener.loop = asyncio.get_running_loop()
         listener._pubsub = redis.pubsub(ignore_subscribe_messages=True)
         await listener._pubsub.subscribe(listener.channel)
+        await listener._beat()  # alive before the first ticket names this channel (R7.5)
         listener._task = asyncio.create_task(listener._run(), name=f"listener {listener.channel}")
+        listener._beat_task = asyncio.create_task(listener._beat_loop(), name=f"liveness {listener.channel}")
         return listener
+
+    async def _beat(self) -> None:
+        await self.redis.set(Keys.process_live(self.channel), "1", px=self.liveness_ttl_ms)
+
+    async def _beat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.liveness_ttl_ms / 5000)  # five beats per TTL, as the workers'
+            try:
+                await self._beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis trouble: the next beat retries; waiters re-check their tickets
+                log.exception("liveness beat of %s failed", self.channel)
 
     async def _run(self) -> None:
         while True:
@@ -99,12 +125,13 @@ class Listener:
         self._early.pop(key, None)
 
     async def close(self) -> None:
-        """Stop dispatching and unsubscribe."""
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Stop dispatching and beating, and unsubscribe (the liveness key expires on its own)."""
+        for task in (self._task, self._beat_task):
+            if task:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         if self._pubsub is not None:
             await self._pubsub.aclose()

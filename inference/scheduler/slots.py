@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .keepalive import KeepAlive
-from .keys import Keys
+from .keys import LIVENESS_TTL_MS, Keys
 from .listener import Listener
 from .types import (
     AdmissionProbe,
@@ -44,6 +44,10 @@ _SCRIPT_NAMES = (
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
             for name in _SCRIPT_NAMES}
+
+
+TICKET_CHECK_S = LIVENESS_TTL_MS / 1000
+"""A queued waiter looks at its ticket (``reap.lua``) at least this often, in seconds (R7.5)."""
 
 
 def _then(result: Any, convert: Callable[[Any], Any]) -> Any:
@@ -89,12 +93,14 @@ class AdmissionTimeout(SchedulerError):
 
 
 class AdmissionExpired(SchedulerError):
-    """The slot granted to this ticket was reclaimed before the waiting process claimed it (R2.5):
-    the process stalled for longer than the lease TTL."""
+    """This waiter's ticket is gone without a grant it could use: the slot granted to it was
+    reclaimed before the process claimed it (R2.5), or the ticket was dropped as a dead process's
+    (R7.5) — either way this process stalled for longer than the lease or liveness TTL."""
 
     def __init__(self, model_id: str, lease_ttl_ms: int):
-        super().__init__(f"model {model_id!r}: the slot granted to this request was reclaimed because this "
-                         f"server process did not claim it within lease_ttl_ms={lease_ttl_ms}")
+        super().__init__(f"model {model_id!r}: this request's place in the queue was lost because this server "
+                         f"process stalled (a slot granted to it is reclaimed after lease_ttl_ms={lease_ttl_ms}, "
+                         f"a queued ticket after the {LIVENESS_TTL_MS} ms process liveness TTL)")
         self.model_id = model_id
 
 
@@ -379,6 +385,10 @@ class Scheduler:
                 reap_first = reap_in_s is not None and (wait_s is None or reap_in_s + 0.05 < wait_s)
                 if reap_in_s is not None and reap_first:
                     wait_s = max(0.0, reap_in_s) + 0.05  # a small margin lets Redis TIME pass the expiry
+                if wait_s is None or wait_s > TICKET_CHECK_S:
+                    # Look at the ticket at least this often: a ticket dropped as a dead
+                    # process's while this one stalled (R7.5) would otherwise wait forever.
+                    wait_s, reap_first = TICKET_CHECK_S, True
                 done, _ = await asyncio.wait({future}, timeout=wait_s)
                 if done:
                     settled = True

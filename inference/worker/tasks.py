@@ -1,8 +1,10 @@
 """Celery tasks and signals of the GPU worker: thin, they take ids and Redis keys, never audio.
 
 ``load_model`` goes to the ``gpu`` queue (any worker may take a cold model);
-``run_model`` and ``unload_model`` go to the owning worker's direct queue
-(``worker_direct``). Each writes its outcome through ``work.reply``.
+``unload_model`` goes to the owning worker's direct queue (``worker_direct``).
+Each writes its outcome through ``work.reply``. Runs do not come as Celery
+tasks: they come on the worker's own run queue (``runs.RunDispatcher``),
+started and stopped by the signals below.
 """
 from __future__ import annotations
 
@@ -12,14 +14,16 @@ from celery import shared_task, signals
 
 from audiosite.serverconfig import get_config
 from inference.runtime.context import KEYS, sync_redis, sync_scheduler
-from inference.runtime.rpc import RunFailure
 from inference.runtime.startup import check_runtime
 from registry import services as records
 
 from . import liveness, retirement, work
+from .runs import RunDispatcher
 from .state import WORKER
 
 log = logging.getLogger(__name__)
+
+_DISPATCHER: list[RunDispatcher] = []  # this process's run dispatcher, once the worker is set up
 
 
 @signals.celeryd_after_setup.connect
@@ -27,6 +31,9 @@ def _worker_identity(sender, instance, **kwargs):
     """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4)."""
     check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
     liveness.liveness_start(WORKER, sender, sync_redis(), KEYS)
+    dispatcher = RunDispatcher(WORKER, threads=instance.concurrency)
+    dispatcher.start()
+    _DISPATCHER.append(dispatcher)
     log.info("worker %s boot %s is alive", sender, WORKER.boot)
     if get_config().idle_unload_ms:
         retirement.retirement_start(WORKER, get_config().idle_unload_ms)
@@ -34,8 +41,12 @@ def _worker_identity(sender, instance, **kwargs):
 
 @signals.worker_shutdown.connect
 def _worker_shutdown(**kwargs):
-    """Destroy pools (after Celery's warm shutdown drained tasks), record them lost, drop liveness."""
+    """Drain runs, destroy pools (after Celery's warm shutdown drained tasks), record them lost, drop liveness."""
     retirement.retirement_stop()
+    while _DISPATCHER:
+        refused = _DISPATCHER.pop().stop()
+        if refused:
+            log.info("answered %d queued run(s) not_loaded at shutdown", refused)
     scheduler = sync_scheduler()
     lost = WORKER.close_all()
     for model_id in lost:
@@ -57,24 +68,6 @@ def load_model(model_id: str, token: str, channel: str) -> None:
     payload = work.load_pool(WORKER, model_id, token)
     if payload is not None:
         work.reply(channel, KEYS.load_result(token), f"load:{token}", payload)
-
-
-@shared_task(name="inference.run_model", acks_late=False)
-def run_model(model_id: str, request_id: str, lease_id: str, boot: str, channel: str) -> None:
-    """Serve one request on this worker's pool of ``model_id`` under ``lease_id``.
-
-    Input in ``Keys.input(request_id)``; outcome in ``Keys.result(request_id)``
-    (see ``work.run_request``, or ``{"ok": false, "kind": "not_loaded"}`` when
-    this worker holds no such pool: the caller then keeps the lease);
-    wake-up ``done:<request_id>``.
-    """
-    pool = WORKER.get(model_id)
-    if pool is None or boot != WORKER.boot:
-        payload = {"ok": False, "kind": RunFailure.NOT_LOADED,
-                   "message": f"model {model_id!r} is not loaded on this worker"}
-    else:
-        payload = work.run_request(WORKER, pool, model_id, request_id, lease_id)
-    work.reply(channel, KEYS.result(request_id), f"done:{request_id}", payload)
 
 
 @shared_task(name="inference.unload_model", acks_late=False)

@@ -30,9 +30,10 @@ RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
 
 def reply(channel: str, key: str, wake: str, payload: dict) -> None:
     """Store ``payload`` (JSON) at ``key`` for ``RESULT_TTL_MS`` and publish ``wake`` on ``channel``."""
-    client = sync_redis()
-    client.set(key, json.dumps(payload), px=RESULT_TTL_MS)
-    client.publish(channel, wake)
+    with sync_redis().pipeline(transaction=False) as pipe:  # one round trip; the SET runs first
+        pipe.set(key, json.dumps(payload), px=RESULT_TTL_MS)
+        pipe.publish(channel, wake)
+        pipe.execute()
 
 
 def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
@@ -82,8 +83,14 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
     return payload
 
 
-def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str, lease_id: str) -> dict:
+def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str, lease_id: str,
+                sample_rate_hz: int, options: dict) -> dict:
     """Serve one request on ``pool`` under ``lease_id``, renewing it, and release the lease on every path.
+
+    Args:
+        request_id: its samples wait in ``Keys.input(request_id)`` (float32, see ``inference.audio.to_bytes``).
+        sample_rate_hz: their rate.
+        options: the request's validated options, overlaid on the pool's defaults.
 
     Returns:
         ``{"ok": true, "result", "slot", "inference_ms", "worker"}`` or
@@ -92,7 +99,7 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
     scheduler = sync_scheduler()
     try:
         with scheduler.keep_alive(model_id, lease_id):
-            return _run(worker, pool, request_id)
+            return _run(worker, pool, request_id, sample_rate_hz, options)
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("run of %s failed", model_id)
         return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
@@ -100,12 +107,12 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
         scheduler.release(model_id, lease_id)
 
 
-def _run(worker: WorkerState, pool: Pool, request_id: str) -> dict:
+def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, options: dict) -> dict:
     raw = sync_redis_bytes().getdel(KEYS.input(request_id))
     if raw is None:
         return {"ok": False, "kind": RunFailure.EXPIRED, "message": "the request's input expired before it ran"}
-    samples, sample_rate_hz, options = audio.unpack_request(raw)
-    request = AudioRequest(samples, sample_rate_hz, {**pool.request_defaults, **options})
+    request = AudioRequest(audio.from_bytes(raw), sample_rate_hz, {**pool.request_defaults, **options})
+    del raw
     with pool.slot() as slot:
         started = time.monotonic()
         try:

@@ -241,12 +241,19 @@ class Command(BaseCommand):
         return times, health, others
 
     def _vad(self, url: str, wav: bytes, repeats: int) -> tuple[list[float], list[float], dict[str, list[float]]]:
-        """HTTP times, direct adapter times, and the server's own ``timing`` parts of each response."""
+        """HTTP times, direct adapter times, and the server's own ``timing`` parts of each response.
+
+        The two are interleaved (one HTTP request, then one direct call, ``repeats`` times), so a
+        change in the machine's load during the run weighs on both alike.
+        """
         body = json.dumps({"model": VAD, "request": {"audio_base64": base64.b64encode(wav).decode()}})
+        samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+        direct = self._direct_session("silero_vad", samples)
         with httpx.Client(base_url=url, timeout=60, headers={"content-type": "application/json"}) as client:
             for _ in range(5):
                 client.post("/v1/tasks/run", content=body).raise_for_status()
-            http_ms = []
+                direct()
+            http_ms, direct_ms = [], []
             parts: dict[str, list[float]] = {"wall_ms": [], "queue_ms": [], "inference_ms": []}
             for _ in range(repeats):
                 started = time.perf_counter()
@@ -255,23 +262,20 @@ class Command(BaseCommand):
                 resp.raise_for_status()
                 for key in parts:
                     parts[key].append(float(resp.json()["timing"][key] or 0))
-        samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
-        return http_ms, self._direct("silero_vad", samples, repeats), parts
+                started = time.perf_counter()
+                direct()
+                direct_ms.append((time.perf_counter() - started) * 1000)
+        return http_ms, direct_ms, parts
 
-    def _direct(self, family: str, samples: np.ndarray, repeats: int) -> list[float]:
+    def _direct_session(self, family: str, samples: np.ndarray):
+        """A no-argument callable running one ``family`` session of this process on ``samples`` (16 kHz),
+        built as the worker builds it (same checkpoint, backend CPU, ``threads`` of the config)."""
         config = get_config()
         ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", config.device, config.threads, {}, {})
         adapter = get_adapter(family)
         session = adapter.new_session(adapter.load(specs.get_spec(family), ctx), 0)
         request = AudioRequest(samples, 16000, specs.request_defaults(family))
-        for _ in range(5):
-            session.run(request)
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            session.run(request)
-            times.append((time.perf_counter() - started) * 1000)
-        return times
+        return lambda: session.run(request)
 
     def _bursts(self, url: str, token: str, wav: bytes, rounds: int) -> tuple[list[float], dict[int, int]]:
         """``rounds`` bursts of 16 concurrent calls (8 management, 8 silero_vad runs) while one client

@@ -20,7 +20,9 @@ local ticket, chan = ARGV[1], ARGV[2]
 local timeout_ms, ttl_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 local is_manager = ARGV[5] == 'manager'
 local now = now_ms()
-if reap(base, now) > 0 then grant_pass(base, now, ttl_ms) end
+-- A grant pass when leases were reclaimed, or when tickets wait (R7.5: tickets of dead
+-- processes are dropped, so a live caller never queues behind them alone).
+if reap(base, now) > 0 or redis.call('ZCARD', base .. ':queue') > 0 then grant_pass(base, now, ttl_ms) end
 
 if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager) then
   grant(base, ticket, now, ttl_ms, is_manager)

@@ -6,7 +6,8 @@
 --                           requests and managers share this one queue (R2.1)
 --   base..':kind'     HASH  ticket -> 'manager' for queued manager tickets
 --                           (absent = request)
---   base..':chan'     HASH  ticket -> pub/sub channel of the waiting process
+--   base..':chan'     HASH  ticket -> pub/sub channel of the waiting process;
+--                           '<channel>:live' exists while that process lives (R7.5)
 --   base..':leases'   HASH  request lease -> granted_at_ms (one slot each)
 --   base..':mleases'  HASH  manager lease -> granted_at_ms (the whole model)
 --   base..':expiry'   ZSET  lease (either kind) -> expires_at_ms (renewed by the holder)
@@ -55,22 +56,29 @@ end
 -- be granted (R2.2): consecutive requests fill spare slots; a queued manager
 -- is a barrier for everything behind it. Each grant is pushed to the waiter's
 -- channel as 'grant:<ticket>'. Returns the number granted.
+--
+-- R7.5: a ticket whose waiting process is dead (its channel's liveness key
+-- '<chan>:live' has expired, see listener.py) is dropped, not granted, and
+-- the pass goes on with the next: a dead web process's tickets cost nothing.
 local function grant_pass(base, now, ttl_ms)
   local granted = 0
   while true do
     local head = redis.call('ZRANGE', base .. ':queue', 0, 0)
     if #head == 0 then break end
     local ticket = head[1]
+    local chan = redis.call('HGET', base .. ':chan', ticket)
+    local orphan = chan and redis.call('EXISTS', chan .. ':live') == 0
     local is_manager = redis.call('HEXISTS', base .. ':kind', ticket) == 1
-    if not grantable(base, is_manager) then break end
+    if not orphan and not grantable(base, is_manager) then break end
     redis.call('ZREM', base .. ':queue', ticket)
     redis.call('HDEL', base .. ':kind', ticket)
-    local chan = redis.call('HGET', base .. ':chan', ticket)
     redis.call('HDEL', base .. ':chan', ticket)
-    grant(base, ticket, now, ttl_ms, is_manager)
-    if chan then redis.call('PUBLISH', chan, 'grant:' .. ticket) end
-    granted = granted + 1
-    if is_manager then break end
+    if not orphan then
+      grant(base, ticket, now, ttl_ms, is_manager)
+      if chan then redis.call('PUBLISH', chan, 'grant:' .. ticket) end
+      granted = granted + 1
+      if is_manager then break end
+    end
   end
   return granted
 end

@@ -6,12 +6,14 @@
 -- ARGV[4] minimum idle age in ms (0 = any): now - ':load' last_used_ms must be
 --         at least this (idle retirement, R6.4)
 -- Returns 1 if the manager lease was granted: the model was in the required
--- state, held no lease of any kind and had an empty queue. Else 0, and
--- nothing changed.
+-- state, held no lease of any kind and had an empty queue. Else 0. Either
+-- way, expired leases are reclaimed and the grant pass runs first (it may
+-- grant waiting tickets and drops those of dead processes, R7.5).
 local base, lease, ttl_ms, want = KEYS[1], ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local idle_ms = tonumber(ARGV[4] or '0')
 local now = now_ms()
-reap(base, now)
+-- Reclaimed leases and tickets of dead processes (R7.5) must not make a model look busy.
+if reap(base, now) > 0 or redis.call('ZCARD', base .. ':queue') > 0 then grant_pass(base, now, ttl_ms) end
 if want ~= '' and (redis.call('HGET', base .. ':load', 'state') or 'unloaded') ~= want then return 0 end
 if redis.call('ZCARD', base .. ':queue') > 0 or redis.call('HLEN', base .. ':leases') > 0
     or redis.call('HLEN', base .. ':mleases') > 0 then

@@ -1,0 +1,124 @@
+"""The worker's run queue: runs arrive as JSON headers on a Redis list, not as Celery messages.
+
+Web processes push one header per run on ``Keys.run_queue(hostname, boot)``
+(``inference.runtime.rpc.run_on_worker``); one dispatcher thread per worker
+process pops them in FIFO order (``BRPOP``) and hands each to a pool of run
+threads, which serve it (``work.run_request``) and reply (``work.reply``).
+Admission (Redis) has already bounded how many runs of a model are in
+flight, so the pool only needs as many threads as the worker has slots.
+
+Why not Celery: a Celery message per run cost about 2 ms to send (kombu in a
+thread of the web process) and 2.5 ms to receive (the consumer loop, ack) —
+a quarter of a short request's overhead (``docs/benchmarks.md``). Loads and
+unloads stay Celery tasks: they are rare and benefit from Celery's routing.
+
+Stopping (warm shutdown, ``stop``): the dispatcher stops popping, runs in
+progress finish, and headers still queued are answered ``not_loaded`` (the
+worker never took them; their senders still hold the leases and load the
+model again elsewhere). A worker killed outright leaves its queue behind:
+senders notice the missing liveness key within the TTL (``worker_lost``,
+R7.4) and the list expires on its own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import redis
+
+from inference.runtime.context import KEYS, redis_url
+from inference.runtime.rpc import RunFailure
+
+from . import work
+from .state import WorkerState
+
+log = logging.getLogger(__name__)
+
+POP_TIMEOUT_S = 0.5
+"""How long one ``BRPOP`` blocks; bounds how long ``stop`` waits for the dispatcher to notice."""
+
+
+class RunDispatcher:
+    """Pops this worker's run headers and serves them on ``threads`` run threads.
+
+    Args:
+        worker: the worker's pools and identity (``hostname`` and ``boot`` must be set).
+        threads: run threads (at least the worker's total slot count; ``serve``
+            passes the Celery concurrency).
+    """
+
+    def __init__(self, worker: WorkerState, threads: int):
+        self.worker = worker
+        self.queue_key = KEYS.run_queue(worker.hostname or "", worker.boot)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="run")
+        self._stop = threading.Event()
+        # A connection of its own: BRPOP holds it while it blocks.
+        self._client: Any = redis.Redis.from_url(redis_url(), decode_responses=False)
+        self._thread = threading.Thread(target=self._dispatch, name="run-dispatch", daemon=True)
+
+    def start(self) -> None:
+        """Start popping runs."""
+        self._thread.start()
+
+    def _dispatch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                popped = self._client.brpop([self.queue_key], timeout=POP_TIMEOUT_S)
+            except redis.RedisError:
+                log.exception("reading the run queue failed; retrying")
+                self._stop.wait(POP_TIMEOUT_S)
+                continue
+            if popped is None:
+                continue
+            self._pool.submit(self._serve, popped[1])
+
+    def _serve(self, raw: bytes) -> None:
+        try:
+            header = json.loads(raw)
+            serve_run(self.worker, header)
+        except Exception:  # never lose the thread; the sender's watchdog covers a missing reply
+            log.exception("serving a run failed")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Stop taking runs, let running ones finish, answer the still-queued ones ``not_loaded``.
+
+        Returns:
+            How many queued runs were answered ``not_loaded``.
+        """
+        self._stop.set()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout_s)
+        self._pool.shutdown(wait=True)
+        refused = 0
+        while (raw := self._client.rpop(self.queue_key)) is not None:
+            header = json.loads(raw)
+            work.reply(header["channel"], KEYS.result(header["request_id"]), f"done:{header['request_id']}",
+                       not_loaded(header["model_id"]))
+            refused += 1
+        self._client.close()
+        return refused
+
+
+def not_loaded(model_id: str) -> dict:
+    """The reply to a run this worker never took: its sender keeps the lease and loads again."""
+    return {"ok": False, "kind": RunFailure.NOT_LOADED, "message": f"model {model_id!r} is not loaded on this worker"}
+
+
+def serve_run(worker: WorkerState, header: dict) -> None:
+    """Serve the run described by ``header`` (see ``inference.runtime.rpc.run_on_worker``) and reply.
+
+    Reply in ``Keys.result(request_id)``, wake-up ``done:<request_id>`` on the
+    sender's channel: ``work.run_request``'s payload, or ``not_loaded`` when
+    this worker holds no pool of the model (the sender keeps the lease).
+    """
+    model_id, request_id = header["model_id"], header["request_id"]
+    pool = worker.get(model_id)
+    if pool is None or header["boot"] != worker.boot:
+        payload = not_loaded(model_id)
+    else:
+        payload = work.run_request(worker, pool, model_id, request_id, header["lease_id"],
+                                   int(header["sample_rate_hz"]), header["options"])
+    work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload)
