@@ -107,14 +107,19 @@ class ModelLoadFailed(ApplicationError):
     """500-class failure of a model load that is not the caller's fault (bad checkpoint on disk).
 
     Rendered as 503 ``server_busy`` with code ``load_failed``: the model stays
-    registered and unloaded, and a later request retries the load (R4.2).
+    registered and unloaded, and a later request retries the load (R4.2) once
+    the failed load's backoff has passed (R6.7; ``retry_after_s`` → ``Retry-After``).
     """
 
     status = 503
     type = "server_busy"
 
+    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None):
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class InsufficientMemory(ServerBusy):

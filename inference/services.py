@@ -169,13 +169,15 @@ async def model_retire_if_idle(ctx: AsyncContext, model_id: str, idle_ms: int) -
 
 # -- loading and residency (R4.2, R6) -------------------------------------------------------------
 
-async def ensure_loaded(ctx: AsyncContext, model_id: str) -> rpc.Placement:
+async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False) -> rpc.Placement:
     """Where ``model_id``'s pool is loaded, loading it if needed (single flight, R4.2).
 
     With a residency or memory limit set, a cold load first passes the cold
     load guard (one at a time, FIFO) and makes room (R6.1, R6.5, R6.6); a
     model that is ready, or being loaded by someone else, never touches the
-    guard, so warm traffic never waits on it.
+    guard, so warm traffic never waits on it. A model whose last load failed
+    is refused until its backoff ends, before any eviction (R6.7), unless
+    ``force`` (an explicit management load).
 
     Raises:
         ModelLoadFailed, ServerBusy: see ``inference.runtime.rpc.load_single_flight``.
@@ -183,16 +185,18 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str) -> rpc.Placement:
         InsufficientMemory: the memory guard refused the load.
     """
     if get_config().residency_limited:
-        state = (await ctx.scheduler.snapshot([model_id]))[model_id]["state"]
-        if state not in COUNTED_STATES:
+        status = (await ctx.scheduler.snapshot([model_id]))[model_id]
+        if status["retry_in_ms"] and not force:  # no eviction on behalf of a load in backoff (R6.7)
+            raise rpc.backoff_error(model_id, status["retry_in_ms"], status["error"])
+        if status["state"] not in COUNTED_STATES:
             async with leases.cold_load_guard(ctx):
                 started = time.monotonic()
                 await make_room(ctx, model_id)
-                placement = await rpc.load_single_flight(ctx, model_id)
+                placement = await rpc.load_single_flight(ctx, model_id, force=force)
                 if placement.load_ms:
                     return rpc.Placement(placement.owner, placement.boot, (time.monotonic() - started) * 1000)
                 return placement
-    return await rpc.load_single_flight(ctx, model_id)
+    return await rpc.load_single_flight(ctx, model_id, force=force)
 
 
 async def _available_memory_mb(ctx: AsyncContext) -> int | None:

@@ -55,7 +55,7 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
     if lazy:
         return False
     try:
-        await inference_services.ensure_loaded(ctx, model_id)
+        await inference_services.ensure_loaded(ctx, model_id, force=True)  # explicit: no backoff (R6.7)
     except ApplicationError as exc:
         exc.committed = True  # the entry is registered; only its load failed
         exc.message += "; the entry is registered and stays unloaded (the next request retries the load)"

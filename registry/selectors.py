@@ -1,6 +1,8 @@
 """Reads: published registrations, the status snapshot (never reserves anything, R4.7), and database facts."""
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from audiosite.serverconfig import get_config
 from inference.runtime.context import AsyncContext
 from inference.runtime.published import meta_all as model_meta_all
@@ -10,6 +12,12 @@ from inference.scheduler import ModelState, ModelStatus
 from .models import ModelRegistration
 
 __all__ = ["model_meta_all", "model_meta_get", "model_status_list", "registration_first_load_published"]
+
+
+def _utc(epoch_ms: int) -> str:
+    """ISO 8601 UTC with milliseconds and a ``Z`` (e.g. ``2026-12-01T10:00:00.250Z``) of a Redis-time ms."""
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
 
 
 def _entry(meta: dict, status: ModelStatus, parallel: bool) -> dict:
@@ -23,6 +31,8 @@ def _entry(meta: dict, status: ModelStatus, parallel: bool) -> dict:
         "state": str(status["state"]),
         "loaded": status["state"] == ModelState.READY,
         "path": meta["path"],
+        "last_error": status["error"] or None,
+        "retry_at": _utc(status["retry_at_ms"]) if status["retry_at_ms"] else None,
     }
     if parallel:
         entry.update(

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import re
 import time
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import jiwer
@@ -393,16 +394,33 @@ def test_lazy_model_loads_once_for_concurrent_cold_requests(stack, speech):
 
 
 def test_failed_load_leaves_the_model_registered_and_retries(stack, speech):
-    """R4.2/R7.2: nothing published, everyone released, the next request retries the load."""
+    """R4.2/R7.2/R6.7: nothing published, everyone released; the failure is remembered (state
+    ``failed``, ``last_error``, ``retry_at``) and requests get 503 at once with ``Retry-After`` until
+    the backoff ends (1 s, then 2 s); then the next request retries the load."""
     with stack.client() as c:
         first = run_task(c, "vad-broken", speech[0].wav)
         error = assert_error(first, 503, "server_busy")
         assert error["code"] == "load_failed" and "failed to load" in error["message"]
         entry = c.get("/v1/models/vad-broken").json()
-        assert entry["state"] == "unloaded" and entry["loaded"] is False
+        assert entry["state"] == "failed" and entry["loaded"] is False
+        assert "failed" in entry["last_error"].lower() or "error" in entry["last_error"].lower(), entry
+        retry_at = datetime.fromisoformat(entry["retry_at"].replace("Z", "+00:00"))
+        assert timedelta(0) < retry_at - datetime.now(UTC) <= timedelta(seconds=1.5)
         assert stack.counters("vad-broken") == {"leases": 0, "queued": 0}
+        in_backoff = run_task(c, "vad-broken", speech[0].wav)
+        error = assert_error(in_backoff, 503, "server_busy")
+        assert error["code"] == "load_failed" and "backoff" in error["message"]
+        assert in_backoff.headers["retry-after"] == "1"
+        loads = stack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = %s AND event = 'load'",
+                          "vad-broken")
+        assert loads == [("failed",)]  # the refusal in backoff tried nothing
+        time.sleep(max(0.0, (retry_at - datetime.now(UTC)).total_seconds()) + 0.1)
         second = run_task(c, "vad-broken", speech[0].wav)
-        assert_error(second, 503, "server_busy")
+        assert assert_error(second, 503, "server_busy")["code"] == "load_failed"
+        entry = c.get("/v1/models/vad-broken").json()
+        later = datetime.fromisoformat(entry["retry_at"].replace("Z", "+00:00"))
+        assert timedelta(seconds=1.5) < later - datetime.now(UTC) <= timedelta(seconds=2.5)  # doubled
+        assert stack.counters("vad-broken") == {"leases": 0, "queued": 0}
     loads = stack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = %s AND event = 'load'",
                       "vad-broken")
     assert loads == [("failed",), ("failed",)]

@@ -226,8 +226,9 @@ def test_concurrent_cold_requests_publish_one_pool_and_all_wait_for_it(pstack):
 
 
 def test_failed_load_releases_everyone_and_a_retry_works(pstack):
-    """R4.2/R7.2: a failed load publishes nothing and fails every request admitted to wait for it;
-    the model returns to unloaded; the request queued behind them retries the load, which works."""
+    """R4.2/R7.2/R6.7: a failed load publishes nothing and fails every request admitted to wait for
+    it; the request queued behind them gets 503 load_failed at once (the backoff), starting no load;
+    the model reads ``failed``; after the backoff a request retries the load, which works."""
     async def scenario():
         async with client(pstack) as c:
             admitted = [asyncio.create_task(post(c, "fx-fail")) for _ in range(2)]
@@ -235,17 +236,21 @@ def test_failed_load_releases_everyone_and_a_retry_works(pstack):
             queued = asyncio.create_task(post(c, "fx-fail", tag="queued"))
             await until(lambda: pstack.counters("fx-fail") == {"leases": 2, "queued": 1})
             pstack.release("fail-load", action="fail")
-            failed = [(await t)[0] for t in admitted]
-            # The queued request is admitted now and starts the one retry load.
-            await until(lambda: pstack.arrived("fail-load") == 2)
+            failed = [(await t)[0] for t in admitted] + [(await queued)[0]]
+            assert pstack.arrived("fail-load") == 1  # the backoff started no second load
             entry = entry_of(pstack, "fx-fail")
-            assert (entry["state"], entry["active_slots"], entry["queued_requests"]) == ("loading", 1, 0)
+            assert (entry["state"], entry["active_slots"], entry["queued_requests"]) == ("failed", 0, 0)
+            assert entry["last_error"] and entry["retry_at"]
+            await asyncio.sleep(1.1)  # the first backoff is 1 s
+            retry = asyncio.create_task(post(c, "fx-fail", tag="retry"))
+            await until(lambda: pstack.arrived("fail-load") == 2)
             pstack.release("fail-load")
-            return failed, (await queued)[0]
+            return failed, (await retry)[0]
     failed, retry = run(scenario())
     for resp in failed:
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "load_failed"
-    assert retry.status_code == 200 and retry.json()["tag"] == "queued"
+    assert "backoff" in failed[-1].json()["error"]["message"] and failed[-1].headers["retry-after"] == "1"
+    assert retry.status_code == 200 and retry.json()["tag"] == "retry"
     assert entry_of(pstack, "fx-fail")["state"] == "ready"
     loads = pstack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = %s AND event = 'load' ORDER BY id",
                        "fx-fail")
@@ -254,12 +259,14 @@ def test_failed_load_releases_everyone_and_a_retry_works(pstack):
 
 
 def test_failed_session_creation_publishes_nothing(pstack):
-    """R7.2: the third slot's session cannot be created → nothing published, the model stays unloaded."""
+    """R7.2: the third slot's session cannot be created → nothing published, the model stays unloaded
+    (read ``failed`` with the error, R6.7; the second request, in the backoff, names the same error)."""
     with pstack.client() as c:
         for _ in range(2):
             resp = c.post("/v1/tasks/run", json=body("fx-session"))
             assert resp.status_code == 503 and "slot 2" in resp.json()["error"]["message"]
-    assert entry_of(pstack, "fx-session")["state"] == "unloaded"
+    entry = entry_of(pstack, "fx-session")
+    assert entry["state"] == "failed" and entry["loaded"] is False and "slot 2" in entry["last_error"]
     assert pstack.counters("fx-session") == {"leases": 0, "queued": 0}
 
 

@@ -104,6 +104,36 @@ def test_eviction_never_picks_a_busy_or_queued_model_and_answers_503(rstack):
     assert rstack.counters("cold") == {"leases": 0, "queued": 0}
 
 
+def test_no_model_is_evicted_for_a_load_in_backoff(rstack):
+    """R6.7 with R6.1: a broken model's first load evicts the LRU model (nobody knew it would fail);
+    during its backoff, requests for it get 503 load_failed at once and evict nothing (before:
+    every request evicted a healthy model and tried again)."""
+    limit = rstack.limit
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            keepers = [f"bk{i}" for i in range(limit)]
+            for name in keepers:
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+                assert (await post(op, name))[0].status_code == 200
+            assert (await op.post("/v1/models/load", json=fx("bk-broken", 1, fail_load=True) | {"lazy": True})
+                    ).status_code == 200
+            first, _, _ = await post(op, "bk-broken")
+            assert first.status_code == 503 and first.json()["error"]["code"] == "load_failed"
+            assert loaded(rstack) == set(keepers[1:])  # the LRU keeper made room for the failed load
+            assert (await post(op, keepers[0]))[0].status_code == 200  # back to a full house
+            assert loaded(rstack) == set(keepers)
+            again, _, _ = await post(op, "bk-broken")
+            assert again.status_code == 503 and again.json()["error"]["code"] == "load_failed"
+            assert "backoff" in again.json()["error"]["message"] and again.headers["retry-after"]
+            assert loaded(rstack) == set(keepers)  # nobody evicted on its behalf
+            assert entry_of(rstack, "bk-broken")["state"] == "failed"
+    run(scenario())
+    loads = rstack.sql("SELECT outcome FROM registry_lifecycleevent WHERE model_id = 'bk-broken' AND event = 'load'")
+    assert loads == [("failed",)]
+
+
 def test_a_model_in_slow_teardown_does_not_count_toward_the_limit(rstack):
     """R6.2: while A's teardown is held, A no longer counts: loading B under the limit does not
     evict the unrelated loaded model C (limit 2), and B loads at once (limit 1)."""

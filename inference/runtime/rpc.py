@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -62,6 +63,14 @@ async def worker_alive(ctx: AsyncContext, owner: str, boot: str) -> bool:
     return await ctx.redis.get(KEYS.worker_live(owner)) == boot
 
 
+def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFailed:
+    """The 503 ``load_failed`` of a model whose last load failed ``retry_in_ms`` before its next try (R6.7)."""
+    retry_after_s = max(1, math.ceil(retry_in_ms / 1000))
+    return ModelLoadFailed(f"model {model_id!r} failed to load ({error or 'no detail'}); the next load may be "
+                           f"tried in {retry_after_s} s (backoff after failed loads)", code="load_failed",
+                           retry_after_s=retry_after_s)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a model's pool is loaded: Celery hostname ``owner``, its ``boot`` id, and
@@ -72,16 +81,20 @@ class Placement:
     load_ms: float
 
 
-async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s: float | None = None) -> Placement:
+async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s: float | None = None,
+                             force: bool = False) -> Placement:
     """Return where ``model_id`` is loaded, loading it first if needed (single flight across processes, R4.2).
 
     Args:
         pickup_timeout_s: how long a load task may wait for a worker to start
             it (default: the lease TTL). Past that, the claim is abandoned.
+        force: load even during a failed load's backoff (explicit management load, R6.7).
 
     Raises:
         ModelLoadFailed: the load failed; the model stays registered and
-            unloaded, and a later request retries (R4.2).
+            unloaded, and a later request retries (R4.2); or the last load
+            failed and its backoff has not passed (R6.7: at once, with the
+            time left as ``retry_after_s``).
         ServerBusy: no worker started the load in time (code ``no_worker``, R7.4).
 
     Tolerated race: a load task that a worker starts after its claim was
@@ -95,7 +108,9 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
         token = uuid.uuid4().hex
         wake = ctx.listener.expect(f"load:{token}")
         try:
-            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token)
+            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token, force)
+            if decision.action is LoadAction.BACKOFF:
+                raise backoff_error(model_id, decision.retry_in_ms, decision.error)
             if decision.action is LoadAction.READY:
                 assert decision.owner is not None and decision.boot is not None
                 return Placement(decision.owner, decision.boot,

@@ -533,20 +533,23 @@ class Scheduler:
                 pass
         await asyncio.shield(asyncio.ensure_future(undo()))
 
-    async def begin_load(self, listener: Listener, model_id: str, token: str) -> LoadDecision:
+    async def begin_load(self, listener: Listener, model_id: str, token: str, force: bool = False) -> LoadDecision:
         """Single-flight load decision (R4.2); see ``lua/begin_load.lua``.
 
         For 'wait', the caller must have called ``listener.expect(f"load:{token}")``
-        before this call to be woken.
+        before this call to be woken. ``force``: load even during a failed load's
+        backoff (an explicit management load, R6.7).
         """
         reply = await self._run(
             "begin_load",
             [self.keys.model(model_id), self.keys.worker_live_prefix],
-            [token, listener.channel, self.lease_ttl_ms],
+            [token, listener.channel, self.lease_ttl_ms, "1" if force else "0"],
         )
         action = LoadAction(_text(reply[0]))
         if action is LoadAction.READY:
             return LoadDecision(action, _text(reply[1]), _text(reply[2]))
+        if action is LoadAction.BACKOFF:
+            return LoadDecision(action, retry_in_ms=int(reply[1]), error=_text(reply[2]))
         return LoadDecision(action)
 
     async def snapshot(self, model_ids: list[str]) -> dict[str, ModelStatus]:
@@ -565,6 +568,6 @@ class Scheduler:
             model_id: {"state": ModelState(_text(row[0])), "active_leases": int(row[1]), "queued": int(row[2]),
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
                        "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
-                       "last_used_ms": int(row[8])}
+                       "last_used_ms": int(row[8]), "retry_at_ms": int(row[9]), "retry_in_ms": int(row[10])}
             for model_id, row in zip(model_ids, result, strict=True)
         }

@@ -24,6 +24,9 @@ class ModelState(StrEnum):
     READY = "ready"
     UNLOADING = "unloading"
     RECONFIGURING = "reconfiguring"
+    FAILED = "failed"
+    """Only in snapshots: unloaded after a failed load, until a load succeeds or the entry
+    changes (R6.7). Redis keeps ``unloaded`` plus ``failures``/``retry_at_ms``."""
 
 
 class LeaseKind(StrEnum):
@@ -39,6 +42,7 @@ class LoadAction(StrEnum):
     READY = "ready"  # loaded on a live worker: dispatch to it
     WAIT = "wait"  # another caller loads: wait for its outcome
     LOAD = "load"  # the caller is now the single loader
+    BACKOFF = "backoff"  # the last load failed and its backoff has not passed (R6.7)
 
 
 class LoadOutcome(StrEnum):
@@ -85,11 +89,14 @@ class Lease:
 @dataclass(frozen=True)
 class LoadDecision:
     """Outcome of ``begin_load``; for ``READY``, ``owner`` is the Celery hostname
-    owning the pool and ``boot`` its boot id."""
+    owning the pool and ``boot`` its boot id; for ``BACKOFF``, ``retry_in_ms``
+    until a load may be tried again and the failed load's ``error``."""
 
     action: LoadAction
     owner: str | None = None
     boot: str | None = None
+    retry_in_ms: int = 0
+    error: str = ""
 
 
 class ReapResult(NamedTuple):
@@ -130,6 +137,9 @@ class ModelStatus(TypedDict):
     ``capacity``: configured slots; ``loaded_capacity``: the loaded pool's
     advertised capacity (0 = not loaded); ``last_used_ms``: end of the last
     work (0 = never). A ``ready`` model whose worker is dead reads ``unloaded``.
+    ``retry_at_ms``: when a failed load's backoff ends (0 = no failed load,
+    R6.7; ``state`` then reads ``failed``); ``retry_in_ms``: how long until
+    then (0 = a load may be tried now).
     """
 
     state: str
@@ -141,3 +151,5 @@ class ModelStatus(TypedDict):
     queued_managers: int
     loaded_capacity: int
     last_used_ms: int
+    retry_at_ms: int
+    retry_in_ms: int

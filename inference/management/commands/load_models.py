@@ -42,7 +42,7 @@ class Command(BaseCommand):
                 continue
             lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
             try:
-                placement = await ensure_loaded(ctx, model_id)
+                placement = await ensure_loaded(ctx, model_id, force=True)
                 self.stdout.write(f"loaded {model_id} in {placement.load_ms:.0f} ms")
             except ApplicationError as exc:
                 failures += 1

@@ -13,10 +13,14 @@
 --   base..':expiry'   ZSET  lease (either kind) -> expires_at_ms (renewed by the holder)
 --   base..':cap'      STRING capacity (slots); absent = 1
 --   base..':load'     HASH  state, owner, boot, loader, loader_expires_ms,
---                           loader_host, error
+--                           loader_host, error, capacity, last_used_ms,
+--                           failures + retry_at_ms (failed loads, R6.7)
 --   base..':loadwait' HASH  token -> channel of a caller waiting for a load
 -- Lease id = ticket id. Clock: every script trusts redis.call('TIME') only
 -- (milliseconds below).
+
+-- Backoff after failed loads (R6.7): 1 s after the first, doubling, at most 60 s.
+local BACKOFF_FIRST_MS, BACKOFF_MAX_MS = 1000, 60000
 
 local function now_ms()
   local t = redis.call('TIME')

@@ -2,7 +2,8 @@
 -- KEYS[1] base key of the model   KEYS[2] the registry HASH (model id -> JSON)
 -- ARGV[1] model id   ARGV[2] registration JSON   ARGV[3] slot count (capacity, >= 1)
 -- ARGV[4] the caller's manager lease id ('' = no lease check: start-up sync)
--- ARGV[5] '1' to also mark the model 'unloaded' (a new or changed entry), else '0'
+-- ARGV[5] '1' to also mark the model 'unloaded' (a new or changed entry) and forget failed
+--         loads (a reconfiguration resets the backoff, R6.7), else '0'
 -- Entry and slot count change together: a reader sees the old pair or the new one.
 -- Returns 'ok' or 'not_held' (a lease was given but is not held: nothing changed).
 local base, registry = KEYS[1], KEYS[2]
@@ -12,6 +13,6 @@ redis.call('HSET', registry, model_id, meta)
 redis.call('SET', base .. ':cap', slots)
 if reset == '1' then
   redis.call('HSET', base .. ':load', 'state', 'unloaded', 'error', '')
-  redis.call('HDEL', base .. ':load', 'owner', 'boot', 'capacity')
+  redis.call('HDEL', base .. ':load', 'owner', 'boot', 'capacity', 'failures', 'retry_at_ms')  -- R6.7
 end
 return 'ok'

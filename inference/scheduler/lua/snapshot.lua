@@ -3,9 +3,13 @@
 -- Returns, per model in order:
 --   {state, active_request_leases, queued_requests, error, capacity (slots),
 --    manager_leases, queued_managers, loaded_capacity (the pool's advertised
---    capacity while ready, else 0), last_used_ms (end of the last work; 0 = never)}
--- where a 'ready' state whose owner is no longer alive reads as 'unloaded'.
+--    capacity while ready, else 0), last_used_ms (end of the last work; 0 = never),
+--    retry_at_ms (a failed load's backoff end, 0 = none), retry_in_ms (0 = may load now)}
+-- where a 'ready' state whose owner is no longer alive reads as 'unloaded', and
+-- 'unloaded' after a failed load (until a load succeeds or the entry changes)
+-- reads as 'failed' (R6.7).
 local live_prefix = KEYS[#KEYS]
+local now = now_ms()
 local out = {}
 for i = 1, #KEYS - 1 do
   local base = KEYS[i]
@@ -17,6 +21,8 @@ for i = 1, #KEYS - 1 do
       state = 'unloaded'
     end
   end
+  local retry_at = tonumber(redis.call('HGET', key, 'retry_at_ms') or '0')
+  if state == 'unloaded' and retry_at > 0 then state = 'failed' end
   local queued_managers = redis.call('HLEN', base .. ':kind')
   local loaded_capacity = 0
   if state == 'ready' then loaded_capacity = tonumber(redis.call('HGET', key, 'capacity') or '0') end
@@ -24,6 +30,6 @@ for i = 1, #KEYS - 1 do
             redis.call('ZCARD', base .. ':queue') - queued_managers,
             redis.call('HGET', key, 'error') or '', capacity(base),
             redis.call('HLEN', base .. ':mleases'), queued_managers, loaded_capacity,
-            tonumber(redis.call('HGET', key, 'last_used_ms') or '0')}
+            tonumber(redis.call('HGET', key, 'last_used_ms') or '0'), retry_at, math.max(0, retry_at - now)}
 end
 return out
