@@ -30,6 +30,8 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from audiosite.embedded_redis import kombu_broker_url
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -213,7 +215,7 @@ REST_FRAMEWORK = {
 
 # Celery: Redis is the broker and the result store. Tasks pass ids and Redis
 # keys, never audio. Prefetch 1: a GPU task is long.
-CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_URL = kombu_broker_url(REDIS_URL) if REDIS_URL else None
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
