@@ -113,7 +113,9 @@ def _secret_key() -> str:
 VAR_DIR = env_path("AUDIOSITE_VAR_DIR", BASE_DIR / "var")
 SECRET_KEY = _secret_key()
 DEBUG = env_bool("AUDIOSITE_DEBUG", False)
-ALLOWED_HOSTS = ["*"]
+# The default bind's names (127.0.0.1). The web process replaces this list at start with
+# ServerConfig.allowed_host_names() (audiosite.asgi); never "*" (DNS rebinding).
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 
 INSTALLED_APPS = [
     "daphne",
@@ -131,7 +133,10 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # The two header middlewares come first (outermost), so responses made inside the chain (a
+    # refused Host from CommonMiddleware, a CSRF failure) carry the headers too.
     "django.middleware.security.SecurityMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -145,8 +150,18 @@ MIDDLEWARE = [
 FULL_STACK_PATH_PREFIXES = ("/admin/", "/ui/")
 API_MIDDLEWARE = [
     "audiosite.middleware.SecurityOnLoop",
+    "audiosite.middleware.FrameOptionsOnLoop",
+    "audiosite.middleware.AllowedHostOnLoop",
     "audiosite.middleware.CommonOnLoop",
 ]
+
+# Security headers on every response, API and admin alike (SecurityMiddleware and
+# XFrameOptionsMiddleware, or their on-loop wrappers in API_MIDDLEWARE). Django's defaults, written
+# out because the tests and docs/operations.md rely on them.
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 
 ROOT_URLCONF = "audiosite.urls"
 APPEND_SLASH = False
@@ -234,6 +249,9 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": "INFO"},
     # django.request logs every 4xx/503 too; only real 500s (with their traceback) are
     # worth a line. 500s inside DRF views are logged by audiosite.errors.drf_exception_handler.
+    # A foreign Host header is the client's problem (400 in the API shape, see audiosite.middleware);
+    # Django would log each one as an ERROR with a traceback.
     "loggers": {"django.request": {"level": "ERROR", "handlers": ["server_errors"], "propagate": False},
+                "django.security.DisallowedHost": {"handlers": [], "propagate": False},
                 "faster_whisper": {"level": "WARNING"}},
 }
