@@ -1,7 +1,9 @@
-"""Issue 9 hardening: the embedded Redis, file modes, allowed hosts, security headers.
+"""Issue 9 hardening: the embedded Redis, allowed hosts, security headers, file modes, the secret key,
+the reverse proxy.
 
-Real processes only: ``manage.py serve`` on the embedded default (its own SQLite and redis-server)
-and the session ``stack`` (PostgreSQL, the test Redis).
+Real processes only: ``manage.py serve`` on the embedded default (its own SQLite and redis-server),
+the session ``stack`` (PostgreSQL, the test Redis), and nginx in front of it when an nginx binary
+is installed (the proxy tests are skipped otherwise).
 """
 from __future__ import annotations
 
@@ -9,16 +11,23 @@ import base64
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 import redis
+import yaml
+
+from audiosite.serverconfig import DEFAULT_CONFIG_PATH, load_config
 
 from .helpers import QUICK_S, ROOT, embedded_env, free_port, mode_of, start_embedded
 
@@ -177,3 +186,185 @@ def test_security_headers_are_on_every_response(stack):
     assert [r.status_code for r in responses] == [200, 200, 200, 404, 404, 400, 405, 200, 302]
     for resp in responses:
         assert_security_headers(resp)
+
+
+# -- the secret key ---------------------------------------------------------------------------------
+def _import_settings(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """Import the settings in a fresh interpreter (what every process does first)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
+    full.update(AUDIOSITE_VAR_DIR=str(tmp_path / "var"), **env)
+    return subprocess.run([sys.executable, "-c", "import audiosite.settings as s; print(len(s.SECRET_KEY))"],
+                          cwd=ROOT, env=full, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("key, debug, refusal", [
+    ("change-me", "0", "is the placeholder 'change-me'"),
+    ("CHANGEME", "0", "is the placeholder 'CHANGEME'"),
+    ("django-insecure-" + "x1y2z3" * 8, "0", "is the placeholder"),
+    ("short-but-not-a-placeholder", "0", "is 27 characters long (at least 32 are needed)"),
+    ("ab" * 30, "0", "has fewer than 5 distinct characters"),
+    ("change-me", "1", None),
+    ("Vq3l8-w0H9m2ZpK1x7RtYcB4nD6sE5fG", "0", None),
+])
+def test_a_placeholder_or_weak_secret_key_is_refused_unless_debug(tmp_path, key, debug, refusal):
+    done = _import_settings(tmp_path, AUDIOSITE_SECRET_KEY=key, AUDIOSITE_DEBUG=debug)
+    if refusal is None:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode != 0
+        assert "refusing to start: the secret key (AUDIOSITE_SECRET_KEY) " + refusal in done.stderr, done.stderr
+
+
+def test_without_a_key_one_is_generated_once_with_mode_0600_and_an_empty_key_file_is_refused(tmp_path):
+    first = _import_settings(tmp_path)
+    assert first.returncode == 0, first.stderr
+    key_file = tmp_path / "var" / "secret_key"
+    assert mode_of(tmp_path / "var") == 0o700 and mode_of(key_file) == 0o600
+    key = key_file.read_text()
+    assert _import_settings(tmp_path).returncode == 0 and key_file.read_text() == key
+    key_file.write_text("")
+    empty = _import_settings(tmp_path)
+    assert empty.returncode != 0 and f"the secret key ({key_file}) is empty" in empty.stderr
+
+
+def test_serve_refuses_to_start_with_the_placeholder_secret(tmp_path):
+    """The old docker-compose value: serve stops before it starts anything (no child, no var folder)."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "manage.py", "serve", "--port", str(free_port())], cwd=ROOT,
+                          env=embedded_env(tmp_path, AUDIOSITE_SECRET_KEY="change-me"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "refusing to start: the secret key (AUDIOSITE_SECRET_KEY) is the placeholder 'change-me'" in done.stderr
+    assert not (tmp_path / "var").exists()
+    assert time.monotonic() - started < QUICK_S
+
+
+# -- docker-compose and the reverse proxy -------------------------------------------------------------
+def test_compose_puts_nginx_in_front_and_requires_a_secret_and_a_public_host():
+    text = (ROOT / "docker-compose.yml").read_text()
+    compose = yaml.safe_load(text)
+    services = compose["services"]
+    assert "ports" not in services["web"] and services["web"]["expose"] == ["8080"]
+    published = [name for name, service in services.items() if "ports" in service]
+    assert published == ["proxy"]
+    assert services["proxy"]["image"].startswith("nginx:")
+    mount = services["proxy"]["volumes"][0].split(":")
+    assert (ROOT / mount[0]).is_file() and mount[1] == "/etc/nginx/conf.d/default.conf"
+    env = compose["x-app"]["environment"]
+    assert env["AUDIOSITE_SECRET_KEY"].startswith("${AUDIOSITE_SECRET_KEY:?")
+    assert "change-me" not in text
+    # Compose substitutes the variable; the result must be a valid configuration under the 0.0.0.0 rule.
+    overrides = json.loads(re.sub(r"\$\{AUDIOSITE_PUBLIC_HOST:\?[^}]*\}", "audio.example.com",
+                                  env["AUDIOSITE_CONFIG_OVERRIDES"]))
+    config = load_config(DEFAULT_CONFIG_PATH, overrides)
+    assert config.host == "0.0.0.0" and "audio.example.com" in config.allowed_host_names()
+
+
+NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
+
+
+@pytest.fixture
+def proxy(stack, tmp_path):
+    """nginx with deploy/nginx/audiosite.conf in front of the stack (upstream and listen address replaced)."""
+    if NGINX is None:
+        pytest.skip("no nginx binary (apt-get install nginx-light) to run deploy/nginx/audiosite.conf")
+    site = (ROOT / "deploy" / "nginx" / "audiosite.conf").read_text()
+    port = free_port()
+    upstream = stack.url.removeprefix("http://")
+    assert site.count("server web:8080;") == 1 and site.count("listen 8080;") == 1
+    site = site.replace("server web:8080;", f"server {upstream};").replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    (tmp_path / "site.conf").write_text(site)
+    temp = {name: tmp_path / name for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi")}
+    main = "\n".join([
+        "user root;" if os.geteuid() == 0 else "",
+        "worker_processes 1;",
+        f"pid {tmp_path / 'nginx.pid'};",
+        f"error_log {tmp_path / 'error.log'} info;",
+        "events { worker_connections 64; }",
+        "http {",
+        "  access_log off;",
+        *(f"  {name}_temp_path {path};" if name != "body" else f"  client_body_temp_path {path};"
+          for name, path in temp.items()),
+        f"  include {tmp_path / 'site.conf'};",
+        "}",
+    ])
+    (tmp_path / "nginx.conf").write_text(main)
+    check = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+                           capture_output=True, text=True, timeout=QUICK_S)
+    assert check.returncode == 0, check.stderr
+    proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + QUICK_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "error.log").read_text()
+            time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    try:
+        proc.wait(timeout=QUICK_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_proxy_forwards_the_host_and_refuses_oversize_bodies_in_the_error_shape(stack, proxy):
+    with httpx.Client(base_url=proxy, timeout=QUICK_S) as c:
+        health = c.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert_security_headers(health)  # the app's, once each: nginx adds none to proxied responses
+        assert_disallowed_host(c.get("/health", headers={"Host": FOREIGN_HOST}))  # Host reaches the app
+    port = int(proxy.rsplit(":", 1)[1])
+    # 200 MB announced, nothing sent: nginx answers from the header, before reading any body.
+    with socket.create_connection(("127.0.0.1", port), timeout=QUICK_S) as sock:
+        sock.sendall(b"POST /v1/tasks/run HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 200000000\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply
+    assert b"content-type: application/json" in head.lower() and b"x-frame-options: deny" in head.lower()
+    error = json.loads(payload.decode())["error"]
+    assert (error["type"], set(error)) == ("invalid_request_error", {"message", "type", "param", "code"})
+
+
+def test_the_proxy_drops_stalled_clients_and_never_hands_them_to_daphne(stack, proxy):
+    """A client that stops sending its header is closed after client_header_timeout (10 s); one that
+    stops sending its body after client_body_timeout (15 s), and daphne never sees that request
+    (nginx forwards a request only once its whole body has arrived)."""
+    port = int(proxy.rsplit(":", 1)[1])
+    marker = f"/stalled-{uuid.uuid4().hex}"
+    outcome: dict[str, tuple[float, bytes]] = {}
+
+    def stall(name: str, sent: bytes) -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=40) as sock:
+            sock.sendall(sent)
+            started = time.monotonic()
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+            outcome[name] = (time.monotonic() - started, reply)
+
+    threads = [
+        threading.Thread(target=stall, args=("header", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")),
+        threading.Thread(target=stall, args=("body", f"POST {marker} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                                     "Content-Length: 1000\r\n\r\n".encode() + b"x" * 10)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert set(outcome) == {"header", "body"}
+    header_s, header_reply = outcome["header"]
+    body_s, body_reply = outcome["body"]
+    assert 9 <= header_s <= 14 and b"200 OK" not in header_reply, outcome
+    assert 14 <= body_s <= 19, outcome
+    assert body_reply == b"" or body_reply.startswith(b"HTTP/1.1 408"), body_reply
+    assert marker not in stack.log_path.read_text(errors="replace")
