@@ -5,9 +5,14 @@ HTTP goes to Django (DRF async views): the API through
 thread), the admin through Django's own handler with the full
 ``MIDDLEWARE``. ``get_asgi_application()`` runs before anything that imports
 models, as Channels requires.
+
+At import, ``settings.ALLOWED_HOSTS`` becomes the configuration's
+:meth:`~audiosite.serverconfig.ServerConfig.allowed_host_names` (the bound
+host's names plus ``allowed_hosts``), before the first request.
 """
 import os
 
+from django.conf import settings
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "audiosite.settings")
@@ -16,10 +21,12 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
 from audiosite.handlers import http_application  # noqa: E402
+from audiosite.serverconfig import get_config  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402
 from inference.runtime.startup import check_runtime  # noqa: E402
 
 # R1.4: refuse to serve when the deployment records another runtime; R1.5: warn on parallel.
 check_runtime(sync_scheduler())
+settings.ALLOWED_HOSTS = get_config().allowed_host_names()
 
 application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import redis
-
+from django.core.exceptions import DisallowedHost
 from django.http import JsonResponse
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
@@ -212,11 +212,28 @@ class OnlyServerErrors(logging.Filter):
         return getattr(record, "status_code", 500) == 500
 
 
+HOST_ECHO_MAX_CHARS = 200
+
+
+def disallowed_host_error(host: str) -> InvalidRequest:
+    """400 for a ``Host`` header this server does not answer to (``ALLOWED_HOSTS``, DNS rebinding).
+
+    ``host`` is the raw header; at most ``HOST_ECHO_MAX_CHARS`` of it are echoed.
+    """
+    shown = host if len(host) <= HOST_ECHO_MAX_CHARS else host[:HOST_ECHO_MAX_CHARS] + "…"
+    return InvalidRequest(
+        f"the Host header {shown!r} is not a name of this server; an operator can add it to "
+        "'allowed_hosts' in the server configuration", code="disallowed_host")
+
+
 def bad_request_view(request, exception=None) -> JsonResponse:
     """Django ``handler400``: a request Django itself refuses (e.g. an invalid ``Host`` header,
     ``SuspiciousOperation``), in the API.md shape."""
-    body = InvalidRequest(f"bad request: {exception}" if exception else "bad request").body()
-    return JsonResponse(body, status=400, json_dumps_params={"separators": (",", ":")})
+    if isinstance(exception, DisallowedHost):
+        error = disallowed_host_error(request.META.get("HTTP_HOST", ""))
+    else:
+        error = InvalidRequest(f"bad request: {exception}" if exception else "bad request")
+    return JsonResponse(error.body(), status=400, json_dumps_params={"separators": (",", ":")})
 
 
 def not_found_view(request, exception=None) -> JsonResponse:

@@ -6,16 +6,23 @@ per request inside Django's ``ThreadSensitiveContext``). The API routes need
 only two of the site's middlewares, and both are pure computations on the
 request and response (no database, no blocking I/O): their hooks can run on
 the event loop as they are. :class:`OnLoop` does exactly that, so the API
-keeps the same response headers (``X-Content-Type-Options``,
-``Referrer-Policy``, ``Cross-Origin-Opener-Policy``, ``Content-Length``) as
-before. Sessions, CSRF, authentication and messages stay in
-``settings.MIDDLEWARE``, which serves the admin (see ``audiosite.handlers``).
+sends the same response headers as the admin (``X-Content-Type-Options``,
+``Referrer-Policy``, ``Cross-Origin-Opener-Policy``, ``X-Frame-Options``,
+``Content-Length``). :class:`AllowedHostOnLoop` refuses a foreign ``Host``
+header (``settings.ALLOWED_HOSTS``) with a 400 in the API's error shape.
+Sessions, CSRF, authentication and messages stay in ``settings.MIDDLEWARE``,
+which serves the admin (see ``audiosite.handlers``).
 """
 from __future__ import annotations
 
 from asgiref.sync import markcoroutinefunction
+from django.core.exceptions import DisallowedHost
+from django.http import JsonResponse
+from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.common import CommonMiddleware
 from django.middleware.security import SecurityMiddleware
+
+from audiosite.errors import disallowed_host_error
 
 
 class OnLoop:
@@ -58,3 +65,36 @@ class CommonOnLoop(OnLoop):
     """``django.middleware.common.CommonMiddleware`` (``Content-Length``, ``DISALLOWED_USER_AGENTS``)."""
 
     wrapped = CommonMiddleware
+
+
+class FrameOptionsOnLoop(OnLoop):
+    """``django.middleware.clickjacking.XFrameOptionsMiddleware`` (``X-Frame-Options``, ``X_FRAME_OPTIONS``)."""
+
+    wrapped = XFrameOptionsMiddleware
+
+
+class AllowedHostOnLoop:
+    """Answer 400 ``invalid_request_error`` (code ``disallowed_host``) to a ``Host`` not in ``ALLOWED_HOSTS``.
+
+    Django checks the header only where something calls ``request.get_host()``
+    and turns the refusal into a logged ``SuspiciousOperation`` rendered by
+    ``handler400`` in a thread (or Django's HTML page with ``DEBUG`` on). This
+    check runs first on every API request, on the event loop, and answers in
+    the API's error shape whatever ``DEBUG`` says. Middleware outside it
+    (security headers) still decorates the refusal.
+    """
+
+    sync_capable = False
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        markcoroutinefunction(self)
+
+    async def __call__(self, request):
+        try:
+            request.get_host()
+        except DisallowedHost:
+            error = disallowed_host_error(request.META.get("HTTP_HOST", ""))
+            return JsonResponse(error.body(), status=error.status, json_dumps_params={"separators": (",", ":")})
+        return await self.get_response(request)

@@ -16,8 +16,10 @@ Errors:
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,6 +46,14 @@ NOT_YET_SUPPORTED_MODEL = {
 MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, not overflowed
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "server.json"
+
+# Host names a loopback-bound server answers to (Django's ALLOWED_HOSTS spelling: IPv6 in brackets).
+LOOPBACK_HOST_NAMES = ("127.0.0.1", "localhost", "[::1]")
+# Binds that listen on every interface: the names clients use cannot be guessed and must be listed.
+WILDCARD_BINDS = frozenset({"0.0.0.0", "::", "[::]"})
+# One ALLOWED_HOSTS pattern: "*", a name, ".name" (the name and its subdomains), an IPv4 address
+# or a bracketed IPv6 address. No port, scheme, path or space.
+_HOST_PATTERN = re.compile(r"^(\*|\.?[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?|\[[0-9A-Fa-f:.]+\])$")
 
 
 class ConfigError(Exception):
@@ -96,6 +106,7 @@ class ServerConfig(_Strict):
     max_audio_seconds: float = Field(default=1800.0, gt=0, le=86400)
     media_roots: list[str] = Field(default_factory=list)
     ui_management: bool = False
+    allowed_hosts: list[str] = Field(default_factory=list)
     max_loaded_models: int = Field(default=0, ge=0)
     idle_unload_ms: int = Field(default=0, ge=0)
     min_free_memory_mb: int = Field(default=0, ge=0)
@@ -109,12 +120,63 @@ class ServerConfig(_Strict):
         """True when a residency or memory limit is set: cold loads then pass one guard (R6.6)."""
         return bool(self.max_loaded_models or self.min_free_memory_mb)
 
+    def allowed_host_names(self) -> list[str]:
+        """The ``Host`` names the web process answers to (Django's ``ALLOWED_HOSTS``), in order, no duplicates.
+
+        The bound ``host`` contributes its own names: a loopback address or
+        ``localhost`` gives ``127.0.0.1``, ``localhost`` and ``[::1]`` (plus the
+        address itself); a wildcard bind (``0.0.0.0``, ``::``) gives the loopback
+        names (``serve`` probes ``/health`` through 127.0.0.1); any other
+        address or name gives itself (IPv6 in brackets). ``allowed_hosts`` is
+        appended as written. A browser page on another origin that rebinds its
+        DNS name to this server sends its own name in ``Host`` and gets 400.
+        """
+        bound = _bracketed(self.host)
+        names: list[str] = []
+        if self.host in WILDCARD_BINDS:
+            names += LOOPBACK_HOST_NAMES
+        elif self.host == "localhost" or _is_loopback(self.host):
+            names += [*LOOPBACK_HOST_NAMES, bound]
+        else:
+            names.append(bound)
+        names += [_bracketed(name) for name in self.allowed_hosts]
+        return list(dict.fromkeys(names))
+
     def model(self, model_id: str) -> ModelConfig | None:
         """Return the entry with ``model_id`` or None."""
         for entry in self.models:
             if entry.id == model_id:
                 return entry
         return None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as Django compares it: a bare IPv6 address gets brackets, anything else is unchanged."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return f"[{address}]" if address.version == 6 else host
+
+
+def _allowed_hosts_problems(config: ServerConfig) -> list[str]:
+    problems = []
+    for name in config.allowed_hosts:
+        if not _HOST_PATTERN.match(_bracketed(name)):
+            problems.append(f"key 'allowed_hosts': {name!r} is not a host name, '.domain', IP address or '*' "
+                            "(no scheme, port or path)")
+    if config.host in WILDCARD_BINDS and not config.allowed_hosts:
+        problems.append(f"key 'allowed_hosts': host {config.host!r} listens on every interface; list the names "
+                        "clients use to reach this server (e.g. [\"audio.example.com\"]); loopback names are "
+                        "always allowed")
+    return problems
 
 
 def slot_count(slots: int | None, runtime: str) -> int:
@@ -221,6 +283,7 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
         if not config.models and not config.ui_management:
             problems.append("key 'models': the list may be empty only with ui_management on (models are then "
                             "registered through POST /v1/models/load)")
+        problems.extend(_allowed_hosts_problems(config))
         for root in config.media_roots:
             if not os.path.isabs(root):
                 problems.append(f"key 'media_roots': {root!r} is not an absolute path")

@@ -9,13 +9,29 @@ Environment variables (all optional):
     Any URL ``dj-database-url`` understands. Default: an SQLite file at
     ``var/audiosite.sqlite3`` inside the checkout.
 ``REDIS_URL``
-    ``redis://host:port/db``. Default: unset; ``manage.py serve`` then starts a
-    private Redis server and sets it for its children. Any other process that
-    needs Redis without it fails with ``ImproperlyConfigured``.
+    ``redis://[:password@]host:port/db``, ``rediss://…`` or
+    ``unix://[:password@]/path/redis.sock?db=N``. Default: unset; ``manage.py
+    serve`` then starts a private Redis server (``audiosite.embedded_redis``:
+    unix socket and password) and sets it for its children. Any other process
+    that needs Redis without it fails with ``ImproperlyConfigured``. Celery's
+    broker gets the same server in kombu's spelling (``redis+socket://`` for a
+    socket).
 ``AUDIOSITE_SECRET_KEY``
-    Django secret key. Default: a random key kept in ``var/secret_key``.
+    Django secret key. Default: a random key generated once into
+    ``var/secret_key`` (mode 0600). With ``DEBUG`` off a known placeholder
+    (``change-me``…), a key shorter than 32 characters or with fewer than 5
+    distinct characters, and an empty key file are refused at start-up
+    (``ImproperlyConfigured``), in every process.
 ``AUDIOSITE_DEBUG``
     ``1``/``0``. Default ``0``.
+``AUDIOSITE_VAR_DIR``
+    Where the secret key, the SQLite file and the embedded Redis live.
+    Default ``var/`` in the checkout, created with mode 0700.
+
+``ALLOWED_HOSTS`` is not read from the environment: the web process sets it
+at start from ``server.json`` (``host`` and ``allowed_hosts``, see
+``audiosite.serverconfig.ServerConfig.allowed_host_names``); the value below
+is the default bind's names, for processes that never serve HTTP.
 
 Every helper below fails loudly (``ImproperlyConfigured``) on a malformed value
 instead of falling back silently.
@@ -29,6 +45,8 @@ from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from audiosite.embedded_redis import kombu_broker_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -92,26 +110,71 @@ def env_path(name: str, default: Path) -> Path:
     return Path(raw) if raw else default
 
 
-def _secret_key() -> str:
+# Values that ship in examples and must never sign a production session (compared lower-cased).
+PLACEHOLDER_SECRET_KEYS = frozenset({
+    "change-me", "changeme", "change_me", "change-this", "replace-me", "secret", "secret-key", "secretkey",
+    "insecure", "django-insecure", "dev", "development", "test", "password", "audiosite",
+})
+SECRET_KEY_MIN_CHARS = 32
+SECRET_KEY_MIN_DISTINCT_CHARS = 5
+SECRET_KEY_HINT = ("generate one with: python -c 'import secrets; print(secrets.token_urlsafe(50))'")
+
+
+def secret_key_problem(key: str) -> str | None:
+    """Why ``key`` must not be a production secret key, or None when it is acceptable.
+
+    Refused: empty, a known placeholder (``PLACEHOLDER_SECRET_KEYS``, or Django's
+    ``django-insecure-`` prefix), fewer than ``SECRET_KEY_MIN_CHARS`` characters,
+    or fewer than ``SECRET_KEY_MIN_DISTINCT_CHARS`` distinct characters.
+    """
+    if not key:
+        return "is empty"
+    if key.lower() in PLACEHOLDER_SECRET_KEYS or key.lower().startswith("django-insecure"):
+        return f"is the placeholder {key!r}"
+    if len(key) < SECRET_KEY_MIN_CHARS:
+        return f"is {len(key)} characters long (at least {SECRET_KEY_MIN_CHARS} are needed)"
+    if len(set(key)) < SECRET_KEY_MIN_DISTINCT_CHARS:
+        return f"has fewer than {SECRET_KEY_MIN_DISTINCT_CHARS} distinct characters"
+    return None
+
+
+def _secret_key(var_dir: Path, debug: bool) -> str:
+    """``AUDIOSITE_SECRET_KEY``, else the key in ``<var_dir>/secret_key`` (generated once, mode 0600).
+
+    Raises:
+        ImproperlyConfigured: ``debug`` is off and the key (from either source) fails
+            :func:`secret_key_problem`.
+    """
     explicit = env_str("AUDIOSITE_SECRET_KEY")
+    key_file = var_dir / "secret_key"
     if explicit:
-        return explicit
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
-    key_file = VAR_DIR / "secret_key"
-    try:
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return key_file.read_text().strip()
-    key = secrets.token_urlsafe(50)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(key)
+        key, source = explicit, "AUDIOSITE_SECRET_KEY"
+    else:
+        var_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        source = str(key_file)
+        try:
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            key = key_file.read_text().strip()
+        else:
+            key = secrets.token_urlsafe(50)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(key)
+    problem = secret_key_problem(key)
+    if problem and not debug:
+        raise ImproperlyConfigured(
+            f"refusing to start: the secret key ({source}) {problem}. Set AUDIOSITE_SECRET_KEY to a random "
+            f"secret of at least {SECRET_KEY_MIN_CHARS} characters ({SECRET_KEY_HINT}), or unset it to use a "
+            f"key generated into {key_file}; AUDIOSITE_DEBUG=1 lifts this check for development only")
     return key
 
 
 VAR_DIR = env_path("AUDIOSITE_VAR_DIR", BASE_DIR / "var")
-SECRET_KEY = _secret_key()
 DEBUG = env_bool("AUDIOSITE_DEBUG", False)
-ALLOWED_HOSTS = ["*"]
+SECRET_KEY = _secret_key(VAR_DIR, DEBUG)
+# The default bind's names (127.0.0.1). The web process replaces this list at start with
+# ServerConfig.allowed_host_names() (audiosite.asgi); never "*" (DNS rebinding).
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 
 INSTALLED_APPS = [
     "daphne",
@@ -129,7 +192,10 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # The two header middlewares come first (outermost), so responses made inside the chain (a
+    # refused Host from CommonMiddleware, a CSRF failure) carry the headers too.
     "django.middleware.security.SecurityMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -143,8 +209,18 @@ MIDDLEWARE = [
 FULL_STACK_PATH_PREFIXES = ("/admin/", "/ui/")
 API_MIDDLEWARE = [
     "audiosite.middleware.SecurityOnLoop",
+    "audiosite.middleware.FrameOptionsOnLoop",
+    "audiosite.middleware.AllowedHostOnLoop",
     "audiosite.middleware.CommonOnLoop",
 ]
+
+# Security headers on every response, API and admin alike (SecurityMiddleware and
+# XFrameOptionsMiddleware, or their on-loop wrappers in API_MIDDLEWARE). Django's defaults, written
+# out because the tests and docs/operations.md rely on them.
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 
 ROOT_URLCONF = "audiosite.urls"
 APPEND_SLASH = False
@@ -213,7 +289,7 @@ REST_FRAMEWORK = {
 
 # Celery: Redis is the broker and the result store. Tasks pass ids and Redis
 # keys, never audio. Prefetch 1: a GPU task is long.
-CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_URL = kombu_broker_url(REDIS_URL) if REDIS_URL else None
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -232,6 +308,9 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": "INFO"},
     # django.request logs every 4xx/503 too; only real 500s (with their traceback) are
     # worth a line. 500s inside DRF views are logged by audiosite.errors.drf_exception_handler.
+    # A foreign Host header is the client's problem (400 in the API shape, see audiosite.middleware);
+    # Django would log each one as an ERROR with a traceback.
     "loggers": {"django.request": {"level": "ERROR", "handlers": ["server_errors"], "propagate": False},
+                "django.security.DisallowedHost": {"handlers": [], "propagate": False},
                 "faster_whisper": {"level": "WARNING"}},
 }

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -251,6 +252,36 @@ def run_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, parall
     client.flushdb()
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+
+
+def embedded_env(tmp: Path, **extra: str) -> dict:
+    """The environment of a ``manage.py serve`` on the embedded default: no DATABASE_URL/REDIS_URL
+    (SQLite and the private Redis under ``tmp/var``), none of the caller's AUDIOSITE_* variables."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "REDIS_URL") and not k.startswith("AUDIOSITE_")}
+    env.update(AUDIOSITE_VAR_DIR=str(tmp / "var"), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def start_embedded(tmp: Path, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """``manage.py serve <args>`` on the embedded default (see :func:`embedded_env`), waited until it
+    listens (at most 180 s); returns the process and its log file (stdout and stderr)."""
+    log_path = tmp / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "manage.py", "serve", *args], cwd=ROOT,
+                                env=env or embedded_env(tmp), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    while b"listening on" not in log_path.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(log_path.read_text())
+        time.sleep(0.2)
+    return proc, log_path
+
+
+def mode_of(path: Path) -> int:
+    """The permission bits of ``path`` (e.g. ``0o600``)."""
+    return stat.S_IMODE(path.stat().st_mode)
 
 
 # -- requests to a stack ---------------------------------------------------------------------------

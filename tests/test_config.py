@@ -193,3 +193,31 @@ def test_serve_with_parallel_jobs_refuses_a_bad_count(tmp_path):
     proc = subprocess.run([sys.executable, "manage.py", "serve", "--parallel-jobs", "--config", str(path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "models[0] (id 'vad'): key 'slots': must be an integer from 1 to 16" in proc.stderr
+
+
+@pytest.mark.parametrize("host, extra, names", [
+    ("127.0.0.1", [], ["127.0.0.1", "localhost", "[::1]"]),
+    ("localhost", ["audio.example.com"], ["127.0.0.1", "localhost", "[::1]", "audio.example.com"]),
+    ("::1", [], ["127.0.0.1", "localhost", "[::1]"]),
+    ("127.0.0.2", [], ["127.0.0.1", "localhost", "[::1]", "127.0.0.2"]),
+    ("0.0.0.0", [".example.com", "fe80::1"], ["127.0.0.1", "localhost", "[::1]", ".example.com", "[fe80::1]"]),
+    ("192.168.1.4", [], ["192.168.1.4"]),
+    ("audio.lan", ["10.0.0.2"], ["audio.lan", "10.0.0.2"]),
+])
+def test_allowed_host_names_are_the_bound_hosts_plus_allowed_hosts(host, extra, names):
+    """Django's ALLOWED_HOSTS never defaults to '*': the bound host's names plus the allowed_hosts key."""
+    config = parse_config({"host": host, "allowed_hosts": extra, "models": [{"id": "v", "family": "silero_vad"}]})
+    assert config.allowed_host_names() == names
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_wildcard_bind_needs_allowed_hosts(host):
+    found = problems_of({"host": host, "models": [{"id": "v", "family": "silero_vad"}]})
+    assert len(found) == 1 and found[0].startswith("key 'allowed_hosts': host") and "every interface" in found[0]
+
+
+@pytest.mark.parametrize("name", ["http://audio.example.com", "audio.example.com:8080", "a b", "/x", "", "-x"])
+def test_allowed_hosts_entries_are_host_patterns(name):
+    found = problems_of({"allowed_hosts": [name], "models": [{"id": "v", "family": "silero_vad"}]})
+    assert found == [f"key 'allowed_hosts': {name!r} is not a host name, '.domain', IP address or '*' "
+                     "(no scheme, port or path)"]

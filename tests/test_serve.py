@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import base64
-import os
 import signal
 import subprocess
 import sys
@@ -13,25 +12,7 @@ import numpy as np
 import psutil
 import pytest
 
-from .helpers import ROOT, free_port, run_stack, wav_bytes
-
-
-def start_embedded(tmp_path, *args: str) -> tuple[subprocess.Popen, object]:
-    """``manage.py serve <args>`` with no DATABASE_URL/REDIS_URL, waited until it listens."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("DATABASE_URL", "REDIS_URL") and not k.startswith("AUDIOSITE_")}
-    env.update(AUDIOSITE_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1")
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "manage.py", "serve", *args], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while b"listening on" not in log_path.read_bytes():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(log_path.read_text())
-        time.sleep(0.2)
-    return proc, log_path
+from .helpers import ROOT, free_port, mode_of, run_stack, start_embedded, wav_bytes
 
 
 @pytest.mark.stack
@@ -43,6 +24,10 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
         assert f"audiosite listening on http://127.0.0.1:{port}" in output
         assert "embedded redis-server" in output and "sqlite3" in output
         assert (tmp_path / "var" / "audiosite.sqlite3").exists()
+        # Created by serve under its umask 0o077: the var folder and the SQLite files are the owner's only.
+        assert mode_of(tmp_path / "var") == 0o700
+        for name in ("audiosite.sqlite3", "audiosite.sqlite3-wal", "audiosite.sqlite3-shm", "secret_key"):
+            assert mode_of(tmp_path / "var" / name) == 0o600, name
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert "redis-server" in names and "celery" in names and "audiosite.web" in names

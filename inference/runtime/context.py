@@ -29,8 +29,9 @@ def redis_url() -> str:
     """
     if not settings.REDIS_URL:
         raise ImproperlyConfigured(
-            "REDIS_URL is not set: set it to the deployment's Redis (with the embedded default, "
-            "`manage.py serve` prints it at start: 'redis: embedded redis-server on redis://…')")
+            "REDIS_URL is not set: set it to the deployment's Redis (with the embedded default of "
+            "`manage.py serve`: unix://:<the password in var/redis/password>@<var>/redis/redis.sock?db=0, "
+            "see docs/operations.md)")
     return settings.REDIS_URL
 
 

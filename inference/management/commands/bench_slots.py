@@ -27,7 +27,6 @@ import base64
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import statistics
@@ -47,6 +46,7 @@ import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from audiosite.embedded_redis import EmbeddedRedis
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
@@ -94,11 +94,12 @@ class Server:
                 self.stop()
                 raise CommandError("a benchmark server did not start:\n" + self.log.read_text()[-3000:])
             time.sleep(0.2)
-        found = re.search(r"embedded redis-server on (\S+)", self.log.read_text())
-        if found is None:
+        try:
+            self.redis_url = EmbeddedRedis.under(workdir / "var").url()
+        except OSError as exc:
             self.stop()
-            raise CommandError("a benchmark server did not print its Redis URL:\n" + self.log.read_text()[-3000:])
-        self.redis_url = found.group(1)
+            raise CommandError(f"a benchmark server left no embedded Redis password ({exc}):\n"
+                               + self.log.read_text()[-3000:]) from None
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**env, "REDIS_URL": self.redis_url,
                     "DATABASE_URL": f"sqlite:///{workdir / 'var' / 'audiosite.sqlite3'}"}

