@@ -7,14 +7,13 @@ import asyncio
 
 from asgiref.sync import sync_to_async
 from rest_framework.exceptions import NotAuthenticated
-from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
 from audiosite.apiview import APIView, authenticate
 from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
-from audiosite.validation import check_length, validated
+from audiosite.validation import JSONParser, check_length, validated
 from inference.backend import resolve_backend
 from inference.runtime.context import async_context
 
