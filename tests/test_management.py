@@ -42,8 +42,8 @@ def test_gate_needs_credentials_and_the_permission(mstack, token):
     """API.md gate: no/invalid credentials → 401; a user without registry.manage_models → 403;
     a permitted token passes; unknown ids → 404 on unload and DELETE; status stays open."""
     shell = mstack.manage("shell", "--no-imports", "-c", (
-        "from django.contrib.auth.models import User; from rest_framework.authtoken.models import Token;"
-        "u, _ = User.objects.get_or_create(username='viewer'); print(Token.objects.get_or_create(user=u)[0].key)"))
+        "from django.contrib.auth.models import User; from registry.services import api_token_issue;"
+        "u, _ = User.objects.get_or_create(username='viewer'); print(api_token_issue(u))"))
     assert shell.returncode == 0, shell.stderr
     viewer = shell.stdout.strip().splitlines()[-1]
 
