@@ -270,8 +270,9 @@ async def post(client: httpx.AsyncClient, model: str, data: bytes = TINY, **opti
 
 def mclient(stack, token: str | None, **kw) -> httpx.AsyncClient:
     """An async client of ``stack`` (with ``token`` for the management routes). Its timeout bounds
-    every request, also one awaited later through a task: QUICK_S unless ``timeout`` says otherwise."""
-    headers = {"Authorization": f"Token {token}"} if token else {}
+    every request, also one awaited later through a task: QUICK_S unless ``timeout`` says otherwise;
+    ``headers`` add to (or replace) the token's."""
+    headers = {**({"Authorization": f"Token {token}"} if token else {}), **kw.pop("headers", {})}
     return httpx.AsyncClient(base_url=stack.url, timeout=kw.pop("timeout", QUICK_S), headers=headers,
                              limits=httpx.Limits(max_connections=64), **kw)
 
