@@ -214,6 +214,8 @@ BAD_INPUTS = [
                                                         headers={"content-type": "application/json"}), 411),
     ("multipart without boundary", lambda c, s: c.post("/v1/audio/transcriptions", content=b"--x\r\n\r\n",
                                                       headers={"content-type": "multipart/form-data"}), 400),
+    ("nine channels (over the cap of 8)", lambda c, s: transcribe(
+        c, wav_bytes(np.zeros((1600, 9), dtype=np.float32), 16000, "WAV", "PCM_16")), 400),
     ("an hour of compressed silence (over max_audio_seconds)", lambda c, s: transcribe(
         c, wav_bytes(np.zeros(16000 * 3600, dtype=np.float32), 16000, "FLAC", "PCM_16"), filename="a.flac"), 413),
 ]
