@@ -51,7 +51,8 @@ def test_health(stack):
 
 
 def test_models_list_has_the_legacy_shape(stack):
-    """R1.2: on the legacy runtime /v1/models carries no slot fields."""
+    """R1.2: on the legacy runtime /v1/models carries no slot fields; and (issue 9) no ``path`` for a
+    caller who may not manage models."""
     with stack.client() as c:
         body = c.get("/v1/models").json()
         one = c.get("/v1/models/vad").json()
@@ -60,7 +61,7 @@ def test_models_list_has_the_legacy_shape(stack):
     entries = {e["id"]: e for e in body["data"]}
     assert set(entries) == {"whisper", "whisper-unbounded", "vad", "vad-lazy", "vad-broken"}
     for entry in entries.values():
-        assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded", "path"}
+        assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded"}
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True
     assert one == entries["vad"]
     assert_error(missing, 404, "not_found")
