@@ -2,15 +2,27 @@
 
 Shape (API.md): ``{"error": {"message": str, "type": str, "param": str|null,
 "code": str|null}}``. Services raise ``ApplicationError`` subclasses; the DRF
-exception handler and the Django 404/500 handlers render them. A 503 carries
+exception handler and the Django 400/404/500 handlers render them. A 503 carries
 ``Retry-After`` in seconds.
+
+Messages and params often quote what the client sent (a model id, an option
+key, a path, a schema's view of a value). Every error body is built by
+:func:`error_body`, which caps both with :func:`clip_text`, so a 50 MB prompt
+never comes back whole.
 """
 from __future__ import annotations
 
 import logging
 
 import redis
-from django.core.exceptions import DisallowedHost
+from django.conf import settings
+from django.core.exceptions import (
+    DisallowedHost,
+    RequestDataTooBig,
+    SuspiciousOperation,
+    TooManyFieldsSent,
+    TooManyFilesSent,
+)
 from django.http import JsonResponse
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
@@ -18,17 +30,49 @@ from rest_framework.settings import api_settings
 
 log = logging.getLogger(__name__)
 
+#: Texts of an error body (``message``, ``param``) longer than this many characters are cut (:func:`clip_text`).
+ERROR_TEXT_MAX_CHARS = 400
+_CLIP_HEAD_CHARS = 300  # kept from the start of a cut text
+_CLIP_TAIL_CHARS = 60  # kept from its end
+
+
+def clip_text(text: str) -> str:
+    """``text`` unchanged if it has at most :data:`ERROR_TEXT_MAX_CHARS` characters, else cut in the middle.
+
+    A cut text keeps its first 300 and last 60 characters around the marker
+    ``…[N characters omitted]…`` (under 400 characters in all): the start
+    names the field and the problem, the end usually says what was expected,
+    and whatever long input the message quoted in between is dropped.
+    """
+    if len(text) <= ERROR_TEXT_MAX_CHARS:
+        return text
+    omitted = len(text) - _CLIP_HEAD_CHARS - _CLIP_TAIL_CHARS
+    return f"{text[:_CLIP_HEAD_CHARS]}…[{omitted} characters omitted]…{text[-_CLIP_TAIL_CHARS:]}"
+
+
+def error_body(message: str, err_type: str, param: str | None = None, code: str | None = None) -> dict:
+    """The API.md error body; ``message`` and ``param`` are capped with :func:`clip_text`."""
+    return {"error": {"message": clip_text(message),
+                      "type": err_type,
+                      "param": None if param is None else clip_text(param),
+                      "code": code}}
+
 
 class ApplicationError(Exception):
-    """Base of every error a client may see; ``status`` and ``type`` follow API.md."""
+    """Base of every error a client may see; ``status`` and ``type`` follow API.md.
+
+    ``message`` and ``param`` are stored capped (:func:`clip_text`), so every
+    place that shows them (the API, the admin's messages) shows the short form.
+    """
 
     status = 500
     type = "server_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        message = clip_text(message)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = None if param is None else clip_text(param)
         self.code = code
         # Set by a management transition whose entry is committed although this error ends it
         # (e.g. the first load failed): the admin then reports the entry as registered.
@@ -36,7 +80,7 @@ class ApplicationError(Exception):
 
     def body(self) -> dict:
         """Return the API.md error body for this error."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, self.param, self.code)
 
     def headers(self) -> dict[str, str]:
         """Extra response headers (``Retry-After`` for 503)."""
@@ -51,7 +95,7 @@ class InvalidRequest(ApplicationError):
 
 
 class PayloadTooLarge(InvalidRequest):
-    """413: body over ``max_request_body_bytes``."""
+    """413: body over ``max_request_body_bytes``, or audio over ``max_audio_seconds``."""
 
     status = 413
 
@@ -155,6 +199,26 @@ def error_response(error: ApplicationError) -> Response:
     return Response(error.body(), status=error.status, headers=error.headers())
 
 
+def django_limit_error(exc: SuspiciousOperation) -> InvalidRequest:
+    """Our error for a request Django refuses while reading it (``SuspiciousOperation``).
+
+    ``RequestDataTooBig`` (a body over ``DATA_UPLOAD_MAX_MEMORY_SIZE``) is a
+    413; too many form fields or query parameters (``TooManyFieldsSent``,
+    over ``DATA_UPLOAD_MAX_NUMBER_FIELDS``), too many files
+    (``TooManyFilesSent``, over ``DATA_UPLOAD_MAX_NUMBER_FILES``) and any
+    other suspicious request (an invalid ``Host`` header, say) are a 400.
+    """
+    if isinstance(exc, RequestDataTooBig):
+        return PayloadTooLarge("the request body is too large")
+    if isinstance(exc, TooManyFieldsSent):
+        return InvalidRequest(f"too many form fields or query parameters (at most "
+                              f"{settings.DATA_UPLOAD_MAX_NUMBER_FIELDS} are accepted)")
+    if isinstance(exc, TooManyFilesSent):
+        return InvalidRequest(f"too many uploaded files (at most {settings.DATA_UPLOAD_MAX_NUMBER_FILES} "
+                              f"are accepted)")
+    return InvalidRequest(f"bad request: {exc}" if str(exc) else "bad request")
+
+
 _DRF_MAP = {
     400: ("invalid_request_error", InvalidRequest),
     401: ("authentication_error", None),
@@ -173,11 +237,15 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
     ``ApplicationError`` renders itself; a serializer's ``ValidationError``
     becomes one ``invalid_request_error`` naming the first bad field (see
     :func:`invalid_request_from`); DRF's other errors (parse errors,
-    method not allowed) map to their status with the documented type; anything
-    else is a bug and becomes a logged 500 ``server_error``.
+    method not allowed) map to their status with the documented type; Django's
+    refusals while reading the request (too many query parameters, form fields
+    or files; see :func:`django_limit_error`) are a 400 or 413; anything else
+    is a bug and becomes a logged 500 ``server_error``.
     """
     if isinstance(exc, ApplicationError):
         return error_response(exc)
+    if isinstance(exc, SuspiciousOperation):  # raised where the view reads request.GET / .data
+        return error_response(django_limit_error(exc))
     if isinstance(exc, drf_exceptions.ValidationError):  # an input serializer refused the body
         return error_response(invalid_request_from(exc.detail))
     if isinstance(exc, drf_exceptions.APIException):
@@ -190,7 +258,7 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
             message = "; ".join(str(v) for v in detail)
         else:
             message = str(detail)
-        body = {"error": {"message": message, "type": err_type, "param": None, "code": None}}
+        body = error_body(message, err_type)
         headers = {"WWW-Authenticate": exc.auth_header} if getattr(exc, "auth_header", None) else None
         return Response(body, status=status, headers=headers)
     if isinstance(exc, RecursionError):  # a parser fed absurdly nested JSON
@@ -201,8 +269,7 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
                           code="redis_unavailable")
         return error_response(busy)
     log.exception("unhandled error in %s", context.get("view"))
-    body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
-    return Response(body, status=500)
+    return Response(error_body("internal server error", "server_error"), status=500)
 
 
 class OnlyServerErrors(logging.Filter):
@@ -227,13 +294,16 @@ def disallowed_host_error(host: str) -> InvalidRequest:
 
 
 def bad_request_view(request, exception=None) -> JsonResponse:
-    """Django ``handler400``: a request Django itself refuses (e.g. an invalid ``Host`` header,
-    ``SuspiciousOperation``), in the API.md shape."""
+    """Django ``handler400``: a request Django itself refuses outside a DRF view (an invalid
+    ``Host`` header, too many query parameters, ...: ``SuspiciousOperation``), in the API.md shape;
+    ``RequestDataTooBig`` is a 413 (see :func:`django_limit_error`)."""
     if isinstance(exception, DisallowedHost):
-        error = disallowed_host_error(request.META.get("HTTP_HOST", ""))
+        error: ApplicationError = disallowed_host_error(request.META.get("HTTP_HOST", ""))
+    elif isinstance(exception, SuspiciousOperation):
+        error = django_limit_error(exception)
     else:
         error = InvalidRequest(f"bad request: {exception}" if exception else "bad request")
-    return JsonResponse(error.body(), status=400, json_dumps_params={"separators": (",", ":")})
+    return JsonResponse(error.body(), status=error.status, json_dumps_params={"separators": (",", ":")})
 
 
 def not_found_view(request, exception=None) -> JsonResponse:
@@ -244,5 +314,5 @@ def not_found_view(request, exception=None) -> JsonResponse:
 
 def server_error_view(request) -> JsonResponse:
     """Django ``handler500``: an uncaught exception outside DRF (a bug)."""
-    body = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    body = error_body("internal server error", "server_error")
     return JsonResponse(body, status=500, json_dumps_params={"separators": (",", ":")})

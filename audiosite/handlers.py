@@ -20,10 +20,18 @@ a fresh executor thread that is joined when the request ends.
   thread as before, and ``response.close()`` (``request_finished`` →
   ``close_old_connections``) runs in that same thread, so its database
   connection is closed exactly as under Django's handler.
+
+:class:`ApiHandler` also bounds the body it reads: a ``Content-Length`` over
+``max_request_body_bytes`` is answered 413 before a single body message is
+received, and a body without one is read only up to that limit (then 413)
+instead of being buffered whole. (Under daphne, ``audiosite.web`` refuses the
+same bodies earlier still, while Twisted receives them; this guard keeps the
+handler safe under any ASGI server.)
 """
 from __future__ import annotations
 
 import asyncio
+import tempfile
 
 from asgiref.sync import SyncToAsync, iscoroutinefunction, sync_to_async
 from django.conf import settings
@@ -31,9 +39,14 @@ from django.core import signals
 from django.core.exceptions import ImproperlyConfigured, RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.exception import convert_exception_to_response
+from django.http import JsonResponse
 from django.urls import set_script_prefix, set_urlconf
 from django.utils.log import log_response
 from django.utils.module_loading import import_string
+
+from audiosite.errors import PayloadTooLarge
+from audiosite.serverconfig import get_config
+from audiosite.validation import content_length_error
 
 
 def _used_a_thread() -> bool:
@@ -42,8 +55,30 @@ def _used_a_thread() -> bool:
     return context is not None and context in SyncToAsync.context_to_thread_executor
 
 
+class BodyTooLarge(Exception):
+    """Raised by :meth:`ApiHandler.read_body` when the body grows past the limit; ``error`` is the 413."""
+
+    def __init__(self, error: PayloadTooLarge):
+        super().__init__(error.message)
+        self.error = error
+
+
+def declared_too_large(scope: dict, limit_bytes: int) -> PayloadTooLarge | None:
+    """The 413 for an ASGI HTTP ``scope`` whose ``Content-Length`` exceeds ``limit_bytes``, else None.
+
+    A missing or non-numeric header is not this function's business (the
+    view answers 411 or 400).
+    """
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            value = value.strip()
+            return content_length_error(value, limit_bytes) if value.isdigit() else None
+    return None
+
+
 class ApiHandler(ASGIHandler):
-    """Django's ``ASGIHandler`` for the API: async-only middleware, no hop unless the view needs one."""
+    """Django's ``ASGIHandler`` for the API: async-only middleware, no hop unless the view needs one,
+    and a body bounded by ``max_request_body_bytes`` (see the module doc)."""
 
     def load_middleware(self, is_async: bool = True) -> None:
         """Build the chain from ``settings.API_MIDDLEWARE`` (async-only middleware, no view hooks)."""
@@ -98,11 +133,51 @@ class ApiHandler(ASGIHandler):
             raise RuntimeError("Response is still a coroutine.")
         return response
 
+    async def read_body(self, receive, limit_bytes: int | None = None):
+        """The request body as a file (in memory up to ``FILE_UPLOAD_MAX_MEMORY_SIZE``, then on disk).
+
+        Django's ``read_body``, bounded: once the ``http.request`` messages
+        carry more than ``limit_bytes`` bytes (None: no bound), reading stops.
+
+        Raises:
+            RequestAborted: the client disconnected.
+            BodyTooLarge: more than ``limit_bytes`` bytes arrived (nothing more is read).
+        """
+        body_file = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")
+        received_bytes = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                body_file.close()
+                raise RequestAborted()
+            chunk = message.get("body", b"")
+            received_bytes += len(chunk)
+            if limit_bytes is not None and received_bytes > limit_bytes:
+                body_file.close()
+                raise BodyTooLarge(PayloadTooLarge(
+                    f"request body of more than {limit_bytes} bytes exceeds max_request_body_bytes={limit_bytes}"))
+            body_file.write(chunk)
+            if not message.get("more_body", False):
+                break
+        body_file.seek(0)
+        return body_file
+
     async def handle(self, scope, receive, send):
-        """Django's ``ASGIHandler.handle`` with the request signals sent without a hop (see module doc)."""
-        try:
-            body_file = await self.read_body(receive)
-        except RequestAborted:
+        """Django's ``ASGIHandler.handle`` with the request signals sent without a hop, and the body
+        bounded by ``max_request_body_bytes`` (413 before or while reading it; see the module doc)."""
+        limit_bytes = get_config().max_request_body_bytes
+        too_large = declared_too_large(scope, limit_bytes)
+        if too_large is None:
+            try:
+                body_file = await self.read_body(receive, limit_bytes)
+            except RequestAborted:
+                return
+            except BodyTooLarge as over:
+                too_large = over.error
+        if too_large is not None:
+            refusal = JsonResponse(too_large.body(), status=too_large.status,
+                                   json_dumps_params={"separators": (",", ":")})
+            await self.send_response(refusal, send)
             return
         set_script_prefix(get_script_prefix(scope))
         # Receivers are Django's close_old_connections / reset_queries: on the event loop thread

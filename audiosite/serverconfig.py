@@ -314,6 +314,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         raise ConfigError([f"cannot read: {exc.strerror}"], str(path)) from exc
     except json.JSONDecodeError as exc:
         raise ConfigError([f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"], str(path)) from exc
+    except ValueError as exc:  # an integer literal over Python's 4300-digit conversion limit
+        raise ConfigError([f"invalid JSON: {exc}"], str(path)) from exc
     if overrides is None:
         overrides = env_json("AUDIOSITE_CONFIG_OVERRIDES", {})
     if parallel is None:

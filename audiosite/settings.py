@@ -102,6 +102,8 @@ def env_json(name: str, default):
         return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise ImproperlyConfigured(f"{name} is not valid JSON: {exc.msg}") from None
+    except ValueError as exc:  # an integer literal over Python's 4300-digit conversion limit
+        raise ImproperlyConfigured(f"{name} is not valid JSON: {exc}") from None
 
 
 def env_path(name: str, default: Path) -> Path:
@@ -185,7 +187,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "channels",
     "registry",
     "inference",
@@ -280,7 +281,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_PARSER_CLASSES": [
-        "rest_framework.parsers.JSONParser",
+        "audiosite.validation.JSONParser",
         "rest_framework.parsers.MultiPartParser",
         "rest_framework.parsers.FormParser",
     ],

@@ -1,4 +1,4 @@
-"""Checks at the HTTP edge shared by every route: body length, plain text, and DRF input fields.
+"""Checks at the HTTP edge shared by every route: body length, JSON parsing, plain text, and DRF input fields.
 
 Input serializers (``inference.serializers``, ``registry.serializers``) are
 built from the fields below. Every field treats JSON ``null`` and an empty
@@ -9,16 +9,37 @@ serializer into our error shape with that path as ``param``.
 """
 from __future__ import annotations
 
+import codecs
 import math
 import re
 from typing import Any, NoReturn
 
-from rest_framework import serializers
+from django.conf import settings
+from rest_framework import parsers, serializers
+from rest_framework.exceptions import ParseError
 from rest_framework.fields import empty
 from rest_framework.settings import api_settings
+from rest_framework.utils import json as drf_json
 
 from audiosite.errors import InvalidRequest, LengthRequired, PayloadTooLarge, invalid_request_from
 from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
+
+
+def content_length_error(raw: str | bytes, limit: int) -> PayloadTooLarge | None:
+    """The 413 for a Content-Length header value (ASCII digits) over ``limit`` bytes, else None.
+
+    Converts no more digits than ``limit`` has: Python refuses to convert
+    strings of more than 4300 digits (``ValueError``), and a longer number is
+    over any limit anyway. The caller checks that ``raw`` is digits.
+    """
+    digits = raw.decode("ascii") if isinstance(raw, bytes) else raw
+    digits = digits.lstrip("0")
+    if len(digits) > len(str(limit)):
+        return PayloadTooLarge(f"request body of a {len(digits)}-digit number of bytes exceeds "
+                               f"max_request_body_bytes={limit}")
+    if int(digits or 0) > limit:
+        return PayloadTooLarge(f"request body of {digits} bytes exceeds max_request_body_bytes={limit}")
+    return None
 
 
 def check_length(request, body_optional: bool = False) -> int:
@@ -26,7 +47,9 @@ def check_length(request, body_optional: bool = False) -> int:
 
     Chunked request bodies are not supported (Django would see them as
     empty): a body without Content-Length is refused with 411, unless
-    ``body_optional`` and no body was sent at all (then 0).
+    ``body_optional`` and no body was sent at all (then 0). (The API's
+    handler has refused an oversize body already, before reading it:
+    ``audiosite.handlers.ApiHandler``.)
     """
     limit = get_config().max_request_body_bytes
     raw = request.META.get("CONTENT_LENGTH")
@@ -36,9 +59,83 @@ def check_length(request, body_optional: bool = False) -> int:
         raise LengthRequired("Content-Length is required (chunked request bodies are not supported)")
     if not (isinstance(raw, str) and raw.isascii() and raw.isdigit()):
         raise InvalidRequest("Content-Length is not a number")
-    if int(raw) > limit:
-        raise PayloadTooLarge(f"request body of {int(raw)} bytes exceeds max_request_body_bytes={limit}")
+    too_large = content_length_error(raw, limit)
+    if too_large is not None:
+        raise too_large
     return int(raw)
+
+
+# -- JSON bodies --------------------------------------------------------------------------------------
+
+class HugeInteger:
+    """An integer literal of a JSON body too long for Python's ``int()`` (more than 4300 digits).
+
+    :class:`JSONParser` puts one where the literal was, and refuses the body
+    naming its path; it never reaches a serializer.
+    """
+
+    def __init__(self, literal: str):
+        self.digits = len(literal.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(literal: str) -> int | HugeInteger:
+    try:
+        return int(literal)
+    except ValueError:  # over sys.get_int_max_str_digits(): refused before any conversion work
+        return HugeInteger(literal)
+
+
+def huge_integer_keys(value, keys: tuple[str, ...] = ()) -> tuple[tuple[str, ...], HugeInteger] | None:
+    """The first :class:`HugeInteger` inside decoded JSON, with the object keys leading to it, else None.
+
+    List indices are skipped (as in :func:`bad_text_keys`).
+    """
+    if isinstance(value, HugeInteger):
+        return keys, value
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = huge_integer_keys(item, (*keys, str(key)))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = huge_integer_keys(item, keys)
+            if found:
+                return found
+    return None
+
+
+class JSONParser(parsers.JSONParser):
+    """DRF's JSON parser, except that an integer literal of more than 4300 digits is a 400 naming its field.
+
+    Python's ``json`` converts integer literals with ``int()``, which refuses
+    more than ``sys.get_int_max_str_digits()`` digits (4300) with a
+    ``ValueError``; DRF would report that as an anonymous parse error. Here the
+    literal becomes a :class:`HugeInteger` and the parsed body is refused.
+
+    Raises:
+        InvalidRequest: 400, ``param`` = the dotted keys leading to the literal
+            (``busy_timeout_ms``, ``request.options.x``; None for a bare number).
+        ParseError: the body is not JSON (DRF's 400).
+    """
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
+        try:
+            value = drf_json.load(codecs.getreader(encoding)(stream), parse_int=_parse_int,
+                                  parse_constant=drf_json.strict_constant if self.strict else None)
+        except ValueError as exc:
+            raise ParseError(f"JSON parse error - {exc}") from None
+        found = huge_integer_keys(value)
+        if found:
+            keys, number = found
+            name = ".".join(keys)
+            raise InvalidRequest(f"{name or 'the body'} is an integer of {number.digits} digits, far out of range",
+                                 param=name or None)
+        return value
 
 
 # -- plain text ---------------------------------------------------------------------------------------

@@ -1,31 +1,113 @@
 """Run daphne for audiosite: ``python -m audiosite.web -b HOST -p PORT audiosite.asgi:application``.
 
-Same command line as ``daphne``, with one difference: Twisted's own parsing of
-POST bodies into ``request.args`` (``parsePOSTFormSubmission``, on by default)
-is switched off. Daphne never uses those args (the body goes to Django
-as-is), but Twisted parses a whole multipart upload in its reactor thread
-before the view can refuse it: measured, a 300 MB upload held about 4 GB and
-stalled every other request for about 30 s. With it off the body is only
-spooled (to a temporary file past 100 KB) and the view's
-``max_request_body_bytes`` check answers 413 without parsing it; a malformed
-multipart body gets the JSON 400 of the API instead of Twisted's empty one.
+Same command line as ``daphne``, with daphne's request class replaced by
+:class:`BoundedWebRequest`, which differs in two ways:
+
+- Twisted's own parsing of POST bodies into ``request.args``
+  (``parsePOSTFormSubmission``, on by default) is off. Daphne never uses
+  those args (the body goes to Django as-is), but Twisted parses a whole
+  multipart upload in its reactor thread before the view can refuse it:
+  measured, a 300 MB upload held about 4 GB and stalled every other request
+  for about 30 s. A malformed multipart body gets the JSON 400 of the API
+  instead of Twisted's empty one.
+- The body is bounded by ``max_request_body_bytes``. Twisted receives a
+  request's whole body (spooled to a temporary file past 100 KB) before
+  daphne calls the application, and daphne then queues all of it in memory
+  at once; so a limit checked by the application comes too late. Here a
+  ``Content-Length`` over the limit is answered 413 as soon as the headers
+  are in, and a body without one (chunked) is answered 413 as soon as it
+  passes the limit; what the client sends after that is read and dropped.
 """
 from __future__ import annotations
+
+import io
+import json
 
 import daphne.http_protocol
 from daphne.cli import CommandLineInterface
 
-_original_init = daphne.http_protocol.WebRequest.__init__
+from audiosite.errors import PayloadTooLarge
+from audiosite.serverconfig import get_config
+
+#: After a 413, how long the connection stays open (reading and dropping what the client still
+#: sends, so that our answer is not lost to a TCP reset) before it is closed, in seconds.
+REFUSAL_LINGER_S = 2.0
 
 
-def _init_without_form_parsing(self, *args, **kwargs):
-    _original_init(self, *args, **kwargs)
-    self._parsePOSTFormSubmission = False  # twisted.web.http.Request's documented switch
+class BoundedWebRequest(daphne.http_protocol.WebRequest):
+    """daphne's ``WebRequest`` without Twisted's form parsing and with a bounded body (module doc)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._parsePOSTFormSubmission = False  # twisted.web.http.Request's documented switch
+        self._body_bytes = 0
+        self._refused = False
+        self._linger_call = None
+
+    @staticmethod
+    def _limit_bytes() -> int:
+        return get_config().max_request_body_bytes
+
+    def gotLength(self, length: int | None) -> None:
+        """Twisted: the headers are in; ``length`` is the declared body size in bytes (None: chunked)."""
+        limit = self._limit_bytes()
+        if length is not None and length > limit:
+            self.requestHeaders.removeHeader(b"Expect")  # no "100 Continue" after the refusal
+            self.content = io.BytesIO()
+            self._refuse(PayloadTooLarge(f"request body of {length} bytes exceeds max_request_body_bytes={limit}"))
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        """Twisted: the next piece of the body (after de-chunking); dropped once the request is refused."""
+        if self._refused:
+            return
+        self._body_bytes += len(data)
+        limit = self._limit_bytes()
+        if self._body_bytes > limit:
+            self.content.close()
+            self.content = io.BytesIO()
+            self._refuse(PayloadTooLarge(f"request body of more than {limit} bytes exceeds "
+                                         f"max_request_body_bytes={limit}"))
+            return
+        super().handleContentChunk(data)
+
+    def process(self):
+        """daphne: hand the complete request to the application, unless it was refused."""
+        if self._refused:
+            return None
+        return super().process()
+
+    def _refuse(self, error: PayloadTooLarge) -> None:
+        """Answer ``error`` (413, API error shape) at once and end the connection.
+
+        The write side is closed after the answer; the read side stays open for
+        :data:`REFUSAL_LINGER_S` so the client can read the answer before the
+        connection is aborted (closing a socket with unread input would reset
+        the connection and could destroy the answer in flight).
+        """
+        self._refused = True
+        body = json.dumps(error.body(), separators=(",", ":")).encode()
+        head = (f"HTTP/1.1 {error.status} Payload Too Large\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        transport = self.channel.transport
+        transport.write(head + body)
+        half_close = getattr(transport, "loseWriteConnection", None)
+        if half_close is None:
+            transport.loseConnection()
+            return
+        half_close()
+        self._linger_call = self.channel.callLater(REFUSAL_LINGER_S, transport.abortConnection)
+
+    def connectionLost(self, reason) -> None:
+        if self._linger_call is not None and self._linger_call.active():
+            self._linger_call.cancel()
+        super().connectionLost(reason)
 
 
 def main() -> None:
-    """Patch the request class, then hand over to daphne's own command line."""
-    daphne.http_protocol.WebRequest.__init__ = _init_without_form_parsing
+    """Install :class:`BoundedWebRequest` as daphne's request class, then run daphne's own command line."""
+    daphne.http_protocol.WebRequest = BoundedWebRequest  # read by daphne's HTTPFactory.buildProtocol
     CommandLineInterface.entrypoint()
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from audiosite.apiview import APIView
-from django.core.exceptions import SuspiciousOperation
 from django.http import HttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.response import Response
@@ -32,15 +31,17 @@ from .serializers import TaskRunInputSerializer, TranscriptionInputSerializer
 
 
 def _data(request):
-    """The parsed body (a JSON value or a multipart form); its shape is the serializer's check."""
+    """The parsed body (a JSON value or a multipart form); its shape is the serializer's check.
+
+    Django's own refusals while parsing (too many form fields or files) propagate as
+    ``SuspiciousOperation`` and are rendered by ``audiosite.errors.drf_exception_handler``.
+    """
     try:
         return request.data
     except ParseError as exc:
         raise InvalidRequest(f"malformed request body: {exc.detail}") from None
     except (RecursionError, UnicodeDecodeError):
         raise InvalidRequest("malformed request body: nested too deeply or not UTF-8") from None
-    except SuspiciousOperation as exc:  # Django's limits: too many form fields or files
-        raise InvalidRequest(f"malformed request body: {exc}") from None
 
 
 async def _model(model_id: str, request_timeout_ms: int | None) -> tuple[dict, AsyncContext]:

@@ -15,6 +15,10 @@ import soxr
 
 MIN_SAMPLE_RATE_HZ = 1000  # below this no real recording exists; a header claiming it is corrupt
 MAX_SAMPLE_RATE_HZ = 384000  # highest rate of common audio interfaces
+# Most channels a file may have: 7.1 surround is 8. Every model here takes mono, so more channels only
+# multiply the decoding work and the memory of one block (BLOCK_FRAMES x channels float32: 2 MiB at 8,
+# 256 MiB at the 1024 a WAV header may claim).
+MAX_CHANNELS = 8
 
 
 class AudioError(ValueError):
@@ -41,6 +45,10 @@ class AudioTooLong(AudioError):
     """Decodes to more audio than ``max_audio_seconds`` allows (a small file can hold hours of silence)."""
 
 
+class TooManyChannels(AudioError):
+    """The header announces more than :data:`MAX_CHANNELS` channels."""
+
+
 BLOCK_FRAMES = 65536  # frames decoded per step: memory stays bounded by the output, not the source
 
 
@@ -48,9 +56,13 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
            cancel: threading.Event | None = None) -> tuple[np.ndarray, int]:
     """Decode an audio file in memory to mono float32 at ``target_rate_hz``.
 
-    Decoding is streamed block by block (mix to mono, then soxr's streaming
-    resampler, VHQ), so a highly compressed file cannot expand in memory
-    beyond ``max_seconds`` of mono output.
+    The header is checked before any frame is decoded: sample rate, channel
+    count (at most :data:`MAX_CHANNELS`) and, when the container states it,
+    the frame count against ``max_seconds``. Decoding is then streamed block
+    by block (mix to mono, then soxr's streaming resampler, VHQ) and the
+    frames are counted again, so a file whose header understates its length
+    (or states none) cannot expand in memory beyond ``max_seconds`` of mono
+    output either.
 
     Args:
         data: the file's bytes.
@@ -67,6 +79,7 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
         EmptyAudio: no bytes, no frames, or nothing left after resampling.
         UndecodableAudio: libsndfile cannot open or read it.
         ImplausibleAudio: sample rate outside 1 kHz..384 kHz, or non-finite samples.
+        TooManyChannels: more than :data:`MAX_CHANNELS` channels.
         AudioTooLong: more than ``max_seconds`` of audio.
         DecodeCancelled: ``cancel`` was set.
     """
@@ -80,6 +93,9 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
                     f"sample rate {rate} Hz is outside the plausible range "
                     f"{MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz"
                 )
+            if handle.channels > MAX_CHANNELS:
+                raise TooManyChannels(f"the audio has {handle.channels} channels; at most {MAX_CHANNELS} "
+                                      f"are accepted")
             max_frames = int(max_seconds * rate)
             if handle.frames > max_frames:
                 raise AudioTooLong(f"the audio lasts {handle.frames / rate:.0f} s; the limit is "

@@ -1,4 +1,4 @@
-"""Django admin: registrations and the lifecycle log.
+"""Django admin: registrations, the lifecycle log (read-only) and API tokens (listed, revocable, never shown).
 
 Rows are never edited directly: the admin's actions (load, unload) and its
 reconfigure page call the same ``registry.lifecycle`` transitions as the
@@ -22,7 +22,7 @@ from audiosite.validation import bad_text_path
 from inference.runtime.context import async_context
 
 from . import lifecycle
-from .models import LifecycleEvent, ModelRegistration
+from .models import ApiToken, LifecycleEvent, ModelRegistration
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 
 
@@ -161,9 +161,34 @@ def _body_of(row: ModelRegistration) -> dict:
 
 @admin.register(LifecycleEvent)
 class LifecycleEventAdmin(admin.ModelAdmin):
+    """The audit log, view only: no one (superusers included) adds, changes or deletes a row here."""
+
     list_display = ("created_at", "model_id", "event", "outcome", "actor", "duration_ms")
     list_filter = ("event", "outcome")
     search_fields = ("model_id", "detail")
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    """API tokens: who holds one and since when; a token may be deleted (revoked).
+
+    Neither the token (never stored) nor its digest is shown; tokens are issued
+    by ``manage.py issue_token`` only, so there is no add or change page.
+    """
+
+    list_display = ("user", "created_at")
+    fields = ("user", "created_at")
+    readonly_fields = ("user", "created_at")
+    search_fields = ("user__username",)
 
     def has_add_permission(self, request):
         return False

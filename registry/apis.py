@@ -7,14 +7,13 @@ import asyncio
 
 from asgiref.sync import sync_to_async
 from rest_framework.exceptions import NotAuthenticated
-from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
 from audiosite.apiview import APIView, authenticate
 from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
-from audiosite.validation import check_length, validated
+from audiosite.validation import JSONParser, check_length, validated
 from inference.backend import resolve_backend
 from inference.runtime.context import async_context
 
@@ -41,14 +40,6 @@ class HealthApi(APIView):
         backend = _backend
         return Response({"status": "ok", "runtime": get_config().runtime, "backend": backend, "models": len(models),
                          "ui": False, "ui_management": management_enabled()})
-
-
-class ModelListApi(APIView):
-    """``GET /v1/models`` (legacy: no slot fields, R1.2; parallel: slot counters)."""
-
-    async def get(self, request):
-        ctx = await async_context()
-        return Response({"object": "list", "data": await model_status_list(ctx)})
 
 
 # -- management routes (gated: ui_management on AND registry.manage_models) ---------------------------
@@ -91,12 +82,42 @@ class ManagementApi(APIView):
         return request.user.get_username()
 
 
+async def shows_private_fields(request) -> bool:
+    """True when the caller of a status read passes the management gate (sees ``path``, see
+    ``registry.selectors.PRIVATE_FIELDS``).
+
+    With management off nobody does, and no credential is looked up. Otherwise
+    credentials are optional: none → False; invalid → 401 (DRF's rule for any
+    route that authenticates).
+    """
+    if not management_enabled():
+        return False
+    user = await authenticate(request)
+    return user is not None and user.is_authenticated and await sync_to_async(may_manage)(user)
+
+
+class ModelListApi(ManagementApi):
+    """``GET /v1/models`` (open; legacy: no slot fields, R1.2; parallel: slot counters; ``path`` only
+    for callers passing the management gate)."""
+
+    permission_classes = []
+
+    def get_authenticators(self):  # credentials matter only for the private fields, only when management is on
+        return super().get_authenticators() if management_enabled() else []
+
+    async def get(self, request):
+        ctx = await async_context()
+        private = await shows_private_fields(request)
+        return Response({"object": "list", "data": await model_status_list(ctx, private=private)})
+
+
 class ModelDetailApi(ManagementApi):
-    """``GET /v1/models/{id}`` (open) and ``DELETE /v1/models/{id}`` (management: unregister)."""
+    """``GET /v1/models/{id}`` (open, as one entry of :class:`ModelListApi`) and ``DELETE /v1/models/{id}``
+    (management: unregister)."""
 
     async def get(self, request, model_id: str):
         ctx = await async_context()
-        entries = await model_status_list(ctx, model_id)
+        entries = await model_status_list(ctx, model_id, private=await shows_private_fields(request))
         if not entries:
             raise NotFound(f"model {model_id!r} is not registered", param="model")
         return Response(entries[0])
@@ -105,10 +126,10 @@ class ModelDetailApi(ManagementApi):
         ctx = await async_context()
         return Response(await lifecycle.model_unregister(ctx, model_id, self.actor(request)))
 
-    def get_authenticators(self):  # status reads stay open; only DELETE is gated
-        return super().get_authenticators() if self.request.method == "DELETE" else []
+    def get_authenticators(self):  # credentials matter for DELETE, and for GET's private fields
+        return super().get_authenticators() if self.request.method == "DELETE" or management_enabled() else []
 
-    def get_permissions(self):
+    def get_permissions(self):  # status reads stay open; only DELETE is gated
         return super().get_permissions() if self.request.method == "DELETE" else []
 
 

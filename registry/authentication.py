@@ -10,6 +10,10 @@ and only a request that carries credentials reads anything. The sync
 The session is read from its cookie here (the API has no session middleware,
 see ``audiosite.handlers``); a session-authenticated request must pass DRF's
 CSRF check exactly as with ``SessionAuthentication``.
+
+Tokens are ``registry.models.ApiToken`` rows, which hold only the SHA-256 of
+each token: a presented token is hashed and looked up by that digest, both in
+``aauthenticate`` and in the sync ``authenticate_credentials``.
 """
 from __future__ import annotations
 
@@ -20,9 +24,27 @@ from django.contrib.auth import aget_user
 from rest_framework import exceptions
 from rest_framework.authentication import SessionAuthentication, TokenAuthentication, get_authorization_header
 
+from .models import ApiToken
+
 
 class AsyncTokenAuthentication(TokenAuthentication):
-    """``Authorization: Token <key>`` (``manage.py issue_token``), looked up asynchronously."""
+    """``Authorization: Token <key>`` (``manage.py issue_token``), looked up by digest, asynchronously.
+
+    Returns ``(user, ApiToken)``; raises ``AuthenticationFailed`` (401) for an
+    unknown token or an inactive user.
+    """
+
+    model = ApiToken
+
+    def authenticate_credentials(self, key: str):
+        """DRF's sync lookup, by the token's digest (``ApiToken.digest_of``)."""
+        try:
+            token = ApiToken.objects.select_related("user").get(digest=ApiToken.digest_of(key))
+        except ApiToken.DoesNotExist:
+            raise exceptions.AuthenticationFailed("Invalid token.") from None
+        if not token.user.is_active:
+            raise exceptions.AuthenticationFailed("User inactive or deleted.")
+        return token.user, token
 
     def token_key(self, request) -> str | None:
         """The key of an ``Authorization: Token <key>`` header, None without one (DRF's parsing).
@@ -47,10 +69,9 @@ class AsyncTokenAuthentication(TokenAuthentication):
         key = self.token_key(request)
         if key is None:
             return None
-        model = self.get_model()
         try:
-            token = await model.objects.select_related("user").aget(key=key)
-        except model.DoesNotExist:
+            token = await ApiToken.objects.select_related("user").aget(digest=ApiToken.digest_of(key))
+        except ApiToken.DoesNotExist:
             raise exceptions.AuthenticationFailed("Invalid token.") from None
         if not token.user.is_active:
             raise exceptions.AuthenticationFailed("User inactive or deleted.")

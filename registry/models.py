@@ -1,9 +1,12 @@
-"""Durable truth about models: registrations and the audit log of their lifecycle.
+"""Durable truth about models: registrations and the audit log of their lifecycle; and the API tokens.
 
 Live coordination (queues, leases, who holds the loaded pool) is in Redis;
 these rows record what is registered, its last known lifecycle state and
 error, and every lifecycle event. Only ``registry.services`` writes them.
 """
+import hashlib
+
+from django.conf import settings
 from django.db import models
 
 
@@ -90,3 +93,31 @@ class LifecycleEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.created_at:%Y-%m-%d %H:%M:%S} {self.model_id} {self.event} {self.outcome}"
+
+
+class ApiToken(models.Model):
+    """A token for the management routes (``Authorization: Token <token>``), stored only as a digest.
+
+    ``digest`` is the SHA-256 (hex) of the token's text; the text itself is
+    printed once by ``manage.py issue_token`` and kept nowhere. A token is 256
+    random bits (``secrets.token_urlsafe(32)``), so a fast hash is enough: a
+    slow password hash only protects guessable secrets. Authentication looks the
+    presented token up by its digest (``registry.authentication``), so no
+    comparison ever runs on the secret itself.
+    """
+
+    digest = models.CharField(max_length=64, unique=True, editable=False)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name = "API token"
+
+    def __str__(self) -> str:
+        return f"token of {self.user} created {self.created_at:%Y-%m-%d %H:%M:%S}"
+
+    @staticmethod
+    def digest_of(token: str) -> str:
+        """The stored form of ``token``: its SHA-256 as 64 lowercase hex characters."""
+        return hashlib.sha256(token.encode("utf-8")).hexdigest()

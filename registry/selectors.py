@@ -20,7 +20,12 @@ def _utc(epoch_ms: int) -> str:
         "+00:00", "Z")
 
 
-def _entry(meta: dict, status: ModelStatus, parallel: bool) -> dict:
+#: Fields of a status entry that only callers passing the management gate see (they describe the server's
+#: filesystem, not the model's behaviour).
+PRIVATE_FIELDS = ("path",)
+
+
+def _entry(meta: dict, status: ModelStatus, parallel: bool, private: bool) -> dict:
     entry = {
         "id": meta["id"],
         "object": "model",
@@ -30,10 +35,11 @@ def _entry(meta: dict, status: ModelStatus, parallel: bool) -> dict:
         "mode": meta["mode"],
         "state": str(status["state"]),
         "loaded": status["state"] == ModelState.READY,
-        "path": meta["path"],
         "last_error": status["error"] or None,
         "retry_at": _utc(status["retry_at_ms"]) if status["retry_at_ms"] else None,
     }
+    if private:
+        entry["path"] = meta["path"]
     if parallel:
         entry.update(
             slots=meta.get("slots") or 1,
@@ -44,10 +50,17 @@ def _entry(meta: dict, status: ModelStatus, parallel: bool) -> dict:
     return entry
 
 
-async def model_status_list(ctx: AsyncContext, model_id: str | None = None) -> list[dict]:
+async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
+                            private: bool = False) -> list[dict]:
     """Status entries from one atomic snapshot (R4.7).
 
-    Legacy runtime: no slot fields (R1.2). Parallel runtime: also ``slots``
+    Every entry: ``id, object, owned_by, family, task, mode, state, loaded``,
+    ``last_error`` (the last failed load's or lost worker's error, else null) and
+    ``retry_at`` (ISO 8601 UTC end of a failed load's backoff, R6.7, else null);
+    with ``private`` (the caller passes the management gate) also
+    :data:`PRIVATE_FIELDS` (``path``: the checkpoint on the server's disk, or
+    None for the family's packaged one). Legacy runtime: no slot fields
+    (R1.2). Parallel runtime: also ``slots``
     (configured), ``active_slots`` (request leases, including requests
     admitted while the model loads), ``queued_requests`` (waiting requests;
     managers not counted) and ``max_parallel_slots`` (the loaded pool's
@@ -61,7 +74,7 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None) -> l
         metas = {model_id: metas[model_id]} if model_id in metas else {}
     snapshot = await ctx.scheduler.snapshot(list(metas))
     parallel = get_config().runtime == "parallel"
-    return [_entry(meta, snapshot[mid], parallel) for mid, meta in metas.items()]
+    return [_entry(meta, snapshot[mid], parallel, private) for mid, meta in metas.items()]
 
 
 def registration_first_load_published(model_id: str) -> bool:

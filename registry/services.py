@@ -1,4 +1,5 @@
-"""Writes to the database: the only module that changes a ``ModelRegistration`` or adds a ``LifecycleEvent``.
+"""Writes to the database: the only module that changes a ``ModelRegistration``, adds a ``LifecycleEvent``
+or issues an ``ApiToken``.
 
 Names follow ``<entity>_<action>``. Functions here are synchronous (Django
 ORM); async callers wrap them in ``sync_to_async``. Who calls what: the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,7 @@ from audiosite.serverconfig import ModelConfig, ServerConfig, get_config, slot_c
 from inference import specs
 from inference.scheduler import Keys, Scheduler
 
-from .models import LifecycleEvent, LifecycleState, ModelRegistration
+from .models import ApiToken, LifecycleEvent, LifecycleState, ModelRegistration
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,21 @@ def _entry_fields(entry: ModelConfig) -> dict:
         "slots": entry.slots,
         "lazy": entry.lazy,
     }
+
+
+def api_token_issue(user, *, revoke_others: bool = False) -> str:
+    """Create an API token for ``user`` and return its text: the only time the text exists.
+
+    Only its digest is stored (:class:`registry.models.ApiToken`). The user's
+    earlier tokens stay valid unless ``revoke_others`` (then they are deleted
+    in the same transaction).
+    """
+    token = secrets.token_urlsafe(32)  # 256 random bits, 43 URL-safe characters
+    with transaction.atomic():
+        if revoke_others:
+            ApiToken.objects.filter(user=user).delete()
+        ApiToken.objects.create(user=user, digest=ApiToken.digest_of(token))
+    return token
 
 
 def lifecycle_event_create(model_id: str, event: str, ok: bool, *, actor: str = "", detail: str = "",

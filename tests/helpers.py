@@ -7,6 +7,8 @@ Test modules import from here and never from each other. Named actors:
 - ``post`` / ``body`` / ``mclient``: requests to a stack, every one bounded (client timeouts
   of a few tens of seconds; ``run`` and ``within`` bound whole scenarios and single awaits).
 - ``fx``: a management entry of the fixture family (barriers, injected failures).
+- ``web_pid`` / ``raw_exchange``: the daphne process of a stack, and one HTTP/1.1 exchange
+  written by hand on a socket (for bodies no HTTP client would send: a false Content-Length).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import base64
 import io
 import json
 import os
+import select
 import signal
 import socket
 import stat
@@ -22,11 +25,13 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import psycopg
 import redis
 import soundfile
@@ -301,8 +306,9 @@ async def post(client: httpx.AsyncClient, model: str, data: bytes = TINY, **opti
 
 def mclient(stack, token: str | None, **kw) -> httpx.AsyncClient:
     """An async client of ``stack`` (with ``token`` for the management routes). Its timeout bounds
-    every request, also one awaited later through a task: QUICK_S unless ``timeout`` says otherwise."""
-    headers = {"Authorization": f"Token {token}"} if token else {}
+    every request, also one awaited later through a task: QUICK_S unless ``timeout`` says otherwise;
+    ``headers`` add to (or replace) the token's."""
+    headers = {**({"Authorization": f"Token {token}"} if token else {}), **kw.pop("headers", {})}
     return httpx.AsyncClient(base_url=stack.url, timeout=kw.pop("timeout", QUICK_S), headers=headers,
                              limits=httpx.Limits(max_connections=64), **kw)
 
@@ -322,3 +328,78 @@ def fx(model_id: str, slots: int | None = None, **load_options) -> dict:
     if slots is not None:
         entry["slots"] = slots
     return entry
+
+
+# -- the web process and raw HTTP ------------------------------------------------------------------
+def web_pid(stack) -> int:
+    """The pid of the daphne child (``python -m audiosite.web``) of a stack's ``manage.py serve``."""
+    for child in psutil.Process(stack.proc.pid).children(recursive=True):
+        if "audiosite.web" in " ".join(child.cmdline()):
+            return child.pid
+    raise AssertionError("no daphne child of manage.py serve")
+
+
+@dataclass
+class RawAnswer:
+    """What :func:`raw_exchange` saw: the answer's ``status`` (0 if none) and ``body``, the body bytes
+    the client had sent when the answer arrived, and the seconds from the first byte sent to the answer."""
+
+    status: int
+    body: bytes
+    sent_bytes: int
+    elapsed_s: float
+
+
+def raw_exchange(stack, head: bytes, chunks: Iterable[bytes], timeout_s: float = QUICK_S) -> RawAnswer:
+    """Write ``head`` (request line and headers, ending in a blank line) then ``chunks`` to a socket,
+    as a client that stops sending once the server answers; read the answer until the server closes.
+
+    Every socket operation and the whole exchange are bounded by ``timeout_s``.
+    """
+    host, port = stack.url.rsplit("//", 1)[1].split(":")
+    deadline = time.monotonic() + timeout_s
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        started = time.monotonic()
+        sock.sendall(head)
+        answered_at = None
+        try:
+            for chunk in chunks:
+                if select.select([sock], [], [], 0)[0]:
+                    break  # the server answered early: stop sending
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"still sending after {timeout_s:g} s")
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed its side; its answer may still be readable
+        data = b""
+        try:
+            while time.monotonic() < deadline:
+                piece = sock.recv(65536)
+                if answered_at is None:
+                    answered_at = time.monotonic()
+                if not piece:
+                    break
+                data += piece
+                if b"\r\n\r\n" in data:
+                    head_text, _, rest = data.partition(b"\r\n\r\n")
+                    length = next((int(line.split(b":", 1)[1]) for line in head_text.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), None)
+                    if length is not None and len(rest) >= length:
+                        break
+        except (TimeoutError, ConnectionResetError):
+            pass
+    elapsed = (answered_at or time.monotonic()) - started
+    if not data.startswith(b"HTTP/1."):
+        return RawAnswer(0, data, sent, elapsed)
+    head_text, _, body_bytes = data.partition(b"\r\n\r\n")
+    return RawAnswer(int(head_text.split(b" ", 2)[1]), body_bytes, sent, elapsed)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The peak resident set size of process ``pid`` so far (``VmHWM`` of ``/proc/<pid>/status``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc status")

@@ -40,6 +40,29 @@ def test_stereo_is_mixed_to_mono_and_resampled():
     assert abs(np.argmax(spectrum) * 16000 / len(samples) - 300) < 2
 
 
+def test_more_than_eight_channels_are_refused_from_the_header():
+    """Issue 9: the channel count is checked before decoding (a block of 65536 frames x 1024 channels
+    would be 256 MiB); eight channels (7.1) still decode."""
+    rate = 16000
+    eight = wav_bytes(np.tile(tone(rate, 0.25)[:, None], (1, 8)), rate, "WAV", "PCM_16")
+    samples, _ = audio.decode(eight, rate)
+    assert len(samples) == 4000
+    nine = wav_bytes(np.zeros((rate, 9), dtype=np.float32), rate, "WAV", "PCM_16")
+    with pytest.raises(audio.TooManyChannels, match="the audio has 9 channels; at most 8 are accepted"):
+        audio.decode(nine, rate)
+
+
+def test_audio_over_max_seconds_is_refused_from_the_header_before_decoding():
+    """Issue 9: a container that states its length (FLAC) is refused on that length, without decoding a
+    block: the message gives the stated duration, which only the header check knows."""
+    data = wav_bytes(np.zeros(1000 * 7200, dtype=np.float32), 1000, "FLAC", "PCM_16")  # two hours
+    assert len(data) < 1_000_000
+    started = time.monotonic()
+    with pytest.raises(audio.AudioTooLong, match=r"the audio lasts 7200 s; the limit is max_audio_seconds=60"):
+        audio.decode(data, 16000, max_seconds=60)
+    assert time.monotonic() - started < 0.5
+
+
 def test_empty_bytes_are_refused():
     with pytest.raises(audio.EmptyAudio):
         audio.decode(b"", 16000)

@@ -117,6 +117,15 @@ def test_invalid_json_file_names_the_line(tmp_path):
     assert "invalid JSON at line 2" in info.value.problems[0]
 
 
+def test_an_integer_beyond_pythons_digit_limit_is_a_config_error(tmp_path):
+    """Issue 9: json.loads raises a plain ValueError (not JSONDecodeError) for a 4301+ digit integer."""
+    path = tmp_path / "server.json"
+    path.write_text('{"busy_timeout_ms": ' + "9" * 5000 + ', "models": [{"id": "a", "family": "silero_vad"}]}')
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides={})
+    assert info.value.problems[0].startswith("invalid JSON: Exceeds the limit (4300 digits)")
+
+
 def test_serve_refuses_to_start_on_a_bad_config(tmp_path):
     """R1.2: the start-up error names the model and the key; nothing is started."""
     path = tmp_path / "server.json"

@@ -11,19 +11,11 @@ import os
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 
-from .helpers import FIXTURES
+from .helpers import FIXTURES, web_pid
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-
-
-def _web_pid(stack) -> int:
-    for child in psutil.Process(stack.proc.pid).children(recursive=True):
-        if "audiosite.web" in " ".join(child.cmdline()):
-            return child.pid
-    raise AssertionError("no daphne child of manage.py serve")
 
 
 def _new_threads_during(pid: int, send) -> set[int]:
@@ -50,7 +42,7 @@ def _new_threads_during(pid: int, send) -> set[int]:
 
 
 def test_hot_routes_start_no_thread_per_request_and_the_admin_control_does(stack):
-    pid = _web_pid(stack)
+    pid = web_pid(stack)
     wav = sorted(FIXTURES.glob("*.wav"))[0].read_bytes()
     vad = {"model": "vad", "request": {"audio_base64": base64.b64encode(wav).decode()}}
     with stack.client() as c:

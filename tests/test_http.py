@@ -52,7 +52,8 @@ def test_health(stack):
 
 
 def test_models_list_has_the_legacy_shape(stack):
-    """R1.2: on the legacy runtime /v1/models carries no slot fields."""
+    """R1.2: on the legacy runtime /v1/models carries no slot fields; and (issue 9) no ``path`` for a
+    caller who may not manage models."""
     with stack.client() as c:
         body = c.get("/v1/models").json()
         one = c.get("/v1/models/vad").json()
@@ -61,7 +62,7 @@ def test_models_list_has_the_legacy_shape(stack):
     entries = {e["id"]: e for e in body["data"]}
     assert set(entries) == {"whisper", "whisper-unbounded", "vad", "vad-lazy", "vad-broken"}
     for entry in entries.values():
-        assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded", "path"}
+        assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded"}
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True
     assert one == entries["vad"]
     assert_error(missing, 404, "not_found")
@@ -215,6 +216,8 @@ BAD_INPUTS = [
                                                         headers={"content-type": "application/json"}), 411),
     ("multipart without boundary", lambda c, s: c.post("/v1/audio/transcriptions", content=b"--x\r\n\r\n",
                                                       headers={"content-type": "multipart/form-data"}), 400),
+    ("nine channels (over the cap of 8)", lambda c, s: transcribe(
+        c, wav_bytes(np.zeros((1600, 9), dtype=np.float32), 16000, "WAV", "PCM_16")), 400),
     ("an hour of compressed silence (over max_audio_seconds)", lambda c, s: transcribe(
         c, wav_bytes(np.zeros(16000 * 3600, dtype=np.float32), 16000, "FLAC", "PCM_16"), filename="a.flac"), 413),
 ]

@@ -42,8 +42,8 @@ def test_gate_needs_credentials_and_the_permission(mstack, token):
     """API.md gate: no/invalid credentials → 401; a user without registry.manage_models → 403;
     a permitted token passes; unknown ids → 404 on unload and DELETE; status stays open."""
     shell = mstack.manage("shell", "--no-imports", "-c", (
-        "from django.contrib.auth.models import User; from rest_framework.authtoken.models import Token;"
-        "u, _ = User.objects.get_or_create(username='viewer'); print(Token.objects.get_or_create(user=u)[0].key)"))
+        "from django.contrib.auth.models import User; from registry.services import api_token_issue;"
+        "u, _ = User.objects.get_or_create(username='viewer'); print(api_token_issue(u))"))
     assert shell.returncode == 0, shell.stderr
     viewer = shell.stdout.strip().splitlines()[-1]
 
@@ -106,14 +106,16 @@ def test_invalid_registrations_are_refused_and_register_nothing(mstack, token, p
 
 
 def test_gate_off_refuses_everyone(stack):
-    """API.md: with ui_management off every management route answers 403, even for a permitted token."""
+    """API.md: with ui_management off every management route answers 403, even for a permitted token,
+    and before any credential is looked up: a bad or malformed token is a 403 too, not a 401 (issue 9)."""
     done = stack.manage("issue_token", "operator")
     assert done.returncode == 0, done.stderr
     key = done.stdout.strip()
 
     async def scenario():
-        async with mclient(stack, key) as op, mclient(stack, None) as anon:
-            for c in (op, anon):
+        async with mclient(stack, key) as op, mclient(stack, None) as anon, mclient(stack, "0" * 40) as bad, \
+                mclient(stack, None, headers={"Authorization": "Token"}) as malformed:
+            for c in (op, anon, bad, malformed):
                 resp = await c.post("/v1/models/unload", json={"id": "vad"})
                 assert resp.status_code == 403 and resp.json()["error"]["type"] == "forbidden"
                 assert "--ui-management" in resp.json()["error"]["message"]
@@ -123,6 +125,67 @@ def test_gate_off_refuses_everyone(stack):
                 assert resp.status_code == 403
     run(scenario())
     assert entry_of(stack, "vad")["state"] == "ready"
+
+
+def test_path_is_shown_only_to_callers_passing_the_management_gate(mstack, token, stack):
+    """Issue 9: ``/v1/models`` showed every model's filesystem path to anyone. ``path`` is in an entry
+    only for a caller passing the management gate; with management off, for nobody."""
+    shell = mstack.manage("shell", "--no-imports", "-c", (
+        "from django.contrib.auth.models import User; from registry.services import api_token_issue;"
+        "u, _ = User.objects.get_or_create(username='reader'); print(api_token_issue(u))"))
+    assert shell.returncode == 0, shell.stderr
+    reader = shell.stdout.strip().splitlines()[-1]
+    off_key = stack.manage("issue_token", "operator").stdout.strip()
+
+    async def entries(target, key) -> list[dict]:
+        async with mclient(target, key) as c:
+            listed, one = await c.get("/v1/models"), await c.get("/v1/models/fx-base" if target is mstack
+                                                                 else "/v1/models/vad")
+            assert listed.status_code == 200 and one.status_code == 200, (listed.text, one.text)
+            return [*listed.json()["data"], one.json()]
+
+    async def scenario():
+        for entry in await entries(mstack, token):
+            assert "path" in entry, entry
+        for key in (None, reader):
+            for entry in await entries(mstack, key):
+                assert "path" not in entry, entry
+        for entry in await entries(stack, off_key):  # management off: nobody, whatever the token
+            assert "path" not in entry, entry
+        async with mclient(mstack, "0" * 40) as bad:  # invalid credentials on an open route: DRF's 401
+            resp = await bad.get("/v1/models")
+            assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+    run(scenario())
+
+
+def test_huge_integer_literals_and_too_many_query_parameters_in_management_requests(mstack, token):
+    """Issue 9: a JSON integer of more than 4300 digits was an anonymous 400 (or a 500 elsewhere); now it
+    names its key; too many query parameters were a 500."""
+    huge = "9" * 5000
+
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            bodies = {"slots": ("/v1/models/load", '{"id": "huge", "family": "fixture", "slots": HUGE}'),
+                      "busy_timeout_ms": ("/v1/models/load",
+                                          '{"id": "huge", "family": "fixture", "busy_timeout_ms": -HUGE}'),
+                      "load_options.version": ("/v1/models/load", '{"id": "huge", "family": "fixture", '
+                                                                  '"load_options": {"version": HUGE}}'),
+                      "id": ("/v1/models/unload", '{"id": HUGE}'),
+                      "model_ids": ("/v1/tasks/unload_models", '{"model_ids": ["fx-base", HUGE]}')}
+            answers = {param: await op.post(url, headers={"content-type": "application/json"},
+                                            content=text.replace("HUGE", huge))
+                       for param, (url, text) in bodies.items()}
+            many = "&".join(f"q{i}=1" for i in range(1100))
+            query = await op.post(f"/v1/models/unload?{many}", json={"id": "fx-base"})
+        return answers, query
+    answers, query = run(scenario())
+    for param, resp in answers.items():
+        assert resp.status_code == 400, (param, resp.text)
+        assert resp.json()["error"] == {"message": f"{param} is an integer of 5000 digits, far out of range",
+                                        "type": "invalid_request_error", "param": param, "code": None}
+    assert query.status_code == 400 and query.json()["error"]["type"] == "invalid_request_error", query.text
+    assert entry_of(mstack, "huge")["error"]["type"] == "not_found"
+    assert entry_of(mstack, "fx-base")["state"] == "ready"
 
 
 async def chunks(data: bytes):

@@ -6,12 +6,13 @@ model (option schemas) and the HTTP rendering go through the test stack.
 from __future__ import annotations
 
 import base64
+import io
 
 import pytest
 from django.http import QueryDict
 
-from audiosite.errors import ApplicationError
-from audiosite.validation import validated
+from audiosite.errors import ERROR_TEXT_MAX_CHARS, ApplicationError, InvalidRequest, clip_text
+from audiosite.validation import JSONParser, validated
 from inference.serializers import TaskRunInputSerializer, TranscriptionInputSerializer
 from registry.serializers import ModelLoadInputSerializer, ModelUnloadInputSerializer, UnloadModelsInputSerializer
 
@@ -114,22 +115,122 @@ def test_http_errors_carry_the_field_path(stack, speech):
     assert bad_temperature.status_code == 400 and error["param"] == "temperature", error
 
 
+@pytest.mark.parametrize("text, param", [
+    ('{"model": "vad", "busy_timeout_ms": HUGE}', "busy_timeout_ms"),
+    ('{"model": "vad", "request": {"audio": "x", "busy_timeout_ms": -HUGE}}', "request.busy_timeout_ms"),
+    ('{"model": "vad", "request": {"options": {"a": [1, {"b": HUGE}]}}}', "request.options.a.b"),
+    ('{"id": "m", "slots": HUGE}', "slots"),
+    ("HUGE", None),
+])
+def test_a_json_integer_beyond_pythons_digit_limit_is_a_400_naming_its_field(text, param):
+    """Issue 9: ``json`` raises ValueError for an integer literal of more than 4300 digits; the parser
+    reports it as the field's problem instead of an anonymous parse error."""
+    body = text.replace("HUGE", "9" * 5000).encode()
+    with pytest.raises(InvalidRequest) as caught:
+        JSONParser().parse(io.BytesIO(body), "application/json", {})
+    assert (caught.value.status, caught.value.param) == (400, param)
+    assert caught.value.message == f"{param or 'the body'} is an integer of 5000 digits, far out of range"
+    assert JSONParser().parse(io.BytesIO(b'{"a": 4300, "b": -1}'), "application/json", {}) == {"a": 4300, "b": -1}
+
+
+def test_error_texts_are_clipped_in_the_middle_with_a_marker():
+    """Issue 9: error messages echoed input unbounded (a 50 MB prompt came back whole)."""
+    assert clip_text("x" * ERROR_TEXT_MAX_CHARS) == "x" * ERROR_TEXT_MAX_CHARS
+    clipped = clip_text("key 'prompt': '" + "A" * 100_000 + "' is too long")
+    assert len(clipped) < ERROR_TEXT_MAX_CHARS
+    assert clipped.startswith("key 'prompt': 'AAA") and clipped.endswith("AAA' is too long")
+    assert "…[99668 characters omitted]…" in clipped
+    error = InvalidRequest("model " + "m" * 10_000, param="request.options." + "k" * 10_000)
+    assert len(error.message) < ERROR_TEXT_MAX_CHARS and len(error.param or "") < ERROR_TEXT_MAX_CHARS
+    assert error.body()["error"]["message"] == error.message
+
+
+MANY_QUERY = "&".join(f"q{i}=1" for i in range(1100))  # over DATA_UPLOAD_MAX_NUMBER_FIELDS (1000)
+
+
 @pytest.mark.stack
-def test_inputs_that_break_python_or_django_limits_are_400_in_the_error_shape(stack):
-    """Found by an adversarial run: each of these was a 500 (or Django's HTML page)."""
+def test_inputs_that_break_python_or_django_limits_are_400_in_the_error_shape(stack, speech):
+    """Found by an adversarial run and issue 9: each of these was a 500 (or Django's HTML page, or a 400
+    without ``param``)."""
     huge = "9" * 5000  # beyond Python's int() digit limit (4300)
+    b64 = base64.b64encode(speech[0].wav).decode()
+    json_header = {"content-type": "application/json"}
+
+    def raw(text: str) -> str:
+        return text.replace("HUGE", huge).replace("B64", b64)
+
     with stack.client() as c:
         answers = {
             "huge integer in JSON": c.post("/v1/tasks/run", json={"model": "vad", "busy_timeout_ms": huge,
                                                                    "request": {"audio_base64": ""}}),
             "huge integer in the query": c.post(f"/v1/tasks/run?busy_timeout_ms={huge}",
                                                 json={"model": "vad", "request": {"audio_base64": ""}}),
+            "huge integer in a form": c.post("/v1/audio/transcriptions", data={"model": "whisper",
+                                                                               "busy_timeout_ms": huge},
+                                             files={"file": ("a.wav", speech[0].wav)}),
+            "huge integer literal in JSON": c.post("/v1/tasks/run", headers=json_header, content=raw(
+                '{"model": "vad", "busy_timeout_ms": HUGE, "request": {"audio_base64": "B64"}}')),
+            "huge integer literal in request": c.post("/v1/tasks/run", headers=json_header, content=raw(
+                '{"model": "vad", "request": {"busy_timeout_ms": HUGE, "audio_base64": "B64"}}')),
+            "huge integer literal in an option": c.post("/v1/tasks/run", headers=json_header, content=raw(
+                '{"model": "vad", "request": {"options": {"min_speech_duration_ms": HUGE}, "audio_base64": "B64"}}')),
+            "huge integer literal in transcription JSON": c.post("/v1/audio/transcriptions", headers=json_header,
+                                                                 content=raw('{"model": "whisper", "file": "x", '
+                                                                             '"busy_timeout_ms": HUGE}')),
             "too many form fields": c.post("/v1/audio/transcriptions",
                                            data={f"f{i}": "x" for i in range(1200)} | {"model": "whisper"}),
+            "too many files": c.post("/v1/audio/transcriptions", data={"model": "whisper"},
+                                     files=[(f"f{i}", ("a.wav", b"x")) for i in range(120)]),
+            "too many query parameters (transcriptions)": c.post(f"/v1/audio/transcriptions?{MANY_QUERY}",
+                                                                 data={"model": "whisper"},
+                                                                 files={"file": ("a.wav", speech[0].wav)}),
+            "too many query parameters (tasks)": c.post(f"/v1/tasks/run?{MANY_QUERY}",
+                                                        json={"model": "vad", "request": {"audio_base64": b64}}),
+            "too many query parameters (models)": c.get(f"/v1/models?{MANY_QUERY}"),
+            "too many query parameters (one model)": c.get(f"/v1/models/vad?{MANY_QUERY}"),
+            "too many query parameters (health)": c.get(f"/health?{MANY_QUERY}"),
+            "too many query parameters (management)": c.post(f"/v1/models/unload?{MANY_QUERY}", json={"id": "vad"}),
             "invalid Host header": c.get("/health", headers={"Host": "bad host!"}),
         }
+        for model_id in ("whisper", "vad"):
+            assert stack.counters(model_id) == {"leases": 0, "queued": 0}
     for name, resp in answers.items():
         assert resp.status_code == 400, (name, resp.status_code, resp.text[:200])
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"], name
-    assert answers["huge integer in JSON"].json()["error"]["param"] == "busy_timeout_ms"
+    params = {name: resp.json()["error"]["param"] for name, resp in answers.items()}
+    assert params["huge integer in JSON"] == "busy_timeout_ms"
+    assert params["huge integer in the query"] == "busy_timeout_ms"
+    assert params["huge integer in a form"] == "busy_timeout_ms"
+    assert params["huge integer literal in JSON"] == "busy_timeout_ms"
+    assert params["huge integer literal in request"] == "request.busy_timeout_ms"
+    assert params["huge integer literal in an option"] == "request.options.min_speech_duration_ms"
+    assert params["huge integer literal in transcription JSON"] == "busy_timeout_ms"
+    for name in answers:
+        if name.startswith("too many query"):
+            assert answers[name].json()["error"]["message"] == (
+                "too many form fields or query parameters (at most 1000 are accepted)"), name
+    assert answers["too many files"].json()["error"]["message"] == "too many uploaded files (at most 100 are accepted)"
+
+
+@pytest.mark.stack
+def test_error_bodies_quote_long_input_clipped(stack, speech):
+    """Issue 9: an error message quoting what the client sent is cut to under 400 characters, with a marker;
+    so is a ``param`` made of the client's keys."""
+    long_text = "A" * 1_000_000
+    with stack.client() as c:
+        answers = [
+            c.post("/v1/audio/transcriptions", data={"model": "whisper", "prompt": long_text},
+                   files={"file": ("a.wav", speech[0].wav)}),  # the option schema: "'AAAA…' is too long"
+            c.post("/v1/tasks/run", json={"model": "m" + long_text, "request": {"audio_base64": ""}}),
+            c.post("/v1/tasks/run", json={"model": "vad", "request": {"options": {"k" + long_text: 1},
+                                                                      "audio_base64": ""}}),
+            c.get("/v1/" + "p" * 8_000),
+        ]
+    for resp in answers:
+        assert 400 <= resp.status_code < 500, resp.text[:300]
+        error = resp.json()["error"]
+        assert len(error["message"]) < 400 and " characters omitted]…" in error["message"], error["message"]
+        assert error["param"] is None or len(error["param"]) < 400
+    assert answers[0].json()["error"]["param"] == "prompt"
+    assert answers[0].json()["error"]["message"].endswith("AAAA' is too long")
