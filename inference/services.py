@@ -169,7 +169,8 @@ async def model_retire_if_idle(ctx: AsyncContext, model_id: str, idle_ms: int) -
 
 # -- loading and residency (R4.2, R6) -------------------------------------------------------------
 
-async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False) -> rpc.Placement:
+async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
+                        room_timeout_ms: int | None = None) -> rpc.Placement:
     """Where ``model_id``'s pool is loaded, loading it if needed (single flight, R4.2).
 
     With a residency or memory limit set, a cold load first passes the cold
@@ -179,9 +180,15 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False) -
     is refused until its backoff ends, before any eviction (R6.7), unless
     ``force`` (an explicit management load).
 
+    Args:
+        room_timeout_ms: how long a cold load may wait for the guard and for
+            room (R6.1): the request's remaining effective busy timeout; 0 =
+            without bound (R3.5); None = the server's ``busy_timeout_ms``
+            (management loads).
+
     Raises:
         ModelLoadFailed, ServerBusy: see ``inference.runtime.rpc.load_single_flight``.
-        ServerBusy: (code ``residency_full``) not enough models could be evicted.
+        ServerBusy: (code ``residency_full``) no room was made within ``room_timeout_ms``.
         InsufficientMemory: the memory guard refused the load.
     """
     if get_config().residency_limited:
@@ -189,9 +196,12 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False) -
         if status["retry_in_ms"] and not force:  # no eviction on behalf of a load in backoff (R6.7)
             raise rpc.backoff_error(model_id, status["retry_in_ms"], status["error"])
         if status["state"] not in COUNTED_STATES:
-            async with leases.cold_load_guard(ctx):
+            if room_timeout_ms is None:
+                room_timeout_ms = get_config().busy_timeout_ms
+            deadline_s = time.monotonic() + room_timeout_ms / 1000 if room_timeout_ms > 0 else None
+            async with leases.cold_load_guard(ctx, deadline_s):
                 started = time.monotonic()
-                await make_room(ctx, model_id)
+                await make_room(ctx, model_id, deadline_s)
                 placement = await rpc.load_single_flight(ctx, model_id, force=force)
                 if placement.load_ms:
                     return rpc.Placement(placement.owner, placement.boot, (time.monotonic() - started) * 1000)
@@ -209,13 +219,23 @@ async def _available_memory_mb(ctx: AsyncContext) -> int | None:
     return best
 
 
-async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
+ROOM_POLL_S = 0.1
+"""While a cold load waits for room (R6.1), how often it looks for an idle model, in seconds.
+
+Only the holder of the cold-load guard polls (one per deployment), with one
+snapshot per poll: cheap, and simpler than a wake-up on every release."""
+
+
+async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None = None) -> list[str]:
     """Apply the memory guard and evict LRU models so ``model_id`` may load (R6.1, R6.5).
 
     Call while holding the cold-load guard. Victims are models that are
     ready, hold no lease and have an empty queue (try-acquire: never waiting,
     never interrupting, R6.1, R6.3); models being torn down do not count
-    (R6.2). Evictions already done stay done when the call fails.
+    (R6.2). When too few can be evicted now, waits for resident models to
+    become idle (looking every ``ROOM_POLL_S``) until ``deadline_s``
+    (``time.monotonic()`` seconds; None = without bound). Evictions already
+    done stay done when the call fails.
 
     Returns:
         The evicted model ids, least recently used first.
@@ -223,8 +243,8 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
     Raises:
         InsufficientMemory: estimated footprint + ``min_free_memory_mb`` >
             available memory of the best live worker (R6.5).
-        ServerBusy: (code ``residency_full``) fewer models could be evicted
-            than needed (all others busy, queued or loading).
+        ServerBusy: (code ``residency_full``) no room by the deadline (every
+            other loaded model stayed busy, queued or loading).
     """
     config = get_config()
     metas = await published.meta_all(ctx)
@@ -243,28 +263,37 @@ async def make_room(ctx: AsyncContext, model_id: str) -> list[str]:
     evicted: list[str] = []
     if not config.max_loaded_models:
         return evicted
-    snapshot = await ctx.scheduler.snapshot([m for m in metas if m != model_id])
-    loaded = [m for m, status in snapshot.items() if status["state"] in COUNTED_STATES]
-    need = len(loaded) + 1 - config.max_loaded_models
-    victims = sorted((m for m in loaded if snapshot[m]["state"] == ModelState.READY),
-                     key=lambda m: snapshot[m]["last_used_ms"])
-    for victim in victims:
+    while True:
+        snapshot = await ctx.scheduler.snapshot(list(metas))
+        if snapshot[model_id]["state"] in COUNTED_STATES:
+            return evicted  # loaded (or loading) by a management load meanwhile: no room needed
+        loaded = [m for m, status in snapshot.items() if m != model_id and status["state"] in COUNTED_STATES]
+        need = len(loaded) + 1 - config.max_loaded_models
+        victims = sorted((m for m in loaded if snapshot[m]["state"] == ModelState.READY),
+                         key=lambda m: snapshot[m]["last_used_ms"])
+        for victim in victims:
+            if need <= 0:
+                break
+            lease = await ctx.scheduler.try_acquire(victim, ModelState.READY)
+            if lease is None:  # busy, queued or changed state since the snapshot (R6.1, R6.3)
+                continue
+            # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
+            await leases.hold(ctx, lease, lambda held: model_teardown(ctx, held, f"eviction for {model_id}"))
+            log.info("evicted %s (least recently used) to load %s", victim, model_id)
+            evicted.append(victim)
+            need -= 1
         if need <= 0:
-            break
-        lease = await ctx.scheduler.try_acquire(victim, ModelState.READY)
-        if lease is None:  # busy, queued or changed state since the snapshot (R6.1, R6.3)
-            continue
-        # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
-        await leases.hold(ctx, lease, lambda held: model_teardown(ctx, held, f"eviction for {model_id}"))
-        log.info("evicted %s (least recently used) to load %s", victim, model_id)
-        evicted.append(victim)
-        need -= 1
-    if need > 0:
-        raise ServerBusy(
-            f"model {model_id!r} cannot load: max_loaded_models={config.max_loaded_models} models are loaded and "
-            f"none of them can be evicted now (each is busy, queued or loading)"
-            + (f"; evicted {evicted}" if evicted else ""), code="residency_full", retry_after_s=1)
-    return evicted
+            return evicted
+        left_s = None if deadline_s is None else deadline_s - time.monotonic()
+        if left_s is not None and left_s <= 0:
+            raise ServerBusy(
+                f"model {model_id!r} cannot load: max_loaded_models={config.max_loaded_models} models are loaded "
+                f"and none of them became idle within this request's busy timeout (each stayed busy, queued or "
+                f"loading)" + (f"; evicted {evicted}" if evicted else ""), code="residency_full", retry_after_s=1)
+        await asyncio.sleep(ROOM_POLL_S if left_s is None else min(ROOM_POLL_S, left_s))
+        metas = await published.meta_all(ctx)  # registrations may come and go while we wait
+        if model_id not in metas:
+            return evicted  # unregistered meanwhile: the caller finds out when it loads
 
 
 # -- one request ---------------------------------------------------------------------------------
@@ -329,7 +358,8 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
             del samples
             load_ms = 0.0
             for _attempt in range(2):
-                placement = await ensure_loaded(ctx, model_id)
+                left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
+                placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
                 load_ms += placement.load_ms
                 reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, handover)
                 if reply is None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from .helpers import FIXTURE_ENV, entry_of, fx, mclient, post, run, run_stack, until
+from .helpers import FIXTURE_ENV, entry_of, fx, mclient, post, run, run_stack, until, within
 
 pytestmark = pytest.mark.stack
 
@@ -67,9 +67,10 @@ def test_lru_eviction_picks_the_least_recently_used_idle_model(rstack):
     assert rows == [(f"lru{1 if rstack.limit == 2 else 0}", f"eviction for lru{rstack.limit}")]
 
 
-def test_eviction_never_picks_a_busy_or_queued_model_and_answers_503(rstack):
-    """R6.1/R6.3: every loaded model is running or has a queued request → the cold load gets 503
-    server_busy (residency_full), nothing is interrupted; once idle, the load evicts."""
+def test_a_cold_load_waits_for_room_and_never_evicts_a_busy_or_queued_model(rstack):
+    """R6.1/R6.3: every loaded model is running or has a queued request → a cold request waits under
+    its busy timeout (503 ``residency_full`` at its deadline, not at once), interrupting nothing; a
+    cold request with time to spare waits until a loaded model becomes idle, then evicts it and runs."""
     limit = rstack.limit
 
     async def scenario():
@@ -86,22 +87,58 @@ def test_eviction_never_picks_a_busy_or_queued_model_and_answers_503(rstack):
                 await until(lambda: rstack.arrived("ev-run2") == 1)
                 running.append(asyncio.create_task(post(op, busy[1], tag="queued")))
                 await until(lambda: rstack.counters(busy[1])["queued"] == 1)
-            resp, _, _ = await post(op, "cold")
+            started = time.monotonic()
+            resp, _, _ = await post(op, "cold", busy_timeout_ms=600)
+            waited_s = time.monotonic() - started
             assert resp.status_code == 503, resp.text
             error = resp.json()["error"]
             assert error["type"] == "server_busy" and error["code"] == "residency_full"
-            assert resp.headers["retry-after"]
+            assert "became idle" in error["message"] and resp.headers["retry-after"]
+            assert 0.5 <= waited_s < 5, waited_s  # it waited for room until its deadline
             assert loaded(rstack) == set(busy) and entry_of(rstack, "cold")["state"] == "unloaded"
+            assert rstack.counters("cold") == {"leases": 0, "queued": 0}
+            patient = asyncio.create_task(post(op, "cold", busy_timeout_ms=60000))
+            await asyncio.sleep(0.8)
+            assert not patient.done() and loaded(rstack) == set(busy)  # waiting, nobody interrupted
             rstack.release("ev-run")
             if limit == 2:
                 rstack.release("ev-run2")
             for task in running:
                 assert (await task)[0].status_code == 200
-            resp, _, _ = await post(op, "cold")
-            assert resp.status_code == 200
+            resp, _, _ = await within(patient, 30)
+            assert resp.status_code == 200, resp.text
             assert "cold" in loaded(rstack) and len(loaded(rstack)) == limit
     run(scenario())
     assert rstack.counters("cold") == {"leases": 0, "queued": 0}
+
+
+def test_a_wave_of_requests_for_more_models_than_fit_loads_each_model_once(rstack):
+    """R6.1 (no thrash; replays of llama.cpp #24849 and #28698): with the limit full of a busy model,
+    requests for another model wait for room instead of failing, and the wave is served with each
+    model loaded once — the busy model's own queued requests finish before it is evicted."""
+    limit = rstack.limit
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            names = [f"wave{i}" for i in range(limit + 1)]
+            for name in names:
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+            first = [asyncio.create_task(post(op, name, barrier="wave-hold", tag=name)) for name in names[:limit]]
+            await until(lambda: rstack.arrived("wave-hold") == limit)
+            behind = [asyncio.create_task(post(op, name, tag=f"{name}-2")) for name in names[:limit]]
+            await until(lambda: all(rstack.counters(n)["queued"] == 1 for n in names[:limit]))
+            late = [asyncio.create_task(post(op, names[limit], tag=f"late{i}")) for i in range(3)]
+            await asyncio.sleep(0.5)
+            assert not any(t.done() for t in late)  # waiting for room, not refused
+            rstack.release("wave-hold", count=limit)
+            answers = [await within(t, 30) for t in first + behind + late]
+            return [a[0] for a in answers]
+    answers = run(scenario())
+    assert [r.status_code for r in answers] == [200] * len(answers), [r.text for r in answers if r.status_code != 200]
+    loads = rstack.sql("SELECT model_id, count(*) FROM registry_lifecycleevent WHERE event = 'load' "
+                       "AND model_id LIKE 'wave%%' AND outcome = 'ok' GROUP BY model_id")
+    assert sorted(loads) == [(f"wave{i}", 1) for i in range(limit + 1)]
 
 
 def test_no_model_is_evicted_for_a_load_in_backoff(rstack):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -107,15 +108,29 @@ async def run_as_manager(ctx: AsyncContext, model_id: str, timeout_ms: int,
 
 
 @asynccontextmanager
-async def cold_load_guard(ctx: AsyncContext):
+async def cold_load_guard(ctx: AsyncContext, deadline_s: float | None = None):
     """Hold the deployment's cold-load guard (one cold load at a time, FIFO, R6.6).
 
     The guard is a pseudo model (``Keys.cold_guard``) of capacity one in the
-    same scheduler. Waits without bound (the busy timeout bounds admission
-    only, R3.5); the lease is renewed while held and released on every path.
+    same scheduler. Waits until ``deadline_s`` (``time.monotonic()`` seconds;
+    None = without bound): the holder may itself be waiting for room (R6.1),
+    and that wait is bounded by the cold request's busy timeout. No overdue
+    fail-fast here (a guard held long is not a stuck slot). The lease is
+    renewed while held and released on every path.
+
+    Raises:
+        ServerBusy: (code ``residency_full``) the deadline passed before the guard was ours.
     """
     guard = KEYS.cold_guard
-    lease = await ctx.scheduler.acquire(ctx.listener, guard, 0)
+    waiting = ctx.scheduler.acquire(ctx.listener, guard, 0)
+    if deadline_s is None:
+        lease = await waiting
+    else:
+        try:
+            lease = await asyncio.wait_for(waiting, max(0.0, deadline_s - time.monotonic()))
+        except TimeoutError:  # the ticket is gone (the cancelled acquire withdrew it, R8.1)
+            raise ServerBusy("the server is at max_loaded_models and the cold loads ahead of this request "
+                             "did not finish within its busy timeout", code="residency_full") from None
     try:
         async with ctx.scheduler.keep_alive(guard, lease.lease_id):
             yield
