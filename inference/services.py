@@ -26,6 +26,7 @@ step finishes on the worker, which releases the lease (R8.2).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -169,6 +170,20 @@ async def model_retire_if_idle(ctx: AsyncContext, model_id: str, idle_ms: int) -
 
 # -- loading and residency (R4.2, R6) -------------------------------------------------------------
 
+async def _record_lost_load(model_id: str, host: str, error: str) -> None:
+    """Record the end of a load whose worker died (R7.4): the worker wrote its start (state
+    ``loading``) and cannot write its outcome, so the web process that ended it does: state
+    ``unloaded``, ``last_error``, a failed ``load`` audit row whose actor is the lost worker.
+
+    Tolerated race: a new load may start at once; if its ``loading`` write lands before this
+    one, the database reads ``unloaded`` until that load's outcome is written.
+    """
+    try:
+        await sync_to_async(records.registration_record_load)(model_id, False, error=error, actor=host)
+    except Exception:  # the caller's 503 matters more than the record
+        log.exception("recording the lost load of %s failed", model_id)
+
+
 async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
                         room_timeout_ms: int | None = None) -> rpc.Placement:
     """Where ``model_id``'s pool is loaded, loading it if needed (single flight, R4.2).
@@ -191,6 +206,7 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
         ServerBusy: (code ``residency_full``) no room was made within ``room_timeout_ms``.
         InsufficientMemory: the memory guard refused the load.
     """
+    lost = functools.partial(_record_lost_load, model_id)
     if get_config().residency_limited:
         status = (await ctx.scheduler.snapshot([model_id]))[model_id]
         if status["retry_in_ms"] and not force:  # no eviction on behalf of a load in backoff (R6.7)
@@ -202,11 +218,11 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
             async with leases.cold_load_guard(ctx, deadline_s):
                 started = time.monotonic()
                 await make_room(ctx, model_id, deadline_s)
-                placement = await rpc.load_single_flight(ctx, model_id, force=force)
+                placement = await rpc.load_single_flight(ctx, model_id, force=force, on_load_lost=lost)
                 if placement.load_ms:
                     return rpc.Placement(placement.owner, placement.boot, (time.monotonic() - started) * 1000)
                 return placement
-    return await rpc.load_single_flight(ctx, model_id, force=force)
+    return await rpc.load_single_flight(ctx, model_id, force=force, on_load_lost=lost)
 
 
 async def _available_memory_mb(ctx: AsyncContext) -> int | None:

@@ -14,6 +14,7 @@ from inference.scheduler import (
     AdmissionTimeout,
     Keys,
     Listener,
+    LoadEnd,
     Scheduler,
     effective_timeout_ms,
 )
@@ -242,7 +243,8 @@ def test_single_flight_load(redis_client):
             second = await rig.scheduler.begin_load(rig.listener, "m", "t2")
             assert second.action == "wait"
             assert (await rig.scheduler.snapshot(["m"]))["m"]["state"] == "loading"
-            assert await rig.scheduler.finish_load("m", "t1", False, error="boom") == "ok"
+            # A load that ended without a failure of its own (its worker was lost): no backoff.
+            assert await rig.scheduler.finish_load("m", "t1", LoadEnd.WORKER_LOST, error="boom") == "ok"
             await asyncio.wait_for(woken, 1)
             snap = (await rig.scheduler.snapshot(["m"]))["m"]
             assert snap["state"] == "unloaded" and snap["error"] == "boom"
@@ -250,14 +252,14 @@ def test_single_flight_load(redis_client):
             assert retry.action == "load"
             # A worker publishes the pool; it is ready only while its liveness key says so.
             await rig.redis.set(keys.worker_live("w1"), "boot1", px=5000)
-            assert await rig.scheduler.finish_load("m", "t3", True, owner="w1", boot="boot1") == "ok"
+            assert await rig.scheduler.finish_load("m", "t3", LoadEnd.READY, owner="w1", boot="boot1") == "ok"
             ready = await rig.scheduler.begin_load(rig.listener, "m", "t4")
             assert (ready.action, ready.owner, ready.boot) == ("ready", "w1", "boot1")
             # R7.4: the worker dies → the model reads unloaded and the next caller loads.
             await rig.redis.delete(keys.worker_live("w1"))
             assert (await rig.scheduler.snapshot(["m"]))["m"]["state"] == "unloaded"
             assert (await rig.scheduler.begin_load(rig.listener, "m", "t5")).action == "load"
-            assert await rig.scheduler.finish_load("m", "t1", True, owner="w1", boot="x") == "stale"
+            assert await rig.scheduler.finish_load("m", "t1", LoadEnd.READY, owner="w1", boot="x") == "stale"
     run(scenario())
 
 
@@ -269,7 +271,65 @@ def test_silent_loader_is_replaced(redis_client):
             assert (await rig.scheduler.begin_load(rig.listener, "m", "b")).action == "wait"
             await asyncio.sleep(0.35)
             assert (await rig.scheduler.begin_load(rig.listener, "m", "c")).action == "load"
-            assert await rig.scheduler.finish_load("m", "a", True, owner="w", boot="z") == "stale"
+            assert await rig.scheduler.finish_load("m", "a", LoadEnd.READY, owner="w", boot="z") == "stale"
+    run(scenario())
+
+
+@pytest.mark.parametrize("death", ["liveness key expired", "hostname restarted with another boot"])
+def test_a_load_whose_worker_stops_beating_is_ended_for_every_waiter(redis_client, death):
+    """R7.4: a load whose worker's liveness key is gone (or names another boot of that hostname)
+    is dead at once, though its claim (a 60 s TTL here) has not expired: the loader's
+    ``load_claim`` reads expired, the snapshot reads unloaded, a manager does not wait for it, and
+    the next ``begin_load`` ends it (``worker_lost``, no backoff), waking its waiters; the call
+    after that loads."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys, ttl_ms=60000) as rig:
+            sched, live = rig.scheduler, keys.worker_live("w1")
+            await rig.redis.set(live, "boot1", px=5000)
+            assert (await sched.begin_load(rig.listener, "m", "t1")).action == "load"
+            pending = rig.listener.expect("load:t0")
+            assert (await sched.begin_load(rig.listener, "m", "t0")).left_ms == -1  # no worker started it yet
+            assert await sched.renew_load("m", "t1", "w1", "boot1") == 1  # the worker started it
+            claim = await sched.load_claim("m", "t1")
+            # Alive until its liveness key lapses (5 s), sooner than its claim (60 s): look again then.
+            assert claim.claim == "running" and 4000 < claim.left_ms <= 5000
+            woken = rig.listener.expect("load:t2")
+            wait = await sched.begin_load(rig.listener, "m", "t2", replaces="t0")
+            assert wait.action == "wait" and 4000 < wait.left_ms <= 5000
+            rig.listener.expect("load:manager")
+            assert (await sched.add_load_waiter(rig.listener, "m", "manager")).waiting
+            if death == "liveness key expired":
+                await rig.redis.delete(live)
+            else:
+                await rig.redis.set(live, "boot2", px=60000)
+            assert await sched.load_claim("m", "t1") == ("expired", 0)
+            assert (await sched.snapshot(["m"]))["m"]["state"] == "unloaded"
+            assert not (await sched.add_load_waiter(rig.listener, "m", "manager2")).waiting
+            lost = await sched.begin_load(rig.listener, "m", "t3")
+            assert (lost.action, lost.owner) == ("lost", "w1") and "w1" in lost.error
+            await within(woken, 2)
+            assert not pending.done()  # t0 was unregistered when t2 replaced it
+            load = await rig.redis.hgetall(keys.load("m"))
+            assert (load["state"], load["ended"]) == ("unloaded", "worker_lost") and "retry_at_ms" not in load
+            assert (await sched.begin_load(rig.listener, "m", "t4")).action == "load"
+            assert await sched.finish_load("m", "t1", LoadEnd.READY, owner="w1", boot="boot1") == "stale"
+    run(scenario())
+
+
+def test_a_waiter_deciding_again_leaves_one_load_wait_entry(redis_client):
+    """R4.2: a caller that waits for a load looks again every few seconds with a new token; each
+    look unregisters its previous token, so the waiters' hash does not grow with the load's length."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            assert (await rig.scheduler.begin_load(rig.listener, "m", "loader")).action == "load"
+            previous = ""
+            for look in range(5):
+                decision = await rig.scheduler.begin_load(rig.listener, "m", f"w{look}", replaces=previous)
+                assert decision.action == "wait"
+                previous = f"w{look}"
+            assert await rig.redis.hgetall(keys.model("m") + ":loadwait") == {"w4": rig.listener.channel}
     run(scenario())
 
 

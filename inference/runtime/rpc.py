@@ -21,14 +21,20 @@ from enum import StrEnum
 import numpy as np
 
 from audiosite.celery import app as celery_app
-from audiosite.errors import ModelLoadFailed, ServerBusy
+from audiosite.errors import ApplicationError, ModelLoadFailed, ServerBusy
 from inference import audio
-from inference.scheduler import LIVENESS_TTL_MS, LoadAction, LoadClaim
+from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, LoadAction, LoadClaim, LoadEnd, LoadOutcome
 
 from .context import KEYS, AsyncContext
 
 INPUT_TTL_MS = 600000  # a request's input waits at most 10 min for its worker
-WATCHDOG_S = LIVENESS_TTL_MS / 1000  # how often a waiter checks that its worker lives
+LIVENESS_CHECK_S = LIVENESS_EVERY_S
+"""When a caller waiting on a worker (a run, a load, a teardown) first checks that the worker still
+beats, and how often it checks while no worker has started a load, in seconds (one beat, 2 s)."""
+CHECK_MARGIN_S = 0.05
+"""Added to a deadline read from Redis before looking again, so that Redis has passed it."""
+MAX_CHECK_S = LIVENESS_TTL_MS / 1000
+"""The longest a waiter goes without looking at its reply key (a lost wake-up costs at most this)."""
 
 # Sending a task is a blocking call into kombu; it runs in a small pool of its
 # own, never in the executor that decodes audio (R: the request path, item 7).
@@ -41,26 +47,89 @@ async def send_task(task_name: str, args: list, queue) -> None:
     await loop.run_in_executor(_SEND_POOL, lambda: celery_app.send_task(task_name, args=args, queue=queue))
 
 
-async def await_reply(ctx: AsyncContext, wake: asyncio.Future, reply_key: str,
-                      keep_waiting: Callable[[], Awaitable[bool]], tick_s: float = WATCHDOG_S) -> bool:
-    """Wait for a worker's reply: the pushed wake-up, or ``reply_key`` found at a watchdog tick.
+def next_check_s(left_s: float) -> float:
+    """How long to wait before looking again at something that stays alive ``left_s`` more seconds
+    unless renewed: just past that deadline, within ``[CHECK_MARGIN_S, MAX_CHECK_S]``."""
+    return min(MAX_CHECK_S, max(0.0, left_s) + CHECK_MARGIN_S)
 
-    At each tick without a reply, ``await keep_waiting()`` decides whether to go on.
+
+async def await_reply(ctx: AsyncContext, wake: asyncio.Future, reply_key: str,
+                      keep_waiting: Callable[[], Awaitable[float | None]],
+                      first_check_s: float = LIVENESS_CHECK_S) -> bool:
+    """Wait for a worker's reply: the pushed wake-up, or ``reply_key`` found at a check.
+
+    The first check comes after ``first_check_s``; each check without a reply
+    awaits ``keep_waiting()``, which returns the seconds until the next check
+    (typically the moment the worker's liveness would lapse, see
+    :func:`next_check_s`), or None to stop waiting.
 
     Returns:
         True when the reply is there, False when ``keep_waiting`` said stop.
     """
+    wait_s = first_check_s
     while True:
-        done, _ = await asyncio.wait({wake}, timeout=tick_s)
+        done, _ = await asyncio.wait({wake}, timeout=wait_s)
         if done or await ctx.redis.exists(reply_key):
             return True
-        if not await keep_waiting():
+        after_s = await keep_waiting()
+        if after_s is None:
             return False
+        wait_s = after_s
+
+
+async def worker_alive_for_s(ctx: AsyncContext, owner: str, boot: str) -> float | None:
+    """Seconds left on worker ``owner``'s liveness key while it holds boot id ``boot``; None when the
+    key is gone or names another boot: the worker died, froze or restarted (R7.4). One round trip."""
+    key = KEYS.worker_live(owner)
+    async with ctx.redis.pipeline(transaction=True) as pipe:
+        pipe.get(key)
+        pipe.pttl(key)
+        value, pttl_ms = await pipe.execute()
+    if value != boot:
+        return None
+    return pttl_ms / 1000 if pttl_ms >= 0 else MAX_CHECK_S
+
+
+async def until_worker_lost(ctx: AsyncContext, owner: str, boot: str) -> float | None:
+    """A ``keep_waiting`` for :func:`await_reply`: look again just after worker ``owner``'s liveness
+    key would lapse (R7.4: a dead worker is noticed within its liveness TTL), None once it has."""
+    left_s = await worker_alive_for_s(ctx, owner, boot)
+    return None if left_s is None else next_check_s(left_s)
 
 
 async def worker_alive(ctx: AsyncContext, owner: str, boot: str) -> bool:
     """True while worker ``owner`` still beats with boot id ``boot`` (R7.4)."""
     return await ctx.redis.get(KEYS.worker_live(owner)) == boot
+
+
+def worker_lost_while_loading(model_id: str, error: str) -> ServerBusy:
+    """The 503 ``worker_lost`` of every caller of a load whose worker died during it (R7.4)."""
+    return ServerBusy(f"model {model_id!r}: the worker loading it was lost ({error}); the model is unloaded "
+                      "and the next request loads it on a live worker; retry", code="worker_lost", retry_after_s=1)
+
+
+def load_end_error(model_id: str, load: dict) -> ApplicationError | None:
+    """What a caller of a load reports when that load ended without a pool, or None.
+
+    Args:
+        load: the model's ``:load`` hash as read after the load's wake-up.
+
+    Returns:
+        By the hash's ``ended`` (``LoadEnd``), while ``state`` is ``unloaded``:
+        ``worker_lost`` → ServerBusy ``worker_lost`` (R7.4); ``no_worker`` →
+        ServerBusy ``no_worker``; ``failed`` → ModelLoadFailed ``load_failed``
+        (R4.2). None otherwise (the model is ready, or being loaded again).
+    """
+    if load.get("state") != "unloaded":
+        return None
+    ended, error = load.get("ended"), load.get("error") or "no detail"
+    if ended == LoadEnd.WORKER_LOST:
+        return worker_lost_while_loading(model_id, error)
+    if ended == LoadEnd.NO_WORKER:
+        return ServerBusy(f"model {model_id!r}: {error}; is a GPU worker running?", code="no_worker")
+    if ended == LoadEnd.FAILED:
+        return ModelLoadFailed(f"model {model_id!r} failed to load: {error}", code="load_failed")
+    return None
 
 
 def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFailed:
@@ -81,21 +150,37 @@ class Placement:
     load_ms: float
 
 
+LoadLostHook = Callable[[str, str], Awaitable[None]]
+"""``hook(worker_hostname, error)``: called by the one caller that ended a load whose worker died."""
+
+
 async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s: float | None = None,
-                             force: bool = False) -> Placement:
+                             force: bool = False, on_load_lost: LoadLostHook | None = None) -> Placement:
     """Return where ``model_id`` is loaded, loading it first if needed (single flight across processes, R4.2).
 
     Args:
         pickup_timeout_s: how long a load task may wait for a worker to start
             it (default: the lease TTL). Past that, the claim is abandoned.
         force: load even during a failed load's backoff (explicit management load, R6.7).
+        on_load_lost: awaited by the caller that ends a load whose worker died
+            (exactly one caller does), before it raises: the dead worker
+            recorded the load's start and can no longer record its end.
+
+    A caller waiting for another caller's load, and the loader itself, look
+    again just after the moment the worker running it would count as dead
+    (its liveness key's or its claim's expiry, read from Redis): a load whose
+    worker died ends for all of them when its liveness key expires, within the
+    worker liveness TTL of its last beat (R7.4), whatever the lease TTL.
+    While no worker has started the load they look every ``LIVENESS_CHECK_S``.
 
     Raises:
         ModelLoadFailed: the load failed; the model stays registered and
             unloaded, and a later request retries (R4.2); or the last load
             failed and its backoff has not passed (R6.7: at once, with the
             time left as ``retry_after_s``).
-        ServerBusy: no worker started the load in time (code ``no_worker``, R7.4).
+        ServerBusy: no worker started the load in time (code ``no_worker``), or
+            the worker loading it died (code ``worker_lost``; the model is
+            unloaded and the next caller loads it on a live worker, R7.4).
 
     Tolerated race: a load task that a worker starts after its claim was
     abandoned sees ``renew_load`` refuse and does nothing.
@@ -104,58 +189,76 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
         pickup_timeout_s = ctx.scheduler.lease_ttl_ms / 1000
     started = time.monotonic()
     loaded_here = False
+    waited = False  # this caller waited for a load in progress: if that load is lost, so is this call
+    unwoken = ""  # the token of our last 'wait' that was not woken (begin_load unregisters it)
     while True:
         token = uuid.uuid4().hex
         wake = ctx.listener.expect(f"load:{token}")
         try:
-            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token, force)
+            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token, force, replaces=unwoken)
+            unwoken = ""
             if decision.action is LoadAction.BACKOFF:
                 raise backoff_error(model_id, decision.retry_in_ms, decision.error)
             if decision.action is LoadAction.READY:
                 assert decision.owner is not None and decision.boot is not None
                 return Placement(decision.owner, decision.boot,
                                  (time.monotonic() - started) * 1000 if loaded_here else 0.0)
+            if decision.action is LoadAction.LOST:
+                # We found the load in progress dead and ended it (its waiters are woken).
+                if on_load_lost is not None:
+                    await on_load_lost(decision.owner or "", decision.error)
+                if waited:
+                    raise worker_lost_while_loading(model_id, decision.error)
+                continue  # it was not ours: decide again (we become the loader)
             if decision.action is LoadAction.WAIT:
-                # Another caller loads: wake on its outcome, or decide again after
-                # the watchdog period (a loader that died is replaced).
-                done, _ = await asyncio.wait({wake}, timeout=WATCHDOG_S)
-                if done:
-                    load = await ctx.redis.hgetall(KEYS.load(model_id))
-                    if load.get("state") == "unloaded" and load.get("error"):
-                        # That load failed: it releases everyone who waited for it (R4.2).
-                        raise ModelLoadFailed(f"model {model_id!r} failed to load: {load['error']}",
-                                              code="load_failed")
+                # Another caller loads: wake on its outcome, or decide again once its worker
+                # would count as dead (begin_load ends a load whose worker is gone, R7.4).
+                waited = True
+                look_s = LIVENESS_CHECK_S if decision.left_ms < 0 else next_check_s(decision.left_ms / 1000)
+                done, _ = await asyncio.wait({wake}, timeout=look_s)
+                if not done:
+                    unwoken = token
+                    continue
+                error = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+                if error is not None:
+                    raise error  # that load ended without a pool: it releases everyone who waited (R4.2)
                 continue
             loaded_here = True
             await send_task("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
             sent_at = time.monotonic()
 
-            async def load_goes_on(token: str = token, sent_at: float = sent_at) -> bool:
-                claim = await ctx.scheduler.load_claim(model_id, token)
-                if claim is LoadClaim.RUNNING:
-                    return True  # a worker is loading and renewing its claim
+            async def load_goes_on(token: str = token, sent_at: float = sent_at) -> float | None:
+                status = await ctx.scheduler.load_claim(model_id, token)
+                claim = status.claim
+                if claim is LoadClaim.RUNNING:  # a worker is loading, renewing its claim and beating
+                    return next_check_s(status.left_ms / 1000)
                 if claim is LoadClaim.PENDING:
-                    if time.monotonic() - sent_at < pickup_timeout_s:
-                        return True
-                    await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
+                    pickup_left_s = pickup_timeout_s - (time.monotonic() - sent_at)
+                    if pickup_left_s > 0:
+                        return min(LIVENESS_CHECK_S, pickup_left_s)
+                    await ctx.scheduler.finish_load(model_id, token, LoadEnd.NO_WORKER,
+                                                    error="no worker started the load")
                     raise ServerBusy(f"model {model_id!r}: no worker started its load within "
                                      f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
                 if claim is LoadClaim.EXPIRED:
-                    # The loading worker stopped renewing its claim (R7.4): nobody will answer.
-                    await ctx.scheduler.finish_load(model_id, token, False, error="the loading worker stopped")
-                    raise ServerBusy(f"model {model_id!r}: the worker loading it stopped responding; retry",
-                                     code="worker_lost")
-                return False  # GONE: finished (its reply is read below) or taken over (decide again)
+                    # The loading worker is gone (R7.4): nobody will answer. End the load for everyone.
+                    host = await ctx.redis.hget(KEYS.load(model_id), "loader_host") or ""
+                    error = f"worker {host} was lost while loading the model"
+                    ended = await ctx.scheduler.finish_load(model_id, token, LoadEnd.WORKER_LOST, error=error)
+                    if ended is LoadOutcome.OK and on_load_lost is not None:
+                        await on_load_lost(host, error)
+                    raise worker_lost_while_loading(model_id, error)
+                return None  # GONE: finished (its reply is read below) or ended by another caller
 
             replied = await await_reply(ctx, wake, KEYS.load_result(token), load_goes_on,
-                                        tick_s=min(WATCHDOG_S, pickup_timeout_s))
+                                        first_check_s=min(LIVENESS_CHECK_S, pickup_timeout_s))
             raw = await ctx.redis.getdel(KEYS.load_result(token))
             if not replied and raw is None:
                 # Our claim is gone without a reply yet: the load just finished (its reply follows
-                # the worker's database write) or another loader took over. Read the outcome.
-                load = await ctx.redis.hgetall(KEYS.load(model_id))
-                if load.get("state") == "unloaded" and load.get("error"):
-                    raise ModelLoadFailed(f"model {model_id!r} failed to load: {load['error']}", code="load_failed")
+                # the worker's database write) or another caller found its worker dead. Read the outcome.
+                error = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+                if error is not None:
+                    raise error
                 continue  # ready (begin_load says so) or loading by another: decide again
             outcome = json.loads(raw or '{"ok": false, "error": "lost"}')
             if not outcome["ok"]:
@@ -245,7 +348,7 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
             raise
         handover.sent = True
         if not await await_reply(ctx, wake, KEYS.result(request_id),
-                                 lambda: worker_alive(ctx, placement.owner, placement.boot)):
+                                 lambda: until_worker_lost(ctx, placement.owner, placement.boot)):
             await ctx.redis.delete(KEYS.input(request_id))
             return None
         return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))

@@ -19,7 +19,7 @@ from celery.utils import worker_direct
 from inference.scheduler import Lease, ModelState
 
 from .context import KEYS, AsyncContext
-from .rpc import WATCHDOG_S, await_reply, send_task, worker_alive
+from .rpc import LIVENESS_CHECK_S, await_reply, send_task, until_worker_lost, worker_alive
 
 
 class TeardownOutcome(StrEnum):
@@ -43,7 +43,8 @@ class TeardownResult:
 
 
 async def wait_for_load_in_progress(ctx: AsyncContext, model_id: str) -> None:
-    """Return once no live loader is building ``model_id``'s pool (a dead loader's claim expires, R2.5)."""
+    """Return once no live loader is building ``model_id``'s pool (a loader whose worker stopped beating or
+    renewing its claim no longer counts, R7.4)."""
     while True:
         token = uuid.uuid4().hex
         wake = ctx.listener.expect(f"load:{token}")
@@ -52,7 +53,7 @@ async def wait_for_load_in_progress(ctx: AsyncContext, model_id: str) -> None:
             if not wait.waiting:
                 return
             claim_left_s = (wait.loader_expires_ms - wait.now_ms) / 1000
-            await asyncio.wait({wake}, timeout=min(WATCHDOG_S, max(0.05, claim_left_s)))
+            await asyncio.wait({wake}, timeout=min(LIVENESS_CHECK_S, max(0.05, claim_left_s)))
         finally:
             ctx.listener.forget(f"load:{token}")
 
@@ -85,7 +86,7 @@ async def teardown_held(ctx: AsyncContext, lease: Lease, state: ModelState = Mod
             try:
                 await send_task("inference.unload_model", [model_id, boot, token, ctx.listener.channel],
                                 worker_direct(owner))
-                await await_reply(ctx, wake, KEYS.load_result(token), lambda: worker_alive(ctx, owner, boot))
+                await await_reply(ctx, wake, KEYS.load_result(token), lambda: until_worker_lost(ctx, owner, boot))
             finally:
                 ctx.listener.forget(f"load:{token}")
             reply = json.loads(await ctx.redis.getdel(KEYS.load_result(token)) or "{}")

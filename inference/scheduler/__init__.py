@@ -19,10 +19,12 @@ from .slots import (
 )
 from .types import (
     AdmissionProbe,
+    ClaimStatus,
     Lease,
     LeaseKind,
     LoadAction,
     LoadClaim,
+    LoadEnd,
     LoadDecision,
     LoadOutcome,
     LoadWait,
@@ -34,6 +36,7 @@ from .types import (
 
 __all__ = [
     "AdmissionProbe",
+    "ClaimStatus",
     "LIVENESS_EVERY_S",
     "LIVENESS_TTL_MS",
     "AdmissionExpired",
@@ -48,6 +51,7 @@ __all__ = [
     "Listener",
     "LoadAction",
     "LoadClaim",
+    "LoadEnd",
     "LoadDecision",
     "LoadOutcome",
     "LoadWait",

@@ -21,11 +21,13 @@ from .keys import LIVENESS_TTL_MS, Keys
 from .listener import Listener
 from .types import (
     AdmissionProbe,
+    ClaimStatus,
     Lease,
     LeaseKind,
     LoadAction,
     LoadClaim,
     LoadDecision,
+    LoadEnd,
     LoadOutcome,
     LoadWait,
     ModelState,
@@ -188,9 +190,9 @@ class Scheduler:
         return KeepAlive(lambda: self.renew(model_id, lease_id), self.lease_ttl_ms / 3000,
                          f"lease {lease_id[:8]} of {model_id}")
 
-    def keep_load_claim(self, model_id: str, token: str, host: str) -> KeepAlive:
+    def keep_load_claim(self, model_id: str, token: str, host: str, boot: str) -> KeepAlive:
         """A :class:`KeepAlive` renewing the single loader's claim (``with`` in a worker thread)."""
-        return KeepAlive(lambda: self.renew_load(model_id, token, host), self.lease_ttl_ms / 3000,
+        return KeepAlive(lambda: self.renew_load(model_id, token, host, boot), self.lease_ttl_ms / 3000,
                          f"load claim {token[:8]} of {model_id}")
 
     def reap(self, model_id: str, ticket: str = ""):
@@ -204,27 +206,35 @@ class Scheduler:
                      lambda r: ReapResult(int(r[0]), int(r[1]), TicketStatus(_text(r[2])), int(r[3])))
 
     # -- loads ----------------------------------------------------------------
-    def renew_load(self, model_id: str, token: str, host: str):
-        """Extend the single loader's claim (``host`` = the worker loading). Returns 1 if still the loader."""
-        return self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms, host])
+    def renew_load(self, model_id: str, token: str, host: str, boot: str):
+        """Extend the single loader's claim. Returns 1 if still the loader.
+
+        ``host`` and ``boot`` name the worker loading (its Celery hostname and
+        boot id): while the claim lasts, the load counts as dead as soon as that
+        worker's liveness key is gone (R7.4), not only when the claim expires.
+        """
+        return self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms, host, boot])
 
     def load_claim(self, model_id: str, token: str):
-        """How the load claimed by ``token`` is doing: :class:`LoadClaim` (an awaitable of it with an async client)."""
-        return _then(self._run("load_claim", [self.keys.model(model_id)], [token]),
-                     lambda r: LoadClaim(_text(r)))
+        """How the load claimed by ``token`` is doing: :class:`ClaimStatus` (an awaitable of it with an async
+        client)."""
+        return _then(self._run("load_claim", [self.keys.model(model_id), self.keys.worker_live_prefix], [token]),
+                     lambda r: ClaimStatus(LoadClaim(_text(r[0])), int(r[1])))
 
-    def finish_load(self, model_id: str, token: str, ok: bool, owner: str = "", boot: str = "", error: str = "",
-                    capacity: int = 0):
-        """Publish a load's outcome and wake its waiters.
+    def finish_load(self, model_id: str, token: str, outcome: LoadEnd, owner: str = "", boot: str = "",
+                    error: str = "", capacity: int = 0):
+        """Publish a load's ``outcome`` (see :class:`LoadEnd`) and wake its waiters.
 
-        ``capacity`` is the loaded pool's advertised capacity (shown as
-        ``max_parallel_slots`` while the model is loaded).
+        ``owner``/``boot`` name the worker holding the pool (``READY``);
+        ``error`` is recorded for any other outcome; ``capacity`` is the loaded
+        pool's advertised capacity (shown as ``max_parallel_slots`` while the
+        model is loaded). Only ``FAILED`` starts the backoff (R6.7).
 
         Returns:
             :class:`LoadOutcome` (``STALE``: the claim was gone, nothing published).
         """
         return _then(self._run("finish_load", [self.keys.model(model_id)],
-                               [token, "ready" if ok else "failed", owner, boot, error, capacity]),
+                               [token, str(LoadEnd(outcome)), owner, boot, error, capacity]),
                      lambda r: LoadOutcome(_text(r)))
 
     def mark_unloaded(self, model_id: str, boot: str, error: str):
@@ -239,7 +249,8 @@ class Scheduler:
         Returns:
             :class:`LoadWait`; ``waiting`` False when no live loader runs (nothing registered).
         """
-        return _then(self._run("add_load_waiter", [self.keys.model(model_id)], [token, listener.channel]),
+        return _then(self._run("add_load_waiter", [self.keys.model(model_id), self.keys.worker_live_prefix],
+                               [token, listener.channel]),
                      lambda r: LoadWait(_text(r[0]) == "wait", int(r[1]), int(r[2])))
 
     # -- lifecycle writes of a manager ------------------------------------------
@@ -533,23 +544,29 @@ class Scheduler:
                 pass
         await asyncio.shield(asyncio.ensure_future(undo()))
 
-    async def begin_load(self, listener: Listener, model_id: str, token: str, force: bool = False) -> LoadDecision:
+    async def begin_load(self, listener: Listener, model_id: str, token: str, force: bool = False,
+                         replaces: str = "") -> LoadDecision:
         """Single-flight load decision (R4.2); see ``lua/begin_load.lua``.
 
         For 'wait', the caller must have called ``listener.expect(f"load:{token}")``
         before this call to be woken. ``force``: load even during a failed load's
-        backoff (an explicit management load, R6.7).
+        backoff (an explicit management load, R6.7). ``replaces``: the caller's
+        token of an earlier 'wait' that was not woken, unregistered first.
         """
         reply = await self._run(
             "begin_load",
             [self.keys.model(model_id), self.keys.worker_live_prefix],
-            [token, listener.channel, self.lease_ttl_ms, "1" if force else "0"],
+            [token, listener.channel, self.lease_ttl_ms, "1" if force else "0", replaces],
         )
         action = LoadAction(_text(reply[0]))
         if action is LoadAction.READY:
             return LoadDecision(action, _text(reply[1]), _text(reply[2]))
         if action is LoadAction.BACKOFF:
             return LoadDecision(action, retry_in_ms=int(reply[1]), error=_text(reply[2]))
+        if action is LoadAction.LOST:
+            return LoadDecision(action, owner=_text(reply[2]), error=_text(reply[1]))
+        if action is LoadAction.WAIT:
+            return LoadDecision(action, left_ms=int(reply[1]))
         return LoadDecision(action)
 
     async def snapshot(self, model_ids: list[str]) -> dict[str, ModelStatus]:

@@ -43,6 +43,21 @@ class LoadAction(StrEnum):
     WAIT = "wait"  # another caller loads: wait for its outcome
     LOAD = "load"  # the caller is now the single loader
     BACKOFF = "backoff"  # the last load failed and its backoff has not passed (R6.7)
+    LOST = "lost"  # the worker running the load in progress died; this call ended that load (R7.4)
+
+
+class LoadEnd(StrEnum):
+    """How a load ended (``finish_load.lua``; the ``ended`` field of a model's ``:load`` hash).
+
+    ``READY``: its pool is published. Without a pool: ``FAILED`` (the worker
+    reported a failure; starts the backoff, R6.7), ``WORKER_LOST`` (the loading
+    worker died, R7.4) or ``NO_WORKER`` (no worker started it in time).
+    """
+
+    READY = "ready"
+    FAILED = "failed"
+    WORKER_LOST = "worker_lost"
+    NO_WORKER = "no_worker"
 
 
 class LoadOutcome(StrEnum):
@@ -57,7 +72,7 @@ class LoadClaim(StrEnum):
 
     PENDING = "pending"  # claimed, no worker started it yet
     RUNNING = "running"  # a worker started it and renews the claim
-    EXPIRED = "expired"  # a worker started it and stopped renewing (died or froze, R7.4)
+    EXPIRED = "expired"  # a worker started it and is gone: stopped renewing or stopped beating (R7.4)
     GONE = "gone"  # the token no longer holds the claim (finished, abandoned or taken over)
 
 
@@ -90,13 +105,27 @@ class Lease:
 class LoadDecision:
     """Outcome of ``begin_load``; for ``READY``, ``owner`` is the Celery hostname
     owning the pool and ``boot`` its boot id; for ``BACKOFF``, ``retry_in_ms``
-    until a load may be tried again and the failed load's ``error``."""
+    until a load may be tried again and the failed load's ``error``; for
+    ``LOST``, ``owner`` is the lost worker's hostname and ``error`` what was
+    recorded for the load this call ended; for ``WAIT``, ``left_ms``: how long
+    the load in progress stays alive if its worker stops now (-1 while no
+    worker has started it)."""
 
     action: LoadAction
     owner: str | None = None
     boot: str | None = None
     retry_in_ms: int = 0
     error: str = ""
+    left_ms: int = -1
+
+
+class ClaimStatus(NamedTuple):
+    """Result of ``load_claim.lua``: the ``claim``'s state and, while ``RUNNING``, ``left_ms``:
+    how long it stays alive if its worker stops now (the claim's or the worker's liveness
+    key's expiry, whichever comes first); 0 otherwise."""
+
+    claim: LoadClaim
+    left_ms: int
 
 
 class ReapResult(NamedTuple):

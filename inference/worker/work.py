@@ -18,7 +18,7 @@ from inference.adapters.base import AudioRequest, InvalidInput
 from inference.adapters.fixture_barrier import make_barrier
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
 from inference.runtime.rpc import RunFailure
-from inference.scheduler import LoadOutcome
+from inference.scheduler import LoadEnd, LoadOutcome
 from registry import services as records
 
 from .state import Pool, WorkerState
@@ -46,7 +46,7 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
     """
     scheduler = sync_scheduler()
     host = worker.hostname or ""
-    if not scheduler.renew_load(model_id, token, host):
+    if not scheduler.renew_load(model_id, token, host, worker.boot):
         log.info("load of %s (token %s) was abandoned or replaced before it started; skipping", model_id, token)
         return None
     started = time.monotonic()
@@ -60,7 +60,7 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
     try:
         if meta_json is None:
             raise LookupError(f"model {model_id!r} is no longer registered")
-        with scheduler.keep_load_claim(model_id, token, host):
+        with scheduler.keep_load_claim(model_id, token, host, worker.boot):
             built = worker.build(model_id, json.loads(meta_json), meta_json, barrier=barrier)
             capacity = built.capacity
     except Exception as exc:
@@ -68,7 +68,8 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
         log.exception("loading %s failed", model_id)
     duration_ms = int((time.monotonic() - started) * 1000)
     ok = not error
-    if scheduler.finish_load(model_id, token, ok, host, worker.boot, error, capacity) is LoadOutcome.STALE:
+    outcome = LoadEnd.READY if ok else LoadEnd.FAILED
+    if scheduler.finish_load(model_id, token, outcome, host, worker.boot, error, capacity) is LoadOutcome.STALE:
         # Our claim was replaced or abandoned (an unload, a takeover): publish nothing.
         if built is not None:
             worker.discard(model_id, built)

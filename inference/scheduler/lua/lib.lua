@@ -13,7 +13,10 @@
 --   base..':expiry'   ZSET  lease (either kind) -> expires_at_ms (renewed by the holder)
 --   base..':cap'      STRING capacity (slots); absent = 1
 --   base..':load'     HASH  state, owner, boot, loader, loader_expires_ms,
---                           loader_host, error, capacity, last_used_ms,
+--                           loader_host + loader_boot (the worker running the load),
+--                           error, ended (how the last load that did not
+--                           succeed ended: 'failed', 'worker_lost' or 'no_worker'),
+--                           capacity, last_used_ms,
 --                           failures + retry_at_ms (failed loads, R6.7)
 --   base..':loadwait' HASH  token -> channel of a caller waiting for a load
 -- Lease id = ticket id. Clock: every script trusts redis.call('TIME') only
@@ -105,4 +108,54 @@ local function overdue_stats(key, now, timeout_ms)
     if youngest == nil or age < youngest then youngest = age end
   end
   return #leases / 2, all_overdue, any_overdue, youngest or 0
+end
+
+-- How long (ms) the load in progress on 'key' (a ':load' hash in state 'loading')
+-- stays alive if nothing changes, once a worker started it (loader_host set): the
+-- earlier of its claim's expiry and its worker's liveness key's expiry (R7.4);
+-- 0 when the claim expired or that key is gone or names another boot (the worker
+-- died, froze, or restarted). nil while no worker has started the load (its caller
+-- times the pickup).
+local function loader_left_ms(key, live_prefix, now)
+  local host = redis.call('HGET', key, 'loader_host')
+  if not host then return nil end
+  local left = tonumber(redis.call('HGET', key, 'loader_expires_ms') or '0') - now
+  local boot = redis.call('HGET', key, 'loader_boot')
+  if boot then
+    local live = live_prefix .. host
+    if redis.call('GET', live) ~= boot then return 0 end
+    local pttl = redis.call('PTTL', live)
+    if pttl >= 0 and pttl < left then left = pttl end
+  end
+  if left < 0 then return 0 end
+  return left
+end
+
+-- Is the load in progress on 'key' held by a worker that is gone (R7.4)? See loader_left_ms.
+local function loader_dead(key, live_prefix, now)
+  local left = loader_left_ms(key, live_prefix, now)
+  return left ~= nil and left <= 0
+end
+
+-- End the load in progress without a pool (R4.2): state 'unloaded' with 'error',
+-- 'ended' = how ('failed': the worker reported a failure; 'worker_lost': the
+-- loading worker died; 'no_worker': nobody started it). Only a 'failed' load
+-- starts the backoff (R6.7): 'failures' counts consecutive ones and no caller
+-- loads again before retry_at_ms = now + min(60 s, 1 s * 2^(failures-1)).
+-- Forgets the claim and wakes every waiter registered by begin_load ('load:<token>').
+local function end_load(base, ended, err, now)
+  local key = base .. ':load'
+  redis.call('HSET', key, 'state', 'unloaded', 'error', err, 'ended', ended)
+  redis.call('HDEL', key, 'owner', 'boot')
+  if ended == 'failed' then
+    local failures = redis.call('HINCRBY', key, 'failures', 1)
+    local delay_ms = math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ^ (failures - 1))
+    redis.call('HSET', key, 'retry_at_ms', now + delay_ms)
+  end
+  redis.call('HDEL', key, 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot')
+  local waiters = redis.call('HGETALL', base .. ':loadwait')
+  for i = 1, #waiters, 2 do
+    redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i])
+  end
+  redis.call('DEL', base .. ':loadwait')
 end

@@ -24,5 +24,6 @@ local begins = want == 'unloading' or want == 'reconfiguring'
 local ends = want == 'unloaded' and (state == 'unloading' or state == 'reconfiguring' or state == 'unloaded')
 if not (begins or ends) then return 'bad_transition' end
 redis.call('HSET', key, 'state', want, 'error', err)
-redis.call('HDEL', key, 'owner', 'boot', 'loader', 'loader_expires_ms', 'loader_host', 'capacity')
+redis.call('HDEL', key, 'owner', 'boot', 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot',
+           'capacity')
 return 'ok'

@@ -5,7 +5,8 @@
 --    manager_leases, queued_managers, loaded_capacity (the pool's advertised
 --    capacity while ready, else 0), last_used_ms (end of the last work; 0 = never),
 --    retry_at_ms (a failed load's backoff end, 0 = none), retry_in_ms (0 = may load now)}
--- where a 'ready' state whose owner is no longer alive reads as 'unloaded', and
+-- where a 'ready' state whose owner is no longer alive, and a 'loading' state
+-- whose loading worker is gone (lib's loader_dead), read as 'unloaded' (R7.4), and
 -- 'unloaded' after a failed load (until a load succeeds or the entry changes)
 -- reads as 'failed' (R6.7).
 local live_prefix = KEYS[#KEYS]
@@ -20,6 +21,8 @@ for i = 1, #KEYS - 1 do
     if not owner or redis.call('GET', live_prefix .. owner) ~= redis.call('HGET', key, 'boot') then
       state = 'unloaded'
     end
+  elseif state == 'loading' and loader_dead(key, live_prefix, now) then
+    state = 'unloaded'
   end
   local retry_at = tonumber(redis.call('HGET', key, 'retry_at_ms') or '0')
   if state == 'unloaded' and retry_at > 0 then state = 'failed' end
