@@ -7,6 +7,7 @@ Test modules import from here and never from each other. Named actors:
 - ``post`` / ``body`` / ``mclient``: requests to a stack, every one bounded (client timeouts
   of a few tens of seconds; ``run`` and ``within`` bound whole scenarios and single awaits).
 - ``fx``: a management entry of the fixture family (barriers, injected failures).
+- ``worker_pid`` / ``proc_environ`` / ``proc_threads``: the stack's worker process as the kernel sees it.
 """
 from __future__ import annotations
 
@@ -251,6 +252,28 @@ def run_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, parall
     client.flushdb()
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
+
+
+# -- the worker process of a stack ------------------------------------------------------------------
+def worker_pid(stack) -> int:
+    """The process id of the stack's one worker, from the ``as:wpid`` hash the worker publishes at start."""
+    pids = list(stack.redis.hgetall("as:wpid").values())
+    assert len(pids) == 1, f"expected one worker, found {pids}"
+    return int(pids[0])
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with (``/proc/<pid>/environ``, Linux)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def proc_threads(pid: int) -> int:
+    """How many threads process ``pid`` has now (``Threads:`` of ``/proc/<pid>/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Threads line in /proc/{pid}/status")
 
 
 # -- requests to a stack ---------------------------------------------------------------------------

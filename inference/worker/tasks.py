@@ -16,7 +16,7 @@ from inference.runtime.rpc import RunFailure
 from inference.runtime.startup import check_runtime
 from registry import services as records
 
-from . import liveness, retirement, work
+from . import liveness, memory, retirement, work
 from .state import WORKER
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 def _worker_identity(sender, instance, **kwargs):
     """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4)."""
     check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
+    memory.warn_if_arenas_unbounded()
     liveness.liveness_start(WORKER, sender, sync_redis(), KEYS)
     log.info("worker %s boot %s is alive", sender, WORKER.boot)
     if get_config().idle_unload_ms:
