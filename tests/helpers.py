@@ -9,6 +9,7 @@ Test modules import from here and never from each other. Named actors:
 - ``fx``: a management entry of the fixture family (barriers, injected failures).
 - ``web_pid`` / ``raw_exchange``: the daphne process of a stack, and one HTTP/1.1 exchange
   written by hand on a socket (for bodies no HTTP client would send: a false Content-Length).
+- ``worker_pid`` / ``proc_environ`` / ``proc_threads``: the stack's worker process as the kernel sees it.
 """
 from __future__ import annotations
 
@@ -531,6 +532,28 @@ def start_embedded(tmp: Path, *args: str, env: dict | None = None) -> tuple[subp
 def mode_of(path: Path) -> int:
     """The permission bits of ``path`` (e.g. ``0o600``)."""
     return stat.S_IMODE(path.stat().st_mode)
+
+
+# -- the worker process of a stack ------------------------------------------------------------------
+def worker_pid(stack) -> int:
+    """The process id of the stack's one worker, from the ``as:wpid`` hash the worker publishes at start."""
+    pids = list(stack.redis.hgetall("as:wpid").values())
+    assert len(pids) == 1, f"expected one worker, found {pids}"
+    return int(pids[0])
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` was started with (``/proc/<pid>/environ``, Linux)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def proc_threads(pid: int) -> int:
+    """How many threads process ``pid`` has now (``Threads:`` of ``/proc/<pid>/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Threads line in /proc/{pid}/status")
 
 
 # -- requests to a stack ---------------------------------------------------------------------------

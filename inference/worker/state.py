@@ -22,6 +22,8 @@ from inference.adapters import get_adapter
 from inference.adapters.base import LoadContext
 from inference.backend import resolve_backend
 
+from .memory import release_freed_memory
+
 log = logging.getLogger(__name__)
 
 
@@ -61,12 +63,17 @@ class Pool:
             self.free.put(index)
 
     def close(self, wait_s: float = 60.0) -> None:
-        """Destroy the sessions, then the shared weights (R4.5 order).
+        """Destroy the sessions, then the shared weights (R4.5 order), then give the memory back.
 
         First waits (up to ``wait_s``) until no run uses a session: a run that
         outlived its lease (its worker was frozen, R7.4) must not lose its
         session under it. If runs are still going after that, the pool is left
         to the garbage collector instead of being destroyed under them.
+
+        Afterwards the pool holds no session and no weights (``shared`` is
+        None), so whoever still holds the pool object keeps nothing large
+        alive, and the allocator's free pages go back to the kernel
+        (``memory.release_freed_memory``: glibc ``malloc_trim``, a no-op elsewhere).
         """
         deadline = time.monotonic() + wait_s
         taken = 0
@@ -84,7 +91,12 @@ class Pool:
             except Exception:
                 log.exception("closing a session of %s failed", self.model_id)
         self.sessions.clear()
-        self.adapter.unload(self.shared)
+        shared, self.shared = self.shared, None
+        self.adapter.unload(shared)
+        del shared
+        trimmed = release_freed_memory()
+        log.info("destroyed the pool of %s%s", self.model_id,
+                 "; free memory returned to the OS (malloc_trim)" if trimmed else "")
 
 
 class CapacityExceeded(ValueError):

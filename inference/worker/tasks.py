@@ -17,7 +17,7 @@ from inference.runtime.context import KEYS, sync_redis, sync_scheduler
 from inference.runtime.startup import check_runtime
 from registry import services as records
 
-from . import liveness, retirement, work
+from . import liveness, memory, retirement, work
 from .runs import RunDispatcher
 from .state import WORKER
 
@@ -30,6 +30,7 @@ _DISPATCHER: list[RunDispatcher] = []  # this process's run dispatcher, once the
 def _worker_identity(sender, instance, **kwargs):
     """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4)."""
     check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
+    memory.warn_if_arenas_unbounded()
     liveness.liveness_start(WORKER, sender, sync_redis(), KEYS)
     dispatcher = RunDispatcher(WORKER, threads=instance.concurrency)
     dispatcher.start()

