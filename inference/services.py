@@ -164,9 +164,9 @@ async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, famil
         log.info("decode budget: refused %d bytes, %d of %d in flight", needed_bytes, budget.in_flight_bytes,
                  budget.limit_bytes)
         raise ServerBusy(
-            f"this server process is decoding other audio: {_mib(budget.in_flight_bytes)} of decoded audio in "
-            f"flight, and this request needs {_mib(needed_bytes)} more than the {_mib(budget.limit_bytes)} it may "
-            "hold (max_decoded_bytes_in_flight); retry", code="decode_budget", retry_after_s=1)
+            f"this server process is busy decoding other audio: {_mib(budget.in_flight_bytes)} of decoded audio in "
+            f"flight, this request needs {_mib(needed_bytes)} more, and at most {_mib(budget.limit_bytes)} may be "
+            "in flight (max_decoded_bytes_in_flight); retry", code="decode_budget", retry_after_s=1)
     try:
         samples = await decoding.decode(audio_input.data, header, rate, get_config().max_audio_seconds)
     except audio.AudioError as exc:
