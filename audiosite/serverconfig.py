@@ -44,6 +44,9 @@ NOT_YET_SUPPORTED_MODEL = {
 }
 
 MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, not overflowed
+# 192 MiB: one decode of the longest default input (1800 s of 16 kHz float32, 115.2 MB) fits, two do not,
+# and about 85 MB stay for shorter ones beside it (docs/operations.md, "The decode budget").
+DEFAULT_DECODE_BUDGET_BYTES = 192 * 1024 * 1024
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "server.json"
 
@@ -104,6 +107,8 @@ class ServerConfig(_Strict):
     lease_ttl_ms: int = Field(default=30000, ge=1000)
     max_request_body_bytes: int = Field(default=104857600, ge=1024)
     max_audio_seconds: float = Field(default=1800.0, gt=0, le=86400)
+    max_decoded_bytes_in_flight: int = Field(default=DEFAULT_DECODE_BUDGET_BYTES, ge=0)
+    """Decoded audio one web process may hold at once (``inference.runtime.decoding``); 0 = no limit."""
     media_roots: list[str] = Field(default_factory=list)
     ui_management: bool = False
     allowed_hosts: list[str] = Field(default_factory=list)

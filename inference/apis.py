@@ -4,10 +4,11 @@ Views only translate HTTP to the runtime and back (async: a waiting request
 holds no thread): the length check, the input serializer
 (``inference.serializers``; its first problem becomes a 400 naming the field
 path in ``param``), the checks that need the model, then the service. Field
-and option problems are refused before any ticket is taken; the audio itself
-is decoded by the service once the request holds its slot (a refusal costs no
-decoding, a queued request holds only its upload), and audio that cannot be
-decoded gives the lease back with its 400/413/415.
+and option problems are refused before any ticket is taken, and so are audio
+problems the container's header shows (the service reads it first); the
+audio itself is decoded by the service once the request holds its slot (a
+refusal costs no decoding, a queued request holds only its upload), and
+audio that then fails to decode gives the lease back with its 400/415.
 """
 from __future__ import annotations
 
@@ -142,8 +143,8 @@ class TranscriptionApi(APIView):
     Raises:
         InvalidRequest: bad input, a model of another task, ``stream=true``, options the model refuses (400).
         NotFound: unknown model (404). PayloadTooLarge (413), UnsupportedMedia (415): see
-            ``inference.services.decode_audio``.
-        ServerBusy: from the runtime (503).
+            ``inference.services.inspect_audio`` and ``decode_audio``.
+        ServerBusy: from the runtime (503), ``decode_budget`` included.
     """
 
     async def post(self, request):

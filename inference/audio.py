@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import soundfile
@@ -49,31 +50,152 @@ class TooManyChannels(AudioError):
     """The header announces more than :data:`MAX_CHANNELS` channels."""
 
 
-BLOCK_FRAMES = 65536  # frames decoded per step: memory stays bounded by the output, not the source
+BLOCK_FRAMES = 65536  # frames read per step: the source is never held whole, only one block of it
+# soxr's filter tables and buffers besides its input and output arrays: measured under 1 MiB at 384 kHz -> 16 kHz;
+# its buffers grow with the chunk it returns (about twice it when upsampling 1 kHz -> 16 kHz), counted separately.
+RESAMPLER_TABLES_BYTES = 1 << 20
+# libsndfile's decoder state, the bytes it reads from the upload through soundfile's I/O callbacks, and the
+# Python objects of a decode: a few KB traced, well under this.
+DECODER_STATE_BYTES = 1 << 20
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class AudioHeader:
+    """What a container's header states, read without decoding a frame (:func:`read_header`).
+
+    ``frames`` is the length at ``sample_rate_hz`` as libsndfile computes it
+    from the header (or, for OGG and MP3, from the stream's end); libsndfile
+    never returns more frames than this, so it bounds what :func:`decode`
+    produces.
+    """
+
+    sample_rate_hz: int
+    channels: int
+    frames: int
+
+    @property
+    def duration_s(self) -> float:
+        """The stated length in seconds."""
+        return self.frames / self.sample_rate_hz
+
+
+def _checked_header(handle: soundfile.SoundFile, max_seconds: float) -> AudioHeader:
+    rate = int(handle.samplerate)
+    if not MIN_SAMPLE_RATE_HZ <= rate <= MAX_SAMPLE_RATE_HZ:
+        raise ImplausibleAudio(
+            f"sample rate {rate} Hz is outside the plausible range "
+            f"{MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz"
+        )
+    if handle.channels > MAX_CHANNELS:
+        raise TooManyChannels(f"the audio has {handle.channels} channels; at most {MAX_CHANNELS} are accepted")
+    if handle.frames > int(max_seconds * rate):
+        raise AudioTooLong(f"the audio lasts {handle.frames / rate:.0f} s; the limit is "
+                           f"max_audio_seconds={max_seconds:g}")
+    if handle.frames <= 0:
+        raise EmptyAudio("the audio file holds no samples")
+    return AudioHeader(rate, int(handle.channels), int(handle.frames))
+
+
+def _undecodable(exc: Exception) -> UndecodableAudio:
+    reason = getattr(exc, "error_string", None) or str(exc)
+    return UndecodableAudio(
+        f"cannot decode the audio ({reason.strip().rstrip('.')}); send WAV, FLAC, OGG (Vorbis/Opus) or MP3")
+
+
+def read_header(data: bytes, max_seconds: float = 1800.0) -> AudioHeader:
+    """Open ``data`` and check its header, decoding no frame.
+
+    Usually well under a millisecond (30 min OGG/Opus and MP3 included), but
+    libsndfile walks every chunk of a WAV through soundfile's Python I/O
+    callbacks: 8,000 empty chunks (67 KB) take about 30 ms. Call it off the
+    event loop.
+
+    Raises:
+        EmptyAudio: no bytes, or a header stating zero frames.
+        UndecodableAudio: libsndfile cannot open it.
+        ImplausibleAudio: sample rate outside 1 kHz..384 kHz.
+        TooManyChannels: more than :data:`MAX_CHANNELS` channels.
+        AudioTooLong: a stated length over ``max_seconds``.
+    """
+    if not data:
+        raise EmptyAudio("the audio file is empty (0 bytes)")
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as handle:
+            return _checked_header(handle, max_seconds)
+    except AudioError:
+        raise
+    except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
+        raise _undecodable(exc) from exc
+
+
+def output_frames_bound(frames: int, source_rate_hz: int, target_rate_hz: int) -> int:
+    """Most samples :func:`decode` returns for ``frames`` source frames: ``ceil(frames x target / source)``.
+
+    soxr's streaming resampler, flushed at the end, returns exactly that many
+    or fewer (checked for 1 kHz..384 kHz sources, 8..48 kHz targets, tests/test_audio.py).
+    """
+    if source_rate_hz == target_rate_hz:
+        return frames
+    return -(-frames * target_rate_hz // source_rate_hz)
+
+
+def _chunk_frames_bound(source_rate_hz: int, target_rate_hz: int) -> int:
+    """Most samples one ``resample_chunk`` call returns for one block: it may release samples held back
+    from earlier blocks (at the end, up to about 45,000 source frames' worth), so twice a block's worth."""
+    return -(-2 * BLOCK_FRAMES * target_rate_hz // source_rate_hz)
+
+
+def decode_peak_bytes(header: AudioHeader, target_rate_hz: int) -> int:
+    """Most bytes :func:`decode` holds at once for a file with ``header``, an honest upper bound.
+
+    :func:`decode` allocates its float32 output once, at its final size
+    (:func:`output_frames_bound`), and otherwise only per-block buffers that
+    it reuses: the read buffer (``BLOCK_FRAMES x channels`` float32), the mono
+    mix (``BLOCK_FRAMES`` float32, multichannel only), the finiteness mask
+    (one byte per sample of a block) and, when resampling, one chunk returned
+    by soxr (copied into the output, then dropped), soxr's own buffers (about
+    twice that chunk) and its filter tables (:data:`RESAMPLER_TABLES_BYTES`),
+    plus :data:`DECODER_STATE_BYTES` for libsndfile and small objects. The
+    upload itself (the caller's ``data``) is not counted: it is held anyway.
+    Example: 30 min of 16 kHz mono for a 16 kHz model is 115.2 MB of output
+    plus 1.4 MB.
+    """
+    rate = header.sample_rate_hz
+    total = output_frames_bound(header.frames, rate, target_rate_hz) * FLOAT32_BYTES + DECODER_STATE_BYTES
+    total += BLOCK_FRAMES * header.channels * (FLOAT32_BYTES + 1)  # read buffer and finiteness mask
+    if header.channels > 1:
+        total += BLOCK_FRAMES * FLOAT32_BYTES
+    if rate != target_rate_hz:
+        total += 3 * _chunk_frames_bound(rate, target_rate_hz) * FLOAT32_BYTES + RESAMPLER_TABLES_BYTES
+    return total
 
 
 def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
            cancel: threading.Event | None = None) -> tuple[np.ndarray, int]:
     """Decode an audio file in memory to mono float32 at ``target_rate_hz``.
 
-    The header is checked before any frame is decoded: sample rate, channel
-    count (at most :data:`MAX_CHANNELS`) and, when the container states it,
-    the frame count against ``max_seconds``. Decoding is then streamed block
-    by block (mix to mono, then soxr's streaming resampler, VHQ) and the
-    frames are counted again, so a file whose header understates its length
-    (or states none) cannot expand in memory beyond ``max_seconds`` of mono
-    output either.
+    The header is checked before any frame is decoded (:func:`read_header`'s
+    checks). Decoding then streams block by block (``BLOCK_FRAMES`` frames:
+    mix to mono, soxr's streaming resampler, VHQ) into one output array
+    allocated at its final size from the header's frame count, so the only
+    large allocation is the result itself (:func:`decode_peak_bytes`): no
+    list of pieces, no concatenation. libsndfile returns at most the frames
+    its header states, so a file cannot decode to more than its header (and
+    ``max_seconds``) announced.
 
     Args:
         data: the file's bytes.
         target_rate_hz: the model's sample rate.
         max_seconds: longest accepted audio, in seconds.
-        cancel: when set (by another thread), decoding stops at the next block
-            (``BLOCK_FRAMES`` frames): a client that left frees the decoder.
+        cancel: when set (by another thread), decoding stops at the next block:
+            a client that left frees the decoder.
 
     Returns:
-        ``(samples, source_rate_hz)``: float32 ``(n,)`` in about [-1, 1] at
-        ``target_rate_hz``, and the file's own rate.
+        ``(samples, source_rate_hz)``: contiguous float32 ``(n,)`` in about
+        [-1, 1] at ``target_rate_hz`` (a view of the output array, which may
+        be a few samples longer, or longer still when the stream ended before
+        its stated length), and the file's own rate.
 
     Raises:
         EmptyAudio: no bytes, no frames, or nothing left after resampling.
@@ -87,46 +209,68 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
         raise EmptyAudio("the audio file is empty (0 bytes)")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as handle:
-            rate = int(handle.samplerate)
-            if not MIN_SAMPLE_RATE_HZ <= rate <= MAX_SAMPLE_RATE_HZ:
-                raise ImplausibleAudio(
-                    f"sample rate {rate} Hz is outside the plausible range "
-                    f"{MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz"
-                )
-            if handle.channels > MAX_CHANNELS:
-                raise TooManyChannels(f"the audio has {handle.channels} channels; at most {MAX_CHANNELS} "
-                                      f"are accepted")
-            max_frames = int(max_seconds * rate)
-            if handle.frames > max_frames:
-                raise AudioTooLong(f"the audio lasts {handle.frames / rate:.0f} s; the limit is "
-                                   f"max_audio_seconds={max_seconds:g}")
-            stream = None if rate == target_rate_hz else soxr.ResampleStream(rate, target_rate_hz, 1, "float32", "VHQ")
-            pieces, frames = [], 0
-            for block in handle.blocks(blocksize=BLOCK_FRAMES, dtype="float32", always_2d=True):
-                if cancel is not None and cancel.is_set():
-                    raise DecodeCancelled("decoding was cancelled")
-                frames += block.shape[0]
-                if frames > max_frames:
-                    raise AudioTooLong(f"the audio lasts more than max_audio_seconds={max_seconds:g}")
-                if not np.isfinite(block).all():
-                    raise ImplausibleAudio("the audio holds non-finite samples (NaN or infinity)")
-                mono = block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0]
-                pieces.append(mono if stream is None else stream.resample_chunk(mono, last=False))
-            if stream is not None:
-                pieces.append(stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+            header = _checked_header(handle, max_seconds)
+            samples, frames = _decode_blocks(handle, header, target_rate_hz, max_seconds, cancel)
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
-        reason = getattr(exc, "error_string", None) or str(exc)
-        raise UndecodableAudio(
-            f"cannot decode the audio ({reason.strip().rstrip('.')}); send WAV, FLAC, OGG (Vorbis/Opus) or MP3"
-        ) from exc
+        raise _undecodable(exc) from exc
     if frames == 0:
         raise EmptyAudio("the audio file holds no samples")
-    samples = np.ascontiguousarray(np.concatenate(pieces) if pieces else np.zeros(0), dtype=np.float32)
     if samples.size == 0:
         raise EmptyAudio(f"the audio is too short to yield any sample at {target_rate_hz} Hz")
-    return samples, rate
+    return samples, header.sample_rate_hz
+
+
+def _decode_blocks(handle: soundfile.SoundFile, header: AudioHeader, target_rate_hz: int, max_seconds: float,
+                   cancel: threading.Event | None) -> tuple[np.ndarray, int]:
+    """The body of :func:`decode`: ``(samples, source frames read)``."""
+    rate, channels = header.sample_rate_hz, header.channels
+    max_frames = int(max_seconds * rate)
+    out = np.empty(output_frames_bound(header.frames, rate, target_rate_hz), dtype=np.float32)
+    block_buffer = np.empty((BLOCK_FRAMES, channels), dtype=np.float32)
+    finite_mask = np.empty((BLOCK_FRAMES, channels), dtype=bool)
+    mono_buffer = np.empty(BLOCK_FRAMES, dtype=np.float32) if channels > 1 else None
+    stream = None if rate == target_rate_hz else soxr.ResampleStream(rate, target_rate_hz, 1, "float32", "VHQ")
+    filled = frames = 0
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise DecodeCancelled("decoding was cancelled")
+        block = handle.read(BLOCK_FRAMES, dtype="float32", always_2d=True, out=block_buffer)
+        count = block.shape[0]
+        if count == 0:
+            break
+        frames += count
+        if frames > max_frames:  # libsndfile stops at the stated length; kept in case one ever does not
+            raise AudioTooLong(f"the audio lasts more than max_audio_seconds={max_seconds:g}")
+        if not np.isfinite(block, out=finite_mask[:count]).all():
+            raise ImplausibleAudio("the audio holds non-finite samples (NaN or infinity)")
+        if mono_buffer is None:
+            mono = block[:, 0]  # (count, 1) C-ordered: its only column is contiguous
+        else:
+            mono = np.mean(block, axis=1, dtype=np.float32, out=mono_buffer[:count])
+        if stream is None:
+            out, filled = _append(out, filled, mono)
+        else:
+            out, filled = _append(out, filled, stream.resample_chunk(mono, last=False))
+    if stream is not None:
+        out, filled = _append(out, filled, stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+    return out[:filled], frames
+
+
+def _append(out: np.ndarray, filled: int, piece: np.ndarray) -> tuple[np.ndarray, int]:
+    """Copy ``piece`` into ``out`` after its first ``filled`` samples; ``(out, filled)`` afterwards.
+
+    ``out`` is sized by :func:`output_frames_bound`, which soxr never exceeds;
+    should it ever, the output grows (one copy) rather than lose samples.
+    """
+    end = filled + piece.shape[0]
+    if end > out.shape[0]:
+        grown = np.empty(max(end, out.shape[0] + out.shape[0] // 8), dtype=np.float32)
+        grown[:filled] = out[:filled]
+        out = grown
+    out[filled:end] = piece
+    return out, end
 
 
 def resample(samples: np.ndarray, source_rate_hz: int, target_rate_hz: int) -> np.ndarray:

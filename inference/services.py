@@ -5,18 +5,25 @@ Views and Celery tasks call these; they use the mechanism of
 (the only writer of the database). Flow of one request (web process, async,
 no thread held while waiting):
 
+0. read the upload's container header (no frame decoded): a bad header,
+   too long, or a decode larger than the whole decode budget is refused
+   (400/413/415) before any ticket exists;
 1. acquire a request lease under the effective busy timeout (R3.1–R3.3);
    a refusal (fail-fast, timeout) costs no decoding;
-2. decode the upload in the decode pool (a bounded executor of its own);
-   audio that cannot be decoded is refused (400/413/415) and the lease given back;
+2. reserve the decode's peak bytes in this process's decode budget (503
+   ``decode_budget`` past it, the lease given back), then decode in a pool of
+   its own (``inference.runtime.decoding``); audio that cannot be decoded is
+   refused (400/415) and the lease given back;
 3. make sure the model is loaded (single flight across processes, R4.2;
    with a residency limit, cold loads pass the cold-load guard and evict, R6);
 4. store the input in Redis (TTL) and push the run's header on the owning
    worker's run queue (one round trip; ``inference.runtime.rpc.run_on_worker``);
+   the web process then drops the samples and gives back the reservation;
 5. await the ``done:<id>`` wake-up; the worker releases the lease.
 
 Decoding after the grant means a queued request holds only its upload, not
-the decoded samples (a small compressed file can decode to far more).
+the decoded samples (a small compressed file can decode to far more); the
+budget bounds what the granted ones hold at once.
 
 The web process renews the lease until the worker reports back, and releases
 it itself on every path where the worker never took over (refusal, load
@@ -28,13 +35,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import numpy as np
 
 from asgiref.sync import sync_to_async
 
@@ -50,7 +52,7 @@ from audiosite.errors import (
 )
 from audiosite.serverconfig import get_config
 from inference import audio, specs
-from inference.runtime import leases, published, rpc
+from inference.runtime import decoding, leases, published, rpc
 from inference.runtime.context import KEYS, AsyncContext
 from inference.runtime.teardown import TeardownResult, teardown_held
 from inference.scheduler import AdmissionOverdue, Lease, ModelState, effective_timeout_ms
@@ -88,38 +90,100 @@ class AudioInput:
     param: str
 
 
-# Decoding is CPU work in libsndfile and soxr: a bounded pool of its own, so a burst of uploads
-# cannot take the threads that send Celery tasks (inference.runtime.rpc) or the event loop's.
-DECODE_THREADS = max(2, os.cpu_count() or 1)
-_DECODE_POOL = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="decode")
+def _audio_refusal(exc: audio.AudioError, param: str) -> InvalidRequest:
+    """The client error for audio that cannot be served: 415 undecodable, 413 too long, else 400."""
+    if isinstance(exc, audio.UndecodableAudio):
+        return UnsupportedMedia(str(exc), param=param)
+    if isinstance(exc, audio.AudioTooLong):
+        return PayloadTooLarge(str(exc), param=param)
+    return InvalidRequest(str(exc), param=param)
 
 
-async def decode_audio(audio_input: AudioInput, family: str) -> tuple[np.ndarray, int]:
-    """Decode ``audio_input`` to mono float32 ``(n,)`` at the family's rate, in the decode pool.
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
-    Returns:
-        ``(samples, sample_rate_hz)``.
+
+def decoded_bytes_needed(header: audio.AudioHeader, target_rate_hz: int) -> int:
+    """Bytes a request with this audio header reserves in the decode budget: the decode's peak
+    (:func:`inference.audio.decode_peak_bytes`) plus the copies made sending its samples to Redis
+    (:func:`inference.runtime.rpc.send_copies_bytes`; none for large inputs)."""
+    output_bytes = audio.output_frames_bound(header.frames, header.sample_rate_hz, target_rate_hz) * audio.FLOAT32_BYTES
+    return audio.decode_peak_bytes(header, target_rate_hz) + rpc.send_copies_bytes(output_bytes)
+
+
+async def inspect_audio(audio_input: AudioInput, family: str) -> audio.AudioHeader:
+    """Check an upload's container header before the request queues; decode nothing.
+
+    A request whose audio could never be served is refused here, holding no
+    ticket: bad header, too long, or a decode larger than the whole decode
+    budget (it could never be admitted, so it is a 413, not a 503).
 
     Raises:
         UnsupportedMedia: not a container/codec we read (415).
-        PayloadTooLarge: longer than ``max_audio_seconds`` (413).
-        InvalidRequest: empty, or implausible (sample rate, non-finite samples) (400).
+        PayloadTooLarge: stated length over ``max_audio_seconds``, or a decode
+            needing more than ``max_decoded_bytes_in_flight`` (413).
+        InvalidRequest: empty, no frames, implausible sample rate, more than 8 channels (400).
+    """
+    config = get_config()
+    try:
+        header = await decoding.read_header(audio_input.data, config.max_audio_seconds)
+    except audio.AudioError as exc:
+        raise _audio_refusal(exc, audio_input.param) from None
+    needed_bytes = decoded_bytes_needed(header, specs.require_spec(family)["sample_rate_hz"])
+    budget = decoding.budget()
+    if not budget.fits_alone(needed_bytes):
+        raise PayloadTooLarge(
+            f"decoding this audio ({header.duration_s:.0f} s, {header.channels} channel(s) at "
+            f"{header.sample_rate_hz} Hz) needs about {_mib(needed_bytes)}, more than this server decodes at once "
+            f"(max_decoded_bytes_in_flight = {_mib(budget.limit_bytes)}); send shorter audio",
+            param=audio_input.param)
+    return header
+
+
+async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, family: str,
+                       options: dict) -> rpc.RunInput:
+    """Reserve the decode's bytes in this process's budget, decode ``audio_input`` to mono float32
+    ``(n,)`` at the family's rate, and return it as a run's input.
+
+    The reservation goes back when the samples are in Redis (see
+    ``inference.runtime.rpc.RunInput``), or here on any error or cancellation.
+
+    Args:
+        header: the upload's header, from :func:`inspect_audio`.
+
+    Raises:
+        ServerBusy: (code ``decode_budget``, ``Retry-After``) the decode does not fit beside the
+            decoded audio this process holds now.
+        UnsupportedMedia: the stream cannot be decoded (415).
+        InvalidRequest: non-finite samples, or nothing left after resampling (400).
     """
     rate = specs.require_spec(family)["sample_rate_hz"]
-    cancel = threading.Event()
+    needed_bytes = decoded_bytes_needed(header, rate)
+    budget = decoding.budget()
+    reservation = budget.reserve(needed_bytes)
+    if reservation is None:
+        log.info("decode budget: refused %d bytes, %d of %d in flight", needed_bytes, budget.in_flight_bytes,
+                 budget.limit_bytes)
+        raise ServerBusy(
+            f"this server process is busy decoding other audio: {_mib(budget.in_flight_bytes)} of decoded audio in "
+            f"flight, this request needs {_mib(needed_bytes)} more, and at most {_mib(budget.limit_bytes)} may be "
+            "in flight (max_decoded_bytes_in_flight); retry", code="decode_budget", retry_after_s=1)
     try:
-        samples, _source_rate = await asyncio.get_running_loop().run_in_executor(
-            _DECODE_POOL, audio.decode, audio_input.data, rate, get_config().max_audio_seconds, cancel)
-    except asyncio.CancelledError:
-        cancel.set()  # the caller left: stop the decoder at its next block instead of finishing for nobody
-        raise
-    except audio.UndecodableAudio as exc:
-        raise UnsupportedMedia(str(exc), param=audio_input.param) from None
-    except audio.AudioTooLong as exc:
-        raise PayloadTooLarge(str(exc), param=audio_input.param) from None
+        samples = await decoding.decode(audio_input.data, header, rate, get_config().max_audio_seconds)
     except audio.AudioError as exc:
-        raise InvalidRequest(str(exc), param=audio_input.param) from None
-    return samples, rate
+        reservation.release()
+        raise _audio_refusal(exc, audio_input.param) from None
+    except BaseException:
+        reservation.release()
+        raise
+    return rpc.RunInput(samples, rate, options, on_release=reservation.release)
+
+
+async def _give_back(ctx: AsyncContext, model_id: str, lease_id: str, run_input: rpc.RunInput | None) -> None:
+    """Release a request lease that no worker took over, and delete the input it sent to Redis, if any."""
+    await ctx.scheduler.release(model_id, lease_id)
+    if run_input is not None:
+        await rpc.drop_input(ctx, run_input)
 
 
 # -- the one teardown path -------------------------------------------------------------------------
@@ -345,10 +409,11 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
         request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
 
     Raises:
-        ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), or the
-            worker was lost.
+        ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), the
+            worker was lost, or the decode budget is full (``decode_budget``).
         UnsupportedMedia, PayloadTooLarge, InvalidRequest: the audio (see
-            :func:`decode_audio`); the lease is given back.
+            :func:`inspect_audio`, before queueing, and :func:`decode_audio`,
+            after the grant; the lease is then given back).
         ModelLoadFailed: the model could not be loaded.
         InvalidRequest: the adapter refused the request's options.
         NotFound: the model was unregistered while the request waited.
@@ -356,8 +421,10 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
     """
     model_id = meta["id"]
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
+    header = await inspect_audio(audio_input, meta["family"])
     lease = await leases.acquire(ctx, model_id, timeout_ms)
     handover = rpc.Handover()
+    run_input: rpc.RunInput | None = None
     try:
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
             # A manager ahead of us may have unregistered or reconfigured the model (R2.3).
@@ -368,10 +435,7 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                 raise Conflict(f"model {model_id!r} was reconfigured to {current['family']}/{current['task']} "
                                "while the request waited; its input was prepared for the old family; retry",
                                param="model")
-            samples, sample_rate_hz = await decode_audio(audio_input, current["family"])
-            run_input = rpc.RunInput(samples, sample_rate_hz, options)
-            audio_ms = len(samples) / sample_rate_hz * 1000
-            del samples
+            run_input = await decode_audio(audio_input, header, current["family"], options)
             load_ms = 0.0
             for _attempt in range(2):
                 left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
@@ -403,7 +467,9 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                 raise ApplicationError(f"model {model_id!r} failed: {reply['message']}")
             raise ServerBusy(f"model {model_id!r} could not serve the request: {reply['message']}", code=reply["kind"])
         return Outcome(reply["result"], lease.waited_ms, load_ms, reply["inference_ms"], reply["slot"],
-                       reply["worker"], audio_ms)
+                       reply["worker"], run_input.audio_ms)
     finally:
+        if run_input is not None:
+            run_input.release_samples()  # its budget reservation, if the samples never reached Redis
         if not handover.sent:
-            await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+            await asyncio.shield(_give_back(ctx, model_id, lease.lease_id, run_input))

@@ -1,11 +1,14 @@
 """Audio input: soundfile decoding, mono mix, soxr resampling, and refusals."""
 from __future__ import annotations
 
+import io
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
+import soundfile
 
 from inference import audio
 
@@ -138,3 +141,64 @@ def test_a_cancelled_decode_stops_at_the_next_block():
     cancelled_s = time.monotonic() - started
     assert outcome == {"result": "cancelled"}
     assert cancelled_s < full_s / 2, (cancelled_s, full_s)
+
+
+@pytest.mark.parametrize("source_rate", [1000, 8000, 11025, 22050, 44100, 48000, 96000, 384000])
+@pytest.mark.parametrize("frames", [1, 4095, audio.BLOCK_FRAMES, 3 * audio.BLOCK_FRAMES + 17])
+def test_the_output_bound_holds_for_what_soxr_returns(source_rate, frames):
+    """decode() sizes its output once from the header (output_frames_bound): soxr's streaming resampler
+    never returns more, and at most a few samples fewer, so no sample is lost and nothing is regrown."""
+    rng = np.random.default_rng(frames)
+    data = wav_bytes((0.1 * rng.standard_normal(frames)).astype(np.float32), source_rate, "WAV", "FLOAT")
+    bound = audio.output_frames_bound(frames, source_rate, 16000)
+    try:
+        samples, _ = audio.decode(data, 16000)
+    except audio.EmptyAudio:  # one frame at 384 kHz yields no sample at 16 kHz
+        assert bound <= 1
+        return
+    assert bound - 2 <= len(samples) <= bound
+    assert samples.base is not None and samples.base.shape[0] == bound  # a view of the one output array
+
+
+def test_the_header_is_read_without_decoding_and_checked_like_decode_checks_it():
+    """read_header: rate, channels and stated length; the same refusals as decode, no frame decoded."""
+    header = audio.read_header(wav_bytes(np.zeros((48000, 2), dtype=np.float32), 48000), 1800)
+    assert header == audio.AudioHeader(sample_rate_hz=48000, channels=2, frames=48000)
+    assert header.duration_s == 1.0
+    two_hours = wav_bytes(np.zeros(1000 * 7200, dtype=np.float32), 1000, "FLAC", "PCM_16")
+    with pytest.raises(audio.AudioTooLong, match="the audio lasts 7200 s"):
+        audio.read_header(two_hours, 60)
+    with pytest.raises(audio.TooManyChannels):
+        audio.read_header(wav_bytes(np.zeros((16000, 9), dtype=np.float32), 16000), 60)
+    with pytest.raises(audio.EmptyAudio):
+        audio.read_header(wav_bytes(np.zeros(0, dtype=np.float32), 16000), 60)
+    with pytest.raises(audio.UndecodableAudio):
+        audio.read_header(np.random.default_rng(7).bytes(4096), 60)
+    with pytest.raises(audio.ImplausibleAudio):
+        audio.read_header(wav_bytes(np.zeros(64, dtype=np.float32), 400000), 60)
+
+
+@pytest.mark.parametrize("rate, channels, fmt, subtype", [(16000, 1, "FLAC", "PCM_16"), (48000, 2, "FLAC", "PCM_16"),
+                                                           (8000, 8, "WAV", "PCM_16"), (44100, 2, "OGG", "VORBIS")])
+def test_decoding_allocates_the_output_once_and_stays_within_its_estimate(rate, channels, fmt, subtype):
+    """Issue 9 item 2 (copies on the path): the Python-visible allocations of a decode peak at the output
+    array plus one block's buffers (no list of pieces, no concatenated copy), and decode_peak_bytes, what
+    the web process reserves, covers them. tracemalloc sees numpy's buffers, not libsndfile's or soxr's
+    own (those are in the estimate's resampler allowance)."""
+    seconds = 60
+    buf = io.BytesIO()
+    rng = np.random.default_rng(rate)
+    with soundfile.SoundFile(buf, "w", rate, channels, format=fmt, subtype=subtype) as out:
+        for _ in range(seconds // 10):
+            out.write((0.1 * rng.standard_normal((rate * 10, channels))).astype(np.float32))
+    data = buf.getvalue()
+    header = audio.read_header(data, 1800)
+    tracemalloc.start()
+    try:
+        samples, _ = audio.decode(data, 16000)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    block_bytes = audio.BLOCK_FRAMES * channels * 4
+    assert samples.nbytes <= peak_bytes < samples.nbytes + 3 * block_bytes + (4 << 20)
+    assert peak_bytes <= audio.decode_peak_bytes(header, 16000)

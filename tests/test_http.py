@@ -63,7 +63,7 @@ def test_models_list_has_the_legacy_shape(stack):
     assert set(entries) == {"whisper", "whisper-unbounded", "vad", "vad-lazy", "vad-broken"}
     for entry in entries.values():
         assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded",
-                              "last_error", "retry_at"}
+                              "last_error", "retry_at"}  # R6.7's fields, on every entry
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True
     assert one == entries["vad"]
     assert_error(missing, 404, "not_found")

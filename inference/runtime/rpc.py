@@ -25,7 +25,7 @@ from audiosite.errors import ApplicationError, ModelLoadFailed, ServerBusy
 from inference import audio
 from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, LoadAction, LoadClaim, LoadEnd, LoadOutcome
 
-from .context import KEYS, AsyncContext
+from .context import KEYS, AsyncContext, sync_redis_bytes
 
 INPUT_TTL_MS = 600000  # a request's input waits at most 10 min for its worker
 LIVENESS_CHECK_S = LIVENESS_EVERY_S
@@ -290,27 +290,80 @@ class Handover:
         self.sent = False
 
 
-@dataclass(frozen=True)
 class RunInput:
     """What one run needs besides the model: decoded ``samples`` (float32 ``(n,)``) at
-    ``sample_rate_hz`` and the request's validated ``options`` (merged with defaults on the worker)."""
+    ``sample_rate_hz`` and the request's validated ``options`` (merged with defaults on the worker).
 
-    samples: np.ndarray
-    sample_rate_hz: int
-    options: dict
+    The samples go to Redis once, under ``Keys.input(request_id)``, on the first
+    :func:`run_on_worker`; the object then forgets them (``samples`` None,
+    ``staged`` True) and calls ``on_release`` (the decode budget's release),
+    so the web process holds decoded audio only until it is in Redis, not
+    while the worker runs. A second dispatch (the first owner answered
+    ``not_loaded`` and never touched the input) sends only a new header for
+    the same input. ``audio_ms``: the samples' duration.
+    """
+
+    def __init__(self, samples: np.ndarray, sample_rate_hz: int, options: dict,
+                 on_release: Callable[[], None] | None = None):
+        self.samples: np.ndarray | None = samples
+        self.sample_rate_hz = sample_rate_hz
+        self.options = options
+        self.audio_ms = len(samples) / sample_rate_hz * 1000
+        self.request_id = uuid.uuid4().hex
+        self.staged = False
+        self._on_release = on_release
+
+    def release_samples(self) -> None:
+        """Forget the samples and call ``on_release`` once (idempotent): when they are in Redis, or when
+        the request ends without handing them over. Call on the event loop."""
+        self.samples = None
+        on_release, self._on_release = self._on_release, None
+        if on_release is not None:
+            on_release()
+
+
+# Inputs of at least this many bytes are sent by a blocking client in a thread of their own: redis-py's
+# asyncio connection hands the packed command to ``transport.writelines``, which on Python 3.11 joins it
+# into one bytes object and buffers what the socket does not take at once in a bytearray: two copies of
+# the samples. The blocking client ``sendall``s the array's own memory. Smaller inputs stay on the loop
+# (one round trip without a thread hop; the copies are then at most twice this size).
+BLOCKING_SEND_MIN_BYTES = 1 << 20
+_INPUT_SEND_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="input-send")
+
+
+def send_copies_bytes(nbytes: int) -> int:
+    """Bytes of transient copies :func:`run_on_worker` makes while sending ``nbytes`` of samples."""
+    return 2 * nbytes if nbytes < BLOCKING_SEND_MIN_BYTES else 0
+
+
+def _send_blocking(input_key: str, data: memoryview, queue_key: str, header: str) -> None:
+    pipe = sync_redis_bytes().pipeline(transaction=False)
+    pipe.set(input_key, data, px=INPUT_TTL_MS)
+    pipe.lpush(queue_key, header)
+    pipe.pexpire(queue_key, INPUT_TTL_MS)
+    pipe.execute()
+
+
+async def drop_input(ctx: AsyncContext, run_input: RunInput) -> None:
+    """Delete ``run_input``'s samples from Redis (a request that ends before a worker took them)."""
+    if run_input.staged:
+        await ctx.redis.delete(KEYS.input(run_input.request_id))
 
 
 async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placement: Placement,
                         run_input: RunInput, handover: Handover) -> dict | None:
     """Hand one run to the owning worker and await its reply; None when the worker died meanwhile.
 
-    One round trip hands it over: the samples go to ``Keys.input`` (a view of
-    the decoded array, no copy; TTL ``INPUT_TTL_MS``) and a JSON header
-    ``{"model_id", "request_id", "lease_id", "boot", "channel",
-    "sample_rate_hz", "options"}`` is pushed on the worker's run queue
-    (``Keys.run_queue(owner, boot)``), which its run dispatcher pops
-    (``inference.worker.runs``). No Celery message per run: that hop cost
-    about 5 ms of the 20 ms overhead of a short request (docs/benchmarks.md).
+    One round trip hands it over: the samples go to ``Keys.input`` (TTL
+    ``INPUT_TTL_MS``; from the array's own memory when they are large, see
+    ``BLOCKING_SEND_MIN_BYTES``) and a JSON header ``{"model_id",
+    "request_id", "lease_id", "boot", "channel", "sample_rate_hz",
+    "options"}`` is pushed on the worker's run queue (``Keys.run_queue(owner,
+    boot)``), which its run dispatcher pops (``inference.worker.runs``). Then
+    ``run_input`` forgets its samples (:meth:`RunInput.release_samples`); a
+    second call for the same input sends only the header and refreshes the
+    input's TTL. No Celery message per run: that hop cost about 5 ms of the
+    20 ms overhead of a short request (docs/benchmarks.md).
 
     Args:
         handover: set to sent once the header is on the worker's queue (the
@@ -319,19 +372,31 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
     Returns:
         The worker's reply (see ``inference.worker.work.run_request``), or None.
     """
-    request_id = uuid.uuid4().hex
+    request_id = run_input.request_id
     header = json.dumps({"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
                          "boot": placement.boot, "channel": ctx.listener.channel,
                          "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options})
     queue_key = KEYS.run_queue(placement.owner, placement.boot)
+    input_key = KEYS.input(request_id)
     wake = ctx.listener.expect(f"done:{request_id}")
 
     async def push() -> None:
-        async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
-            pipe.set(KEYS.input(request_id), audio.to_bytes(run_input.samples), px=INPUT_TTL_MS)
-            pipe.lpush(queue_key, header)
-            pipe.pexpire(queue_key, INPUT_TTL_MS)  # a dead worker's queue goes away on its own
-            await pipe.execute()
+        samples = run_input.samples
+        if samples is not None and samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
+            await asyncio.get_running_loop().run_in_executor(
+                _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), queue_key, header)
+        else:
+            async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
+                if samples is not None:
+                    pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
+                else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
+                    pipe.pexpire(input_key, INPUT_TTL_MS)
+                pipe.lpush(queue_key, header)
+                pipe.pexpire(queue_key, INPUT_TTL_MS)  # a dead worker's queue goes away on its own
+                await pipe.execute()
+        del samples
+        run_input.staged = True
+        run_input.release_samples()
 
     try:
         send = asyncio.ensure_future(push())

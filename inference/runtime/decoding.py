@@ -1,0 +1,131 @@
+"""Decoding uploads in the web process: where it runs, and how many decoded bytes it may hold at once.
+
+**Two pools.** Decoding is CPU work in libsndfile and soxr, so it runs in
+threads of its own, never on the event loop and never in the threads that
+send Celery tasks or big Redis values (``inference.runtime.rpc``):
+
+- the *quick* pool (``QUICK_THREADS`` threads) reads headers and decodes
+  inputs of at most ``QUICK_DECODE_MAX_SAMPLES`` source samples (frames x
+  channels: 65 s of 16 kHz mono, 2.7 s of 384 kHz mono; at most about
+  0.2 s of work, Opus being the slowest codec measured);
+- the *bulk* pool (``BULK_THREADS``, ``max(2, CPUs)`` threads) decodes
+  everything larger.
+
+A few huge uploads (30 min at 384 kHz takes seconds to resample) therefore
+occupy the bulk pool only: a short request to any model still finds a quick
+thread, instead of waiting behind them (issue 9 item 3). Headers are never
+read on the loop, small uploads included: a typical header takes 0.07 ms, but
+a crafted WAV of 8,000 empty chunks (67 KB) keeps libsndfile walking it,
+through soundfile's Python I/O callbacks, for about 30 ms.
+
+**The budget.** Every decode first reserves its peak
+(:func:`inference.audio.decode_peak_bytes`, from the header) in the process's
+:class:`DecodeBudget` (``max_decoded_bytes_in_flight``); a decode that does
+not fit is refused (503 ``decode_budget``, see ``inference.services``) rather
+than allowed to grow the process. The reservation is given back once the
+samples are in Redis (``inference.runtime.rpc.RunInput.release_samples``) or
+when the request ends without that (error, refusal, client gone).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from audiosite.serverconfig import get_config
+from inference import audio
+
+QUICK_THREADS = 2
+BULK_THREADS = max(2, os.cpu_count() or 1)
+QUICK_DECODE_MAX_SAMPLES = 1 << 20
+
+_QUICK_POOL = ThreadPoolExecutor(max_workers=QUICK_THREADS, thread_name_prefix="decode-quick")
+_BULK_POOL = ThreadPoolExecutor(max_workers=BULK_THREADS, thread_name_prefix="decode-bulk")
+
+
+class Reservation:
+    """``nbytes`` of a :class:`DecodeBudget`, held until :meth:`release` (idempotent; on the loop only)."""
+
+    def __init__(self, budget: DecodeBudget, nbytes: int):
+        self.budget = budget
+        self.nbytes = nbytes
+        self._held = True
+
+    def release(self) -> None:
+        """Give the bytes back (a second call does nothing)."""
+        if self._held:
+            self._held = False
+            self.budget.in_flight_bytes -= self.nbytes
+
+
+class DecodeBudget:
+    """Bytes of decoded audio one web process may hold at once: at most ``limit_bytes`` (0 = no limit).
+
+    A reservation is taken before a decode starts and given back once its
+    samples are in Redis, or on any error or cancellation, so
+    ``in_flight_bytes`` counts decodes queued in a pool, running, and
+    decoded samples not yet handed over.
+
+    Thread safety: a web process runs one event loop (daphne), and
+    :meth:`reserve` and :meth:`Reservation.release` are only called on it,
+    with no ``await`` between the check and the update: a plain integer is
+    enough, no lock. The decode threads never touch it.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self.in_flight_bytes = 0
+
+    def fits_alone(self, nbytes: int) -> bool:
+        """Whether a decode of ``nbytes`` could ever be admitted (it fits in the empty budget)."""
+        return not self.limit_bytes or nbytes <= self.limit_bytes
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Reserve ``nbytes``, or return None when they do not fit beside what is in flight now."""
+        if self.limit_bytes and self.in_flight_bytes + nbytes > self.limit_bytes:
+            return None
+        self.in_flight_bytes += nbytes
+        return Reservation(self, nbytes)
+
+
+_budget: DecodeBudget | None = None
+
+
+def budget() -> DecodeBudget:
+    """This process's budget (``max_decoded_bytes_in_flight`` of the server configuration)."""
+    global _budget
+    if _budget is None:
+        _budget = DecodeBudget(get_config().max_decoded_bytes_in_flight)
+    return _budget
+
+
+async def read_header(data: bytes, max_seconds: float) -> audio.AudioHeader:
+    """:func:`inference.audio.read_header`, in the quick pool.
+
+    Raises:
+        inference.audio.AudioError: see :func:`inference.audio.read_header`.
+    """
+    return await asyncio.get_running_loop().run_in_executor(_QUICK_POOL, audio.read_header, data, max_seconds)
+
+
+async def decode(data: bytes, header: audio.AudioHeader, target_rate_hz: int, max_seconds: float) -> np.ndarray:
+    """Decode ``data`` (whose header is ``header``) to mono float32 ``(n,)`` at ``target_rate_hz``,
+    in the quick pool when it is small, else in the bulk pool. The caller holds the reservation.
+
+    A cancelled caller (client gone) stops the decoder at its next block.
+
+    Raises:
+        inference.audio.AudioError: see :func:`inference.audio.decode`.
+    """
+    pool = _QUICK_POOL if header.frames * header.channels <= QUICK_DECODE_MAX_SAMPLES else _BULK_POOL
+    cancel = threading.Event()
+    try:
+        samples, _source_rate_hz = await asyncio.get_running_loop().run_in_executor(
+            pool, audio.decode, data, target_rate_hz, max_seconds, cancel)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+    return samples
