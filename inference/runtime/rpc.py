@@ -23,12 +23,15 @@ import numpy as np
 from audiosite.celery import app as celery_app
 from audiosite.errors import ModelLoadFailed, ServerBusy
 from inference import audio
-from inference.scheduler import LIVENESS_TTL_MS, LoadAction, LoadClaim
+from inference.scheduler import LIVENESS_TTL_MS, LoadAction, LoadClaim, LoadLost
 
 from .context import KEYS, AsyncContext
 
 INPUT_TTL_MS = 600000  # a request's input waits at most 10 min for its worker
 WATCHDOG_S = LIVENESS_TTL_MS / 1000  # how often a waiter checks that its worker lives
+NO_WORKER_CHECK_S = 1.0
+"""While its load task waits for a worker to start it, the loader checks this often (seconds) that
+some worker is alive or being started (``census.lua``); when none is, it gives up at once (R7.4)."""
 
 # Sending a task is a blocking call into kombu; it runs in a small pool of its
 # own, never in the executor that decodes audio (R: the request path, item 7).
@@ -71,6 +74,27 @@ def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFaile
                            retry_after_s=retry_after_s)
 
 
+def _load_ended_error(model_id: str, error: str) -> ServerBusy | ModelLoadFailed:
+    """The error for a caller that waited on a load which ended unloaded with ``error``.
+
+    A load that no worker took or whose worker vanished ends with a
+    :class:`LoadLost` text: such waiters get the loader's own 503 code
+    (``no_worker`` or ``worker_lost``); any other text is a failure reported
+    by the worker (``load_failed``, R4.2).
+    """
+    if error in (LoadLost.NO_LIVE_WORKER, LoadLost.NOT_PICKED_UP):
+        return ServerBusy(f"model {model_id!r} could not load: {error}; is a GPU worker running?", code="no_worker")
+    if error == LoadLost.LOADER_STOPPED:
+        return ServerBusy(f"model {model_id!r}: the worker loading it stopped responding; retry", code="worker_lost")
+    return ModelLoadFailed(f"model {model_id!r} failed to load: {error}", code="load_failed")
+
+
+def no_live_worker_error(model_id: str) -> ServerBusy:
+    """The 503 ``no_worker`` of a load attempted while no worker is alive and none is being started (R7.4)."""
+    return ServerBusy(f"model {model_id!r} cannot load: no GPU worker is alive and none is being started "
+                      "(GET /health reports \"degraded\"); retry once a worker runs", code="no_worker")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a model's pool is loaded: Celery hostname ``owner``, its ``boot`` id, and
@@ -85,9 +109,17 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                              force: bool = False) -> Placement:
     """Return where ``model_id`` is loaded, loading it first if needed (single flight across processes, R4.2).
 
+    Before sending a load task, and every ``NO_WORKER_CHECK_S`` while it
+    waits to be picked up, the caller reads the census (``census.lua``): with
+    no live worker and none being started (``Keys.worker_starting``, set by
+    ``serve`` while it boots or is about to restart one) the load is abandoned
+    at once with ``no_worker`` instead of waiting ``pickup_timeout_s`` for
+    nobody. While a worker is being started and none is alive, the pickup
+    clock does not run: the task waits in the ``gpu`` queue for that worker.
+
     Args:
-        pickup_timeout_s: how long a load task may wait for a worker to start
-            it (default: the lease TTL). Past that, the claim is abandoned.
+        pickup_timeout_s: how long a load task may wait for a live worker to
+            start it (default: the lease TTL). Past that, the claim is abandoned.
         force: load even during a failed load's backoff (explicit management load, R6.7).
 
     Raises:
@@ -95,7 +127,10 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
             unloaded, and a later request retries (R4.2); or the last load
             failed and its backoff has not passed (R6.7: at once, with the
             time left as ``retry_after_s``).
-        ServerBusy: no worker started the load in time (code ``no_worker``, R7.4).
+        ServerBusy: code ``no_worker``: no worker is alive and none is being
+            started, or no live worker started the load in time (R7.4); code
+            ``worker_lost``: the worker loading it stopped. Callers that waited
+            on another caller's load get the same codes.
 
     Tolerated race: a load task that a worker starts after its claim was
     abandoned sees ``renew_load`` refuse and does nothing.
@@ -123,39 +158,50 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                     load = await ctx.redis.hgetall(KEYS.load(model_id))
                     if load.get("state") == "unloaded" and load.get("error"):
                         # That load failed: it releases everyone who waited for it (R4.2).
-                        raise ModelLoadFailed(f"model {model_id!r} failed to load: {load['error']}",
-                                              code="load_failed")
+                        raise _load_ended_error(model_id, load["error"])
                 continue
             loaded_here = True
+            census = await ctx.scheduler.census()
+            if census.live_workers == 0 and not census.worker_starting:
+                # Nobody would ever start the task (R7.4): say so now, not after the pickup timeout.
+                await ctx.scheduler.finish_load(model_id, token, False, error=LoadLost.NO_LIVE_WORKER)
+                raise no_live_worker_error(model_id)
             await send_task("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
-            sent_at = time.monotonic()
+            pickup_since = [time.monotonic()]  # the pickup clock; restarted while only a starting worker exists
 
-            async def load_goes_on(token: str = token, sent_at: float = sent_at) -> bool:
+            async def load_goes_on(token: str = token, pickup_since: list[float] = pickup_since) -> bool:
                 claim = await ctx.scheduler.load_claim(model_id, token)
                 if claim is LoadClaim.RUNNING:
                     return True  # a worker is loading and renewing its claim
                 if claim is LoadClaim.PENDING:
-                    if time.monotonic() - sent_at < pickup_timeout_s:
+                    census = await ctx.scheduler.census()
+                    if census.live_workers == 0:
+                        if census.worker_starting:
+                            pickup_since[0] = time.monotonic()  # the task waits in the queue for that worker
+                            return True
+                        await ctx.scheduler.finish_load(model_id, token, False, error=LoadLost.NO_LIVE_WORKER)
+                        raise no_live_worker_error(model_id)
+                    if time.monotonic() - pickup_since[0] < pickup_timeout_s:
                         return True
-                    await ctx.scheduler.finish_load(model_id, token, False, error="no worker started the load")
+                    await ctx.scheduler.finish_load(model_id, token, False, error=LoadLost.NOT_PICKED_UP)
                     raise ServerBusy(f"model {model_id!r}: no worker started its load within "
                                      f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
                 if claim is LoadClaim.EXPIRED:
                     # The loading worker stopped renewing its claim (R7.4): nobody will answer.
-                    await ctx.scheduler.finish_load(model_id, token, False, error="the loading worker stopped")
+                    await ctx.scheduler.finish_load(model_id, token, False, error=LoadLost.LOADER_STOPPED)
                     raise ServerBusy(f"model {model_id!r}: the worker loading it stopped responding; retry",
                                      code="worker_lost")
                 return False  # GONE: finished (its reply is read below) or taken over (decide again)
 
             replied = await await_reply(ctx, wake, KEYS.load_result(token), load_goes_on,
-                                        tick_s=min(WATCHDOG_S, pickup_timeout_s))
+                                        tick_s=min(WATCHDOG_S, pickup_timeout_s, NO_WORKER_CHECK_S))
             raw = await ctx.redis.getdel(KEYS.load_result(token))
             if not replied and raw is None:
                 # Our claim is gone without a reply yet: the load just finished (its reply follows
                 # the worker's database write) or another loader took over. Read the outcome.
                 load = await ctx.redis.hgetall(KEYS.load(model_id))
                 if load.get("state") == "unloaded" and load.get("error"):
-                    raise ModelLoadFailed(f"model {model_id!r} failed to load: {load['error']}", code="load_failed")
+                    raise _load_ended_error(model_id, load["error"])
                 continue  # ready (begin_load says so) or loading by another: decide again
             outcome = json.loads(raw or '{"ok": false, "error": "lost"}')
             if not outcome["ok"]:
