@@ -64,7 +64,8 @@ def test_models_list_has_the_legacy_shape(stack):
     entries = {e["id"]: e for e in body["data"]}
     assert set(entries) == {"whisper", "whisper-unbounded", "vad", "vad-lazy", "vad-broken"}
     for entry in entries.values():
-        assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded"}
+        assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded",
+                              "last_error", "retry_at"}
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True
     assert one == entries["vad"]
     assert_error(missing, 404, "not_found")
