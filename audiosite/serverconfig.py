@@ -104,6 +104,10 @@ class ServerConfig(_Strict):
     lazy_load: bool = False
     busy_timeout_ms: int = Field(default=300000, ge=0, le=MAX_BUSY_TIMEOUT_MS)
     shutdown_timeout_ms: int = Field(default=30000, ge=0)
+    worker_restart_delay_ms: int = Field(default=1000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    """serve: delay before restarting a worker that exited (first time; doubles per quick exit)."""
+    worker_restart_max_delay_ms: int = Field(default=30000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    """serve: ceiling of that doubling delay."""
     lease_ttl_ms: int = Field(default=30000, ge=1000)
     max_request_body_bytes: int = Field(default=104857600, ge=1024)
     max_audio_seconds: float = Field(default=1800.0, gt=0, le=86400)
@@ -289,6 +293,9 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
             problems.append("key 'models': the list may be empty only with ui_management on (models are then "
                             "registered through POST /v1/models/load)")
         problems.extend(_allowed_hosts_problems(config))
+        if config.worker_restart_max_delay_ms < config.worker_restart_delay_ms:
+            problems.append(f"key 'worker_restart_max_delay_ms': {config.worker_restart_max_delay_ms} is below "
+                            f"worker_restart_delay_ms={config.worker_restart_delay_ms}")
         for root in config.media_roots:
             if not os.path.isabs(root):
                 problems.append(f"key 'media_roots': {root!r} is not an absolute path")

@@ -20,7 +20,7 @@ from inference.runtime.context import async_context
 from . import lifecycle
 from .authentication import AsyncSessionAuthentication, AsyncTokenAuthentication
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
-from .selectors import model_meta_all, model_status_list
+from .selectors import deployment_census, model_status_list
 
 from .serializers import (ManagementBodySerializer, ModelLoadInputSerializer, ModelUnloadInputSerializer,
                           UnloadAllInputSerializer, UnloadModelsInputSerializer)
@@ -29,17 +29,27 @@ _backend: str | None = None
 
 
 class HealthApi(APIView):
-    """``GET /health``."""
+    """``GET /health``: ``{"status", "runtime", "backend", "models", "workers", "ui", "ui_management"}``.
+
+    ``status`` is ``"ok"`` (200) while at least one GPU worker is alive and
+    ``"degraded"`` (503) while none is (a model request would then get 503
+    ``no_worker`` or wait for a worker being started); ``workers`` is the
+    number of live workers and ``models`` of registrations. One Redis round
+    trip (``census.lua``): the route is benchmarked by ``bench_latency``.
+    """
 
     async def get(self, request):
         ctx = await async_context()
-        models = await model_meta_all(ctx)
+        census = await deployment_census(ctx)
         global _backend
         if _backend is None:  # probing may load onnxruntime: once, off the event loop
             _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
         backend = _backend
-        return Response({"status": "ok", "runtime": get_config().runtime, "backend": backend, "models": len(models),
-                         "ui": False, "ui_management": management_enabled()})
+        degraded = census.live_workers == 0
+        return Response({"status": "degraded" if degraded else "ok", "runtime": get_config().runtime,
+                         "backend": backend, "models": census.models, "workers": census.live_workers,
+                         "ui": False, "ui_management": management_enabled()},
+                        status=503 if degraded else 200)
 
 
 # -- management routes (gated: ui_management on AND registry.manage_models) ---------------------------

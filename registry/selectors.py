@@ -7,11 +7,17 @@ from audiosite.serverconfig import get_config
 from inference.runtime.context import AsyncContext
 from inference.runtime.published import meta_all as model_meta_all
 from inference.runtime.published import meta_get as model_meta_get
-from inference.scheduler import ModelState, ModelStatus
+from inference.scheduler import Census, ModelState, ModelStatus
 
 from .models import ModelRegistration
 
-__all__ = ["model_meta_all", "model_meta_get", "model_status_list", "registration_first_load_published"]
+__all__ = ["deployment_census", "model_meta_all", "model_meta_get", "model_status_list",
+           "registration_first_load_published"]
+
+
+async def deployment_census(ctx: AsyncContext) -> Census:
+    """Live workers, whether one is being started, and registered models: one Redis round trip (``census.lua``)."""
+    return await ctx.scheduler.census()
 
 
 def _utc(epoch_ms: int) -> str:

@@ -10,6 +10,8 @@ Test modules import from here and never from each other. Named actors:
 - ``web_pid`` / ``raw_exchange``: the daphne process of a stack, and one HTTP/1.1 exchange
   written by hand on a socket (for bodies no HTTP client would send: a false Content-Length).
 - ``worker_pid`` / ``proc_environ`` / ``proc_threads``: the stack's worker process as the kernel sees it.
+- ``worker_pids`` / ``live_workers``: the Celery worker processes of a stack, and the workers its
+  Redis counts as alive (liveness key present).
 """
 from __future__ import annotations
 
@@ -617,6 +619,18 @@ def web_pid(stack) -> int:
         if "audiosite.web" in " ".join(child.cmdline()):
             return child.pid
     raise AssertionError("no daphne child of manage.py serve")
+
+
+def worker_pids(stack) -> list[int]:
+    """The pids of the Celery worker children (``celery … worker``) of a stack's ``manage.py serve``."""
+    return [child.pid for child in psutil.Process(stack.proc.pid).children(recursive=True)
+            if "celery" in " ".join(child.cmdline())]
+
+
+def live_workers(stack) -> dict[str, str]:
+    """Workers registered in the stack's Redis whose liveness key exists: Celery hostname -> process id."""
+    return {host: pid for host, pid in stack.redis.hgetall("as:wpid").items()
+            if stack.redis.exists(f"as:worker:{host}")}
 
 
 @dataclass

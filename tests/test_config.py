@@ -49,6 +49,20 @@ def test_residency_and_management_keys_are_typed(key, value):
     assert any(p.startswith(f"key '{key}'") for p in found), found
 
 
+def test_worker_restart_backoff_keys():
+    """serve's restart backoff (issue 9): 1 s doubling to 30 s by default; integers of at least 100 ms;
+    a ceiling below the first delay is refused naming both keys."""
+    config = parse_config({"models": [], "ui_management": True})
+    assert (config.worker_restart_delay_ms, config.worker_restart_max_delay_ms) == (1000, 30000)
+    base = {"models": [], "ui_management": True}
+    assert any(p.startswith("key 'worker_restart_delay_ms'")
+               for p in problems_of({**base, "worker_restart_delay_ms": 50}))
+    assert any(p.startswith("key 'worker_restart_max_delay_ms'")
+               for p in problems_of({**base, "worker_restart_max_delay_ms": "30000"}))
+    assert problems_of({**base, "worker_restart_delay_ms": 60000}) == [
+        "key 'worker_restart_max_delay_ms': 30000 is below worker_restart_delay_ms=60000"]
+
+
 @pytest.mark.parametrize("slots", [1, None, 2, 0, "2"])
 def test_explicit_slots_is_refused_on_legacy_runtime(slots):
     """R1.2: any explicit slots key, including 1 and null, is a start-up error naming the model."""

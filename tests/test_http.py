@@ -45,10 +45,12 @@ def assert_error(resp, status: int, err_type: str):
 
 # -- service and status ---------------------------------------------------------------
 def test_health(stack):
+    """``workers``: live GPU workers (issue 9; ``degraded`` with 503 when none: tests/test_serve.py)."""
     with stack.client() as c:
-        body = c.get("/health").json()
-    assert body == {"status": "ok", "runtime": "legacy", "backend": "cpu", "models": 5, "ui": False,
-                    "ui_management": False}
+        resp = c.get("/health")
+    assert resp.status_code == 200
+    assert resp.json() == {"status": "ok", "runtime": "legacy", "backend": "cpu", "models": 5, "workers": 1,
+                           "ui": False, "ui_management": False}
 
 
 def test_models_list_has_the_legacy_shape(stack):

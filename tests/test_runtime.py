@@ -22,8 +22,18 @@ pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/1
                                 reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)")
 
 
-def test_load_that_no_worker_starts_fails_with_503_and_is_abandoned(redis_client):
-    """R7.4: no request waits forever for a worker; the abandoned claim leaves the model unloaded."""
+def _live_worker(redis_client, hostname: str, ttl_ms: int = 30000) -> None:
+    """Register ``hostname`` as a live worker exactly as its liveness beat does (and nothing more: it
+    consumes no queue)."""
+    redis_client.set(KEYS.worker_live(hostname), "boot-" + hostname, px=ttl_ms)
+    redis_client.hset(KEYS.worker_pid, hostname, os.getpid())
+
+
+def test_load_that_no_live_worker_starts_fails_with_503_and_is_abandoned(redis_client):
+    """R7.4: no request waits forever for a worker: a live worker that never takes the load task
+    costs the pickup timeout, then 503 ``no_worker``; the abandoned claim leaves the model unloaded."""
+    _live_worker(redis_client, "gpu0@deaf")
+
     async def scenario():
         ctx = await async_context()
         started = time.monotonic()
@@ -47,6 +57,8 @@ def test_load_that_no_worker_starts_fails_with_503_and_is_abandoned(redis_client
 def test_load_whose_worker_dies_after_starting_it_fails_with_503_worker_lost(redis_client):
     """R7.4: a worker that started a load and died (it stops renewing its claim) does not leave the
     caller waiting: once the claim expires the caller gets 503 worker_lost and the model is unloaded.
+    A second caller, waiting on that load rather than loading, gets the same 503 ``worker_lost``
+    (not ``load_failed``: CONTRACT R7.4 "every waiter gets 503 worker_lost").
 
     The dead worker is played by this test: it starts the load exactly as the worker's task does
     (``renew_load`` with its hostname and boot) and then renews no more. Its liveness key stays (a
@@ -56,6 +68,8 @@ def test_load_whose_worker_dies_after_starting_it_fails_with_503_worker_lost(red
     async def scenario():
         base = await async_context()
         ctx = dataclasses.replace(base, scheduler=Scheduler(base.redis, KEYS, 1000))  # 1 s claims
+
+        _live_worker(redis_client, "gpu0@dead", ttl_ms=1000)  # it beats no more after this
 
         async def worker_that_dies() -> None:
             await ctx.redis.set(KEYS.worker_live("gpu0@dead"), "boot-dead", px=60000)
@@ -69,16 +83,97 @@ def test_load_whose_worker_dies_after_starting_it_fails_with_503_worker_lost(red
         dying = asyncio.create_task(worker_that_dies())
         started = time.monotonic()
         with pytest.raises(ServerBusy) as info:
-            await within(load_single_flight(ctx, "doomed", pickup_timeout_s=1.0), 15)
+            loader = asyncio.create_task(load_single_flight(ctx, "doomed", pickup_timeout_s=1.0))
+            await asyncio.sleep(0.2)  # the second caller comes while the first one's load runs
+            waiter = asyncio.create_task(load_single_flight(ctx, "doomed", pickup_timeout_s=1.0))
+            waited = (await within(asyncio.gather(waiter, return_exceptions=True), 15))[0]
+            await within(loader, 15)
         elapsed = time.monotonic() - started
         await within(dying, 1)
         status = (await ctx.scheduler.snapshot(["doomed"]))["doomed"]
         await base.listener.close()
-        return info.value, elapsed, status
-    error, elapsed, status = run(scenario())
+        return info.value, waited, elapsed, status
+    error, waited, elapsed, status = run(scenario())
     assert error.code == "worker_lost" and "gpu0@dead was lost" in error.message
+    assert isinstance(waited, ServerBusy) and waited.code == "worker_lost"
     assert 1.0 <= elapsed < 4  # the claim's TTL (1 s) plus at most one check (1 s: the pickup timeout)
     assert status["state"] == "unloaded" and status["error"] == "worker gpu0@dead was lost while loading the model"
+
+
+def test_with_no_worker_alive_or_starting_a_load_fails_no_worker_at_once(redis_client):
+    """R7.4 (issue 9): with no live worker and none being started, a cold load is refused with 503
+    ``no_worker`` at once (it sends no task and does not wait the pickup timeout); a worker whose
+    registry entry outlived its liveness key counts as dead; the claim is given back without a
+    failed-load backoff, so a later load is tried as soon as a worker runs."""
+    redis_client.hset(KEYS.worker_pid, "gpu0@gone", 12345)  # its liveness key expired long ago
+
+    async def scenario():
+        ctx = await async_context()
+        census = await ctx.scheduler.census()
+        started = time.monotonic()
+        with pytest.raises(ServerBusy) as info:
+            await within(load_single_flight(ctx, "nobody", pickup_timeout_s=5.0), 10)
+        elapsed = time.monotonic() - started
+        status = (await ctx.scheduler.snapshot(["nobody"]))["nobody"]
+        await ctx.listener.close()
+        return census, info.value, elapsed, status
+    census, error, elapsed, status = run(scenario())
+    assert census.live_workers == 0 and not census.worker_starting
+    assert error.code == "no_worker" and "no GPU worker is alive" in error.message
+    assert elapsed < 0.5
+    assert status["state"] == "unloaded" and status["retry_in_ms"] == 0
+    assert redis_client.llen("gpu") == 0  # nothing was sent
+
+
+def test_a_load_waits_for_a_worker_being_started_and_no_longer(redis_client):
+    """R7.4 (issue 9): while a supervisor announces a worker start (``Keys.worker_starting``) and no
+    worker is alive, the load task waits for it, past the pickup timeout (1 s here); once the
+    announcement lapses (3 s) with still no worker, the load fails ``no_worker`` within a check
+    period (1 s)."""
+    redis_client.set(KEYS.worker_starting, "test", px=3000)
+
+    async def scenario():
+        ctx = await async_context()
+        census = await ctx.scheduler.census()
+        started = time.monotonic()
+        with pytest.raises(ServerBusy) as info:
+            await within(load_single_flight(ctx, "patient", pickup_timeout_s=1.0), 10)
+        elapsed = time.monotonic() - started
+        await ctx.listener.close()
+        return census, info.value, elapsed
+    census, error, elapsed = run(scenario())
+    assert census.live_workers == 0 and census.worker_starting
+    assert error.code == "no_worker" and "none is being started" in error.message
+    assert 2.9 <= elapsed < 4.5
+    assert redis_client.llen("gpu") == 1  # the task waited in the queue for the announced worker
+
+
+def test_a_load_announced_to_a_starting_worker_is_taken_by_it(redis_client):
+    """R7.4 (issue 9): the other half of the grace: a worker that comes up while the load waits (here
+    this test plays it: it beats, then takes the claim and reports the pool ready) serves the load,
+    although it arrived after the pickup timeout had passed."""
+    redis_client.set(KEYS.worker_starting, "test", px=5000)
+
+    async def scenario():
+        ctx = await async_context()
+
+        async def worker_that_boots() -> None:
+            await asyncio.sleep(1.5)  # longer than the 1 s pickup timeout
+            _live_worker(redis_client, "gpu0@late")
+            while not (token := await ctx.redis.hget(KEYS.load("late"), "loader")):
+                await asyncio.sleep(0.01)
+            assert await ctx.scheduler.renew_load("late", token, "gpu0@late") == 1
+            assert str(await ctx.scheduler.finish_load("late", token, True, "gpu0@late", "boot-gpu0@late",
+                                                       capacity=1)) == "ok"
+            await ctx.redis.set(KEYS.load_result(token), json.dumps({"ok": True}))
+
+        booting = asyncio.create_task(worker_that_boots())
+        placement = await within(load_single_flight(ctx, "late", pickup_timeout_s=1.0), 10)
+        await within(booting, 1)
+        await ctx.listener.close()
+        return placement
+    placement = run(scenario())
+    assert (placement.owner, placement.boot) == ("gpu0@late", "boot-gpu0@late")
 
 
 def _run_header(request_id: str, channel: str, boot: str, model_id: str = "absent") -> bytes:

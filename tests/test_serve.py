@@ -1,7 +1,9 @@
 """The README's first command: ``manage.py serve`` with no database or Redis configured."""
 from __future__ import annotations
 
+import asyncio
 import base64
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +14,27 @@ import numpy as np
 import psutil
 import pytest
 
-from .helpers import ROOT, free_port, mode_of, run_stack, start_embedded, wav_bytes
+from audiosite.supervision import RestartBackoff
+
+from .helpers import (
+    FIXTURE_ENV,
+    MODEL_S,
+    QUICK_S,
+    ROOT,
+    body,
+    events_of,
+    free_port,
+    live_workers,
+    mclient,
+    mode_of,
+    run,
+    run_stack,
+    start_embedded,
+    until,
+    wav_bytes,
+    within,
+    worker_pids,
+)
 
 
 @pytest.mark.stack
@@ -55,8 +77,9 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
 
 
 @pytest.mark.stack
-def test_serve_stops_everything_and_fails_when_a_child_dies(tmp_path):
-    """If the web process dies, serve stops the rest and exits non-zero (docs/operations.md)."""
+def test_serve_stops_everything_and_fails_when_the_web_process_dies(tmp_path):
+    """If the web process dies, serve stops the rest and exits non-zero (docs/operations.md: only
+    workers are restarted)."""
     config = tmp_path / "server.json"
     config.write_text('{"backend": "cpu", "lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
     proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(free_port()))
@@ -74,9 +97,10 @@ def test_serve_stops_everything_and_fails_when_a_child_dies(tmp_path):
 
 
 def test_quick_restart_after_a_killed_worker_reloads_instead_of_dispatching_to_the_dead_one(tmp_path):
-    """R7.4: the worker is killed with SIGKILL (its liveness key outlives it by up to 10 s) and serve
-    is restarted at once on the same Redis and database: the restart forgets the dead local worker,
-    so the first request loads on the new worker and answers 200 promptly (not 503 worker_lost)."""
+    """R7.4: serve and its worker are killed with SIGKILL (so nobody cleans up: the worker's liveness
+    key outlives it by up to 10 s) and serve is restarted at once on the same Redis and database: the
+    restart forgets the dead local worker, so the first request loads on the new worker and answers
+    200 promptly (not 503 worker_lost)."""
     models = [{"id": "rs", "family": "fixture", "slots": 1}]
     stacks = run_stack(tmp_path, models, redis_db=8, name="restart", parallel=True,
                        extra_env={"AUDIOSITE_ENABLE_FIXTURE_FAMILY": "1"})
@@ -86,10 +110,12 @@ def test_quick_restart_after_a_killed_worker_reloads_instead_of_dispatching_to_t
         body = {"model": "rs", "request": {"audio_base64": base64.b64encode(silence).decode(), "options": {}}}
         with stack.client() as c:
             assert c.post("/v1/tasks/run", json=body).status_code == 200
-        worker = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True)
-                      if "celery" in " ".join(p.cmdline()))
-        worker.kill()
-        stack.proc.wait(timeout=60)  # serve stops when a child dies
+        children = psutil.Process(stack.proc.pid).children(recursive=True)
+        stack.proc.kill()  # first serve, so that it cannot restart the worker or forget it
+        stack.proc.wait(timeout=QUICK_S)
+        for child in children:  # its children run in sessions of their own and outlive it
+            child.kill()
+        psutil.wait_procs(children, timeout=QUICK_S)
         assert stack.redis.keys("as:worker:*"), "the dead worker's liveness key should still be there"
         log_path = tmp_path / "serve2.log"
         argv = [sys.executable, "manage.py", "serve", "--config", str(tmp_path / "server.json"), "--parallel-jobs"]
@@ -109,5 +135,190 @@ def test_quick_restart_after_a_killed_worker_reloads_instead_of_dispatching_to_t
         finally:
             second.send_signal(signal.SIGINT)
             second.wait(timeout=60)
+    finally:
+        next(stacks, None)
+
+
+def test_restart_backoff_doubles_per_quick_exit_up_to_its_ceiling_and_resets_after_a_long_uptime():
+    """The restart delay of serve's supervisor (audiosite.supervision): 1 s after the first exit,
+    doubling for each exit after less than 60 s up, at most 30 s; an exit after 60 s or more up
+    starts from 1 s again."""
+    backoff = RestartBackoff(1.0, 30.0)
+    assert [backoff.next_delay_s(uptime_s=5) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.next_delay_s(uptime_s=60) == 1
+    assert backoff.next_delay_s(uptime_s=59.9) == 2
+
+
+def _worker_hostname(stack, pid: int) -> str:
+    return next(host for host, recorded in live_workers(stack).items() if int(recorded) == pid)
+
+
+def test_a_killed_worker_is_restarted_while_http_goes_on_and_its_client_gets_worker_lost(tmp_path):
+    """Issue 9 item 6, R7.4 over HTTP with a real ``kill -9``: a request held on the worker (a fixture
+    barrier) when the worker is killed gets 503 ``worker_lost`` (not a reset), within one watchdog
+    period (10 s) because serve forgets the dead worker at once; serve keeps serving and logs the
+    exit; ``/health`` says ``degraded`` (503, ``workers`` 0) until the replacement, started after
+    the first backoff delay (1 s), beats; then the next request loads the model on the replacement
+    (a new pool on the new hostname) and succeeds. A request to another model sent while ``/health``
+    says ``degraded`` (restart pending) is not refused: it waits for the replacement and is served
+    by it. The lost pools are recorded in the database."""
+    models = [{"id": "held", "family": "fixture"}, {"id": "other", "family": "fixture"}]
+    stacks = run_stack(tmp_path, models, redis_db=8, name="sup1", extra_env=FIXTURE_ENV)
+    stack = next(stacks)
+    try:
+        [old_pid] = worker_pids(stack)
+        old_host = _worker_hostname(stack, old_pid)
+        with stack.client() as c:
+            health = c.get("/health")
+            assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["workers"] == 1
+            first = c.post("/v1/tasks/run", json=body("held"))
+            assert first.status_code == 200, first.text
+
+        async def scenario():
+            async with mclient(stack, None, timeout=MODEL_S) as c:
+                held = asyncio.create_task(c.post("/v1/tasks/run", json=body("held", barrier="doomed")))
+                held.add_done_callback(lambda _: answered_at.append(time.monotonic()))
+                await until(lambda: stack.arrived("doomed") == 1, QUICK_S)
+                os.kill(old_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                seen = []  # (seconds after the kill, /health status code, body)
+                during = None  # a request sent while no worker is alive and the restart is pending
+                while not (seen and seen[-1][1] == 200 and during is not None):
+                    assert time.monotonic() - killed_at < 120, seen[-5:]
+                    resp = await c.get("/health")
+                    seen.append((time.monotonic() - killed_at, resp.status_code, resp.json()))
+                    if resp.status_code == 503 and during is None:
+                        during = asyncio.create_task(c.post("/v1/tasks/run", json=body("other")))
+                    await asyncio.sleep(0.05)
+                answer = await within(held, QUICK_S)
+                return answer, answered_at[0] - killed_at, seen, await within(during, QUICK_S)
+        answered_at: list[float] = []
+        answer, answer_after_s, seen, during = run(scenario())
+        assert answer.status_code == 503, answer.text
+        assert answer_after_s < 15, "the waiter should notice within one watchdog period (10 s)"
+        error = answer.json()["error"]
+        assert (error["type"], error["code"]) == ("server_busy", "worker_lost")
+        degraded = [(t, b) for t, code, b in seen if code == 503]
+        assert degraded and all(b["status"] == "degraded" and b["workers"] == 0 for _, b in degraded)
+        assert degraded[0][0] < 2, "serve should forget the dead worker at once"
+        assert degraded[-1][0] >= 1, "the replacement is started after the first backoff delay"
+        assert seen[-1][2]["status"] == "ok" and seen[-1][2]["workers"] == 1
+        assert stack.proc.poll() is None, "serve must keep running"
+
+        [new_pid] = worker_pids(stack)
+        new_host = _worker_hostname(stack, new_pid)
+        assert new_pid != old_pid and new_host != old_host
+        with stack.client() as c:
+            again = c.post("/v1/tasks/run", json=body("held"))
+            assert again.status_code == 200, again.text
+            assert again.json()["pool_id"] != first.json()["pool_id"]
+            assert c.get("/v1/models/held").json()["state"] == "ready"
+        assert during.status_code == 200, during.text
+        assert stack.redis.hget("as:m:{held}:load", "owner") == new_host
+        assert stack.redis.hget("as:m:{other}:load", "owner") == new_host
+        log = stack.log_path.read_text()
+        assert f"worker {old_host} exited with code -9 (SIGKILL)" in log
+        assert "its models held, other are unloaded; restarting it in 1 s" in log
+        assert f"worker {new_host} is alive" in log
+        for model_id in ("held", "other"):
+            assert ("unload", "ok", "serve") in events_of(stack, model_id)
+    finally:
+        next(stacks, None)
+
+
+def test_with_no_worker_alive_queued_and_new_requests_fail_no_worker_at_once(tmp_path):
+    """Issue 9 item 6, R7.4: the worker is killed (``kill -9``) while one request runs on it and
+    three wait behind it (legacy runtime: one session), and its restart is 60 s away
+    (``worker_restart_delay_ms``), so no worker is alive or about to start. The running request gets
+    503 ``worker_lost``; the three queued ones are then each granted in turn and refused 503
+    ``no_worker`` at once (before this change each waited ``lease_ttl_ms``, 10 s here, for a worker
+    to pick its load task up); a new request gets the same at once; ``/health`` says ``degraded``.
+    Ctrl-C during the pending restart stops serve promptly and cleanly (no restart)."""
+    stacks = run_stack(tmp_path, [{"id": "q", "family": "fixture"}], redis_db=8, name="sup2",
+                       extra_env=FIXTURE_ENV,
+                       extra_config={"lease_ttl_ms": 10000, "worker_restart_delay_ms": 60000,
+                                     "worker_restart_max_delay_ms": 60000})
+    stack = next(stacks)
+    try:
+        [pid] = worker_pids(stack)
+
+        async def scenario():
+            async with mclient(stack, None, timeout=MODEL_S) as c:
+                running = asyncio.create_task(c.post("/v1/tasks/run", json=body("q", barrier="lost")))
+                await until(lambda: stack.arrived("lost") == 1, QUICK_S)
+                queued = [asyncio.create_task(c.post("/v1/tasks/run", json=body("q", tag=str(i)))) for i in range(3)]
+                await until(lambda: stack.counters("q")["queued"] == 3, QUICK_S)
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                first = await within(running, QUICK_S)
+                first_at = time.monotonic()
+                rest = await within(asyncio.gather(*queued), QUICK_S)
+                rest_at = time.monotonic()
+                health = await c.get("/health")
+                started = time.monotonic()
+                fresh = await c.post("/v1/tasks/run", json=body("q"))
+                fresh_s = time.monotonic() - started
+                return first, first_at - killed_at, rest, rest_at - first_at, health, fresh, fresh_s
+        first, first_after_s, rest, rest_after_first_s, health, fresh, fresh_s = run(scenario())
+        assert first.status_code == 503 and first.json()["error"]["code"] == "worker_lost", first.text
+        assert first_after_s < 15
+        for resp in (*rest, fresh):
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["code"] == "no_worker" and resp.headers["retry-after"] == "1"
+        assert rest_after_first_s < 2, f"three queued requests took {rest_after_first_s:.1f} s (not one TTL each)"
+        assert fresh_s < 1
+        assert health.status_code == 503 and health.json()["status"] == "degraded" and health.json()["workers"] == 0
+        assert stack.counters("q") == {"leases": 0, "queued": 0}
+        assert stack.redis.llen("gpu") == 0, "no load task was sent to the missing worker"
+        assert "restarting it in 60 s" in stack.log_path.read_text()
+        assert worker_pids(stack) == [] and stack.proc.poll() is None
+
+        stack.proc.send_signal(signal.SIGINT)
+        assert stack.proc.wait(timeout=QUICK_S) == 0
+        assert "started worker" not in stack.log_path.read_text()
+    finally:
+        next(stacks, None)
+
+
+def test_a_worker_killed_during_a_load_frees_the_load_at_once_and_the_replacement_loads(tmp_path):
+    """R7.4, the load clause, over HTTP with a real ``kill -9``: a lazy model's first request makes
+    the worker load it, held at a load barrier; the worker is killed there. The request gets 503
+    ``worker_lost`` within about a second (serve ends the dead worker's load claim as failed
+    instead of leaving it to expire after ``lease_ttl_ms``, 10 s here); the model is ``unloaded``
+    with no failed-load backoff; once the replacement is alive, the next request loads the model
+    on it and succeeds — nothing else was restarted."""
+    models = [{"id": "slow", "family": "fixture", "lazy": True, "load_options": {"load_barrier": "cold"}}]
+    stacks = run_stack(tmp_path, models, redis_db=8, name="sup3", extra_env=FIXTURE_ENV,
+                       extra_config={"lease_ttl_ms": 10000})
+    stack = next(stacks)
+    try:
+        [old_pid] = worker_pids(stack)
+        web_before = [p.pid for p in psutil.Process(stack.proc.pid).children() if p.pid != old_pid]
+
+        async def scenario():
+            async with mclient(stack, None, timeout=MODEL_S) as c:
+                loading = asyncio.create_task(c.post("/v1/tasks/run", json=body("slow")))
+                await until(lambda: stack.arrived("cold") == 1, QUICK_S)
+                os.kill(old_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                answer = await within(loading, QUICK_S)
+                return answer, time.monotonic() - killed_at, (await c.get("/v1/models/slow")).json()
+        answer, answer_after_s, entry = run(scenario())
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "worker_lost"
+        assert answer_after_s < 3, f"answered {answer_after_s:.1f} s after the kill"
+        assert entry["state"] == "unloaded" and entry["retry_at"] is None
+
+        deadline = time.monotonic() + 120
+        while not live_workers(stack):
+            assert time.monotonic() < deadline and stack.proc.poll() is None, stack.log_tail()
+            time.sleep(0.1)
+        stack.release("cold")  # the replacement's load waits at the same barrier
+        with stack.client() as c:
+            resp = c.post("/v1/tasks/run", json=body("slow"))
+            assert resp.status_code == 200, resp.text
+        assert stack.arrived("cold") == 2
+        assert [p.pid for p in psutil.Process(stack.proc.pid).children() if p.pid not in worker_pids(stack)] \
+            == web_before, "only the worker was restarted"
     finally:
         next(stacks, None)

@@ -23,7 +23,15 @@ import numpy as np
 from audiosite.celery import app as celery_app
 from audiosite.errors import ApplicationError, ModelLoadFailed, ServerBusy
 from inference import audio
-from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, LoadAction, LoadClaim, LoadEnd, LoadOutcome
+from inference.scheduler import (
+    LIVENESS_EVERY_S,
+    LIVENESS_TTL_MS,
+    LoadAction,
+    LoadClaim,
+    LoadEnd,
+    LoadLost,
+    LoadOutcome,
+)
 
 from .context import KEYS, AsyncContext, sync_redis_bytes
 
@@ -35,6 +43,9 @@ CHECK_MARGIN_S = 0.05
 """Added to a deadline read from Redis before looking again, so that Redis has passed it."""
 MAX_CHECK_S = LIVENESS_TTL_MS / 1000
 """The longest a waiter goes without looking at its reply key (a lost wake-up costs at most this)."""
+NO_WORKER_CHECK_S = 1.0
+"""While its load task waits for a worker to start it, the loader checks this often (seconds) that
+some worker is alive or being started (``census.lua``); when none is, it gives up at once (R7.4)."""
 
 # Sending a task is a blocking call into kombu; it runs in a small pool of its
 # own, never in the executor that decodes audio (R: the request path, item 7).
@@ -140,6 +151,12 @@ def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFaile
                            retry_after_s=retry_after_s)
 
 
+def no_live_worker_error(model_id: str) -> ServerBusy:
+    """The 503 ``no_worker`` of a load attempted while no worker is alive and none is being started (R7.4)."""
+    return ServerBusy(f"model {model_id!r} cannot load: no GPU worker is alive and none is being started "
+                      "(GET /health reports \"degraded\"); retry once a worker runs", code="no_worker")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a model's pool is loaded: Celery hostname ``owner``, its ``boot`` id, and
@@ -158,9 +175,17 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                              force: bool = False, on_load_lost: LoadLostHook | None = None) -> Placement:
     """Return where ``model_id`` is loaded, loading it first if needed (single flight across processes, R4.2).
 
+    Before sending a load task, and every ``NO_WORKER_CHECK_S`` while it
+    waits to be picked up, the caller reads the census (``census.lua``): with
+    no live worker and none being started (``Keys.worker_starting``, set by
+    ``serve`` while it boots or is about to restart one) the load is abandoned
+    at once with ``no_worker`` instead of waiting ``pickup_timeout_s`` for
+    nobody. While a worker is being started and none is alive, the pickup
+    clock does not run: the task waits in the ``gpu`` queue for that worker.
+
     Args:
-        pickup_timeout_s: how long a load task may wait for a worker to start
-            it (default: the lease TTL). Past that, the claim is abandoned.
+        pickup_timeout_s: how long a load task may wait for a live worker to
+            start it (default: the lease TTL). Past that, the claim is abandoned.
         force: load even during a failed load's backoff (explicit management load, R6.7).
         on_load_lost: awaited by the caller that ends a load whose worker died
             (exactly one caller does), before it raises: the dead worker
@@ -178,9 +203,11 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
             unloaded, and a later request retries (R4.2); or the last load
             failed and its backoff has not passed (R6.7: at once, with the
             time left as ``retry_after_s``).
-        ServerBusy: no worker started the load in time (code ``no_worker``), or
-            the worker loading it died (code ``worker_lost``; the model is
-            unloaded and the next caller loads it on a live worker, R7.4).
+        ServerBusy: code ``no_worker``: no worker is alive and none is being
+            started, or no live worker started the load in time; code
+            ``worker_lost``: the worker loading it died (the model is unloaded
+            and the next caller loads it on a live worker, R7.4). Callers that
+            waited on another caller's load get the same codes.
 
     Tolerated race: a load task that a worker starts after its claim was
     abandoned sees ``renew_load`` refuse and does nothing.
@@ -224,20 +251,33 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                     raise error  # that load ended without a pool: it releases everyone who waited (R4.2)
                 continue
             loaded_here = True
+            census = await ctx.scheduler.census()
+            if census.live_workers == 0 and not census.worker_starting:
+                # Nobody would ever start the task (R7.4): say so now, not after the pickup timeout.
+                await ctx.scheduler.finish_load(model_id, token, LoadEnd.NO_WORKER, error=LoadLost.NO_LIVE_WORKER)
+                raise no_live_worker_error(model_id)
             await send_task("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
-            sent_at = time.monotonic()
+            pickup_since = [time.monotonic()]  # the pickup clock; restarted while only a starting worker exists
 
-            async def load_goes_on(token: str = token, sent_at: float = sent_at) -> float | None:
+            async def load_goes_on(token: str = token, pickup_since: list[float] = pickup_since) -> float | None:
                 status = await ctx.scheduler.load_claim(model_id, token)
                 claim = status.claim
                 if claim is LoadClaim.RUNNING:  # a worker is loading, renewing its claim and beating
                     return next_check_s(status.left_ms / 1000)
                 if claim is LoadClaim.PENDING:
-                    pickup_left_s = pickup_timeout_s - (time.monotonic() - sent_at)
+                    census = await ctx.scheduler.census()
+                    if census.live_workers == 0:
+                        if census.worker_starting:
+                            pickup_since[0] = time.monotonic()  # the task waits in the queue for that worker
+                            return NO_WORKER_CHECK_S
+                        await ctx.scheduler.finish_load(model_id, token, LoadEnd.NO_WORKER,
+                                                        error=LoadLost.NO_LIVE_WORKER)
+                        raise no_live_worker_error(model_id)
+                    pickup_left_s = pickup_timeout_s - (time.monotonic() - pickup_since[0])
                     if pickup_left_s > 0:
-                        return min(LIVENESS_CHECK_S, pickup_left_s)
+                        return min(LIVENESS_CHECK_S, NO_WORKER_CHECK_S, pickup_left_s)
                     await ctx.scheduler.finish_load(model_id, token, LoadEnd.NO_WORKER,
-                                                    error="no worker started the load")
+                                                    error=LoadLost.NOT_PICKED_UP)
                     raise ServerBusy(f"model {model_id!r}: no worker started its load within "
                                      f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
                 if claim is LoadClaim.EXPIRED:
@@ -251,7 +291,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 return None  # GONE: finished (its reply is read below) or ended by another caller
 
             replied = await await_reply(ctx, wake, KEYS.load_result(token), load_goes_on,
-                                        first_check_s=min(LIVENESS_CHECK_S, pickup_timeout_s))
+                                        first_check_s=min(LIVENESS_CHECK_S, NO_WORKER_CHECK_S, pickup_timeout_s))
             raw = await ctx.redis.getdel(KEYS.load_result(token))
             if not replied and raw is None:
                 # Our claim is gone without a reply yet: the load just finished (its reply follows

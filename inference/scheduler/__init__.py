@@ -19,6 +19,7 @@ from .slots import (
 )
 from .types import (
     AdmissionProbe,
+    Census,
     ClaimStatus,
     Lease,
     LeaseKind,
@@ -26,6 +27,7 @@ from .types import (
     LoadClaim,
     LoadEnd,
     LoadDecision,
+    LoadLost,
     LoadOutcome,
     LoadWait,
     ModelState,
@@ -42,6 +44,7 @@ __all__ = [
     "AdmissionExpired",
     "AdmissionOverdue",
     "AdmissionTimeout",
+    "Census",
     "InvalidTransition",
     "KeepAlive",
     "Keys",
@@ -53,6 +56,7 @@ __all__ = [
     "LoadClaim",
     "LoadEnd",
     "LoadDecision",
+    "LoadLost",
     "LoadOutcome",
     "LoadWait",
     "ModelState",

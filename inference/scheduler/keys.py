@@ -71,6 +71,17 @@ class Keys:
         return f"{self.prefix}wpid"
 
     @property
+    def worker_starting(self) -> str:
+        """STRING with a TTL, present while a supervisor (``manage.py serve``) is starting a worker.
+
+        Set (and refreshed) while a worker process it spawned has not beaten yet,
+        or while a restart of a dead worker is due within a short grace; absent
+        otherwise. A cold load with no live worker waits for a worker only while
+        this key exists and fails with ``no_worker`` at once when it does not (R7.4).
+        """
+        return f"{self.prefix}wstarting"
+
+    @property
     def cold_guard(self) -> str:
         """Pseudo model id whose one slot serializes cold loads under residency limits (R6.6).
 

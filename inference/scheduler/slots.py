@@ -21,6 +21,7 @@ from .keys import LIVENESS_TTL_MS, Keys
 from .listener import Listener
 from .types import (
     AdmissionProbe,
+    Census,
     ClaimStatus,
     Lease,
     LeaseKind,
@@ -42,6 +43,7 @@ _SCRIPT_NAMES = (
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
+    "census",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -568,6 +570,19 @@ class Scheduler:
         if action is LoadAction.WAIT:
             return LoadDecision(action, left_ms=int(reply[1]))
         return LoadDecision(action)
+
+    def census(self):
+        """Live workers, whether one is being started, and registered models, in one read (``census.lua``).
+
+        Used by ``/health`` and before a cold load (R7.4): with no live worker
+        and none being started, a load would wait for nobody.
+
+        Returns:
+            :class:`Census` (an awaitable of it with an async client).
+        """
+        return _then(self._run("census", [self.keys.worker_pid, self.keys.worker_live_prefix,
+                                          self.keys.worker_starting, self.keys.models_meta], []),
+                     lambda r: Census(int(r[0]), int(r[1]) == 1, int(r[2])))
 
     async def snapshot(self, model_ids: list[str]) -> dict[str, ModelStatus]:
         """One atomic read of every model's state and counters (R4.7).

@@ -67,6 +67,17 @@ class LoadOutcome(StrEnum):
     STALE = "stale"
 
 
+class LoadLost(StrEnum):
+    """``error`` recorded for a load that ended without any worker's outcome: nobody could take it
+    (``NO_LIVE_WORKER``), nobody took it in time (``NOT_PICKED_UP``), or the worker that took it
+    stopped (``LOADER_STOPPED``). ``finish_load.lua`` sets no backoff for these (no owner given),
+    and callers that waited on such a load are told the loader's own 503 code (R7.4)."""
+
+    NO_LIVE_WORKER = "no worker is alive"
+    NOT_PICKED_UP = "no worker started the load"
+    LOADER_STOPPED = "the loading worker stopped"
+
+
 class LoadClaim(StrEnum):
     """How the single load claimed by a token is doing (``load_claim.lua``)."""
 
@@ -156,6 +167,16 @@ class AdmissionProbe(NamedTuple):
     entry: dict | None
     timeout_ms: int
     age_ms: int
+
+
+class Census(NamedTuple):
+    """Result of ``census.lua``: ``live_workers`` (started workers whose liveness key exists),
+    ``worker_starting`` (a supervisor is starting a worker, ``Keys.worker_starting``) and
+    ``models`` (published registrations)."""
+
+    live_workers: int
+    worker_starting: bool
+    models: int
 
 
 class ModelStatus(TypedDict):

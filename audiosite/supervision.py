@@ -1,0 +1,297 @@
+"""How ``manage.py serve`` keeps its Celery workers running: restart with backoff, tell the others.
+
+A worker process that exits while serve is not stopping (a crash, the OOM
+killer, ``kill -9``, even a clean exit nobody asked for) is replaced:
+
+1. serve notices the exit within one tick (``TICK_S``) and logs it;
+2. it forgets the dead worker at once instead of letting its liveness key run
+   out (``LIVENESS_TTL_MS``): the models whose pools it owned are marked
+   unloaded in Redis (``mark_unloaded.lua``; serve records them in the
+   database through its ``on_lost`` callback), a load it had started is ended
+   as failed (its waiters get 503 ``worker_lost`` at once), then its liveness
+   key and its entries in ``Keys.worker_pid`` / ``Keys.worker_memory`` are
+   deleted. Web
+   processes waiting for one of its runs then answer 503 ``worker_lost`` at
+   their next watchdog tick (``inference.runtime.rpc.WATCHDOG_S``), and
+   ``/health`` reports ``degraded`` while no other worker is alive;
+3. after a delay (:class:`RestartBackoff`) it starts a replacement under a new
+   Celery hostname (so a new ``worker_direct`` queue and run queue).
+
+While a worker is being started, ``Keys.worker_starting`` exists (a short TTL,
+refreshed every tick): from the spawn until its first liveness beat (at most
+``WORKER_BOOT_TIMEOUT_S``), and from ``RESTART_GRACE_S`` before a scheduled
+restart. A cold load that finds no live worker waits for a worker only while
+that key exists, and otherwise fails with 503 ``no_worker`` at once
+(``inference.runtime.rpc.load_single_flight``), so requests neither fail
+during the first seconds of a quick restart nor wait one lease TTL each for a
+restart that is 30 s away.
+
+Tolerated: if Redis cannot be reached, the bookkeeping of that tick is skipped
+(logged); the process work (noticing exits, restarting) goes on.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from inference.scheduler import Keys, LoadEnd, Scheduler
+
+TICK_S = 0.2
+"""How often serve calls :meth:`WorkerSupervisor.tick`, in seconds (serve's main loop period)."""
+RESTART_RESET_AFTER_S = 60.0
+"""A worker that stayed up at least this long (seconds) before exiting restarts after the first delay again."""
+RESTART_GRACE_S = 2.0
+"""A restart due within this many seconds counts as "a worker is being started" (requests wait for it)."""
+WORKER_BOOT_TIMEOUT_S = 120.0
+"""How long (seconds) a spawned worker that has not beaten yet still counts as being started."""
+STARTING_TTL_MS = 5000
+"""TTL of ``Keys.worker_starting``: it lapses this soon after serve stops refreshing it (serve killed)."""
+STARTING_REFRESH_S = 1.0
+"""How often serve refreshes ``Keys.worker_starting`` while a worker is being started, in seconds."""
+
+
+class RestartBackoff:
+    """The delay before restarting one worker: ``first_delay_s``, doubling per quick exit, capped.
+
+    An exit after an uptime of at least ``reset_after_s`` counts as the first
+    one again. With the defaults of ``server.json``
+    (``worker_restart_delay_ms`` 1000, ``worker_restart_max_delay_ms`` 30000)
+    a worker that keeps dying at start-up is restarted after 1, 2, 4, 8, 16,
+    30, 30 … s.
+
+    Args:
+        first_delay_s: delay after the first exit, > 0.
+        max_delay_s: ceiling, ≥ ``first_delay_s``.
+        reset_after_s: uptime that resets the doubling (default ``RESTART_RESET_AFTER_S``).
+    """
+
+    def __init__(self, first_delay_s: float, max_delay_s: float, reset_after_s: float = RESTART_RESET_AFTER_S):
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+        self.reset_after_s = reset_after_s
+        self.quick_exits = 0
+
+    def next_delay_s(self, uptime_s: float) -> float:
+        """Record an exit after ``uptime_s`` seconds up and return the delay (seconds) before the restart."""
+        if uptime_s >= self.reset_after_s:
+            self.quick_exits = 0
+        self.quick_exits += 1
+        return min(self.max_delay_s, self.first_delay_s * 2 ** (self.quick_exits - 1))
+
+
+def describe_exit(returncode: int) -> str:
+    """``code N``, with the signal's name for a process killed by a signal (``code -9 (SIGKILL)``)."""
+    if returncode < 0:
+        try:
+            return f"code {returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            pass
+    return f"code {returncode}"
+
+
+@dataclass
+class _Slot:
+    """One supervised worker position (``--workers N`` gives N): the current process and its restart state."""
+
+    index: int
+    backoff: RestartBackoff
+    hostname: str = ""
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    alive: bool = False  # its liveness key has been seen since this spawn
+    overdue_said: bool = False
+    restart_at: float | None = None
+    restarts: int = 0
+
+
+class WorkerSupervisor:
+    """Starts ``count`` workers and keeps them running (see the module docstring).
+
+    Args:
+        count: worker processes (``serve --workers``).
+        spawn: ``spawn(index, hostname) -> Popen`` starts one Celery worker named ``hostname``.
+        new_hostname: ``new_hostname(index) -> str``, a fresh Celery hostname for position ``index``.
+        redis_client: a synchronous client (``decode_responses=True``, bounded socket timeouts).
+        keys: the deployment's key layout.
+        lease_ttl_ms: the deployment's lease TTL (the scheduler's scripts take it).
+        first_delay_s, max_delay_s: the restart backoff (:class:`RestartBackoff`).
+        say: writes one line to serve's log.
+        on_lost: ``on_lost(hostname, returncode, model_ids)`` after a worker exited and the
+            models it had loaded (``model_ids``) were marked unloaded in Redis.
+        clock: monotonic seconds (``time.monotonic``).
+    """
+
+    def __init__(self, count: int, spawn: Callable[[int, str], subprocess.Popen],
+                 new_hostname: Callable[[int], str], redis_client: Any, keys: Keys, lease_ttl_ms: int,
+                 first_delay_s: float, max_delay_s: float, say: Callable[[str], None],
+                 on_lost: Callable[[str, int, list[str]], None], clock: Callable[[], float] = time.monotonic):
+        self._spawn = spawn
+        self._new_hostname = new_hostname
+        self._redis = redis_client
+        self._keys = keys
+        self._scheduler = Scheduler(redis_client, keys, lease_ttl_ms)
+        self._say = say
+        self._on_lost = on_lost
+        self._clock = clock
+        self._slots = [_Slot(index, RestartBackoff(first_delay_s, max_delay_s)) for index in range(count)]
+        self._advertised_at: float | None = None
+        self._redis_failing = False
+
+    # -- processes ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn every worker (announcing them as being started first)."""
+        now = self._clock()
+        for slot in self._slots:
+            self._start(slot, now)
+        self._advertise(now)
+
+    def running(self) -> list[tuple[str, subprocess.Popen]]:
+        """``("worker <hostname>", process)`` of every current worker process (exited ones included until
+        the next tick notices them)."""
+        return [(f"worker {slot.hostname}", slot.proc) for slot in self._slots if slot.proc is not None]
+
+    def tick(self, restart: bool = True) -> list[str]:
+        """Notice exits, forget the dead, start due replacements, watch boots, refresh ``Keys.worker_starting``.
+
+        Args:
+            restart: schedule a replacement for each exit (False during serve's start-up, when an exit is fatal).
+
+        Returns:
+            One line per worker that exited since the last tick (``worker <hostname> exited with code …``).
+        """
+        now = self._clock()
+        exits = []
+        for slot in self._slots:
+            if slot.proc is not None and slot.proc.poll() is not None:
+                exits.append(self._exited(slot, now, restart))
+        for slot in self._slots:
+            if slot.restart_at is not None and slot.restart_at <= now:
+                self._start(slot, now)
+        self._watch_boots(now)
+        self._advertise(now)
+        return exits
+
+    def close(self) -> None:
+        """Stop announcing a worker start (serve is stopping); best effort."""
+        for slot in self._slots:
+            slot.restart_at = None
+        if self._advertised_at is not None:
+            self._redis_call(lambda: self._redis.delete(self._keys.worker_starting))
+            self._advertised_at = None
+
+    def _start(self, slot: _Slot, now: float) -> None:
+        replaced = slot.hostname
+        slot.hostname = self._new_hostname(slot.index)
+        slot.proc = self._spawn(slot.index, slot.hostname)
+        slot.started_at = now
+        slot.alive = False
+        slot.overdue_said = False
+        slot.restart_at = None
+        if replaced:
+            slot.restarts += 1
+            self._say(f"started worker {slot.hostname} (pid {slot.proc.pid}) to replace {replaced} "
+                      f"(restart {slot.restarts} of worker {slot.index})")
+
+    def _exited(self, slot: _Slot, now: float, restart: bool) -> str:
+        assert slot.proc is not None
+        returncode = slot.proc.returncode
+        uptime_s = now - slot.started_at
+        line = f"worker {slot.hostname} exited with {describe_exit(returncode)} after {uptime_s:.1f} s"
+        slot.proc = None
+        lost = self._forget(slot.hostname)
+        if lost:
+            line += f"; its models {', '.join(lost)} are unloaded"
+        if restart:
+            delay_s = slot.backoff.next_delay_s(uptime_s)
+            slot.restart_at = now + delay_s
+            line += f"; restarting it in {delay_s:g} s"
+        self._say(line)
+        try:
+            self._on_lost(slot.hostname, returncode, lost)
+        except Exception as exc:  # the record is informative; supervision goes on
+            self._say(f"recording the models of {slot.hostname} as unloaded failed: {exc}")
+        return line
+
+    # -- Redis bookkeeping -----------------------------------------------------------------------
+    def _redis_call(self, call: Callable[[], Any]) -> Any:
+        """``call()``, or None when Redis cannot be reached (said once per outage)."""
+        try:
+            result = call()
+        except redis.RedisError as exc:
+            if not self._redis_failing:
+                self._say(f"supervisor: Redis unreachable ({exc}); worker bookkeeping skipped until it returns")
+            self._redis_failing = True
+            return None
+        self._redis_failing = False
+        return result
+
+    def _forget(self, hostname: str) -> list[str]:
+        """Settle what a dead worker left, then delete its liveness and registry entries.
+
+        Its ready pools are marked unloaded (``mark_unloaded.lua``), and a load
+        it had started is ended as ``LoadEnd.WORKER_LOST`` (no
+        backoff), which wakes every caller waiting on that load with 503
+        ``worker_lost`` now rather than when its claim expires (``lease_ttl_ms``).
+
+        Returns:
+            The ids of models that were loaded on it (state changed by this call).
+        """
+        def forget() -> list[str]:
+            model_ids = sorted(self._redis.hkeys(self._keys.models_meta))
+            pipe = self._redis.pipeline(transaction=False)
+            for model_id in model_ids:
+                pipe.hmget(self._keys.load(model_id), "state", "owner", "boot", "loader", "loader_host")
+            rows = pipe.execute()
+            lost = []
+            for model_id, (state, owner, boot, loader, loader_host) in zip(model_ids, rows, strict=True):
+                if state == "ready" and owner == hostname:
+                    if self._scheduler.mark_unloaded(model_id, boot, "worker lost") == 1:
+                        lost.append(model_id)
+                elif state == "loading" and loader_host == hostname and loader:
+                    self._scheduler.finish_load(model_id, loader, LoadEnd.WORKER_LOST,
+                                                error=f"worker {hostname} was lost while loading the model")
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.delete(self._keys.worker_live(hostname))
+            pipe.hdel(self._keys.worker_pid, hostname)
+            pipe.hdel(self._keys.worker_memory, hostname)
+            pipe.execute()
+            return lost
+        return self._redis_call(forget) or []
+
+    def _watch_boots(self, now: float) -> None:
+        for slot in self._slots:
+            if slot.proc is None or slot.alive:
+                continue
+            live_key = self._keys.worker_live(slot.hostname)
+            if self._redis_call(lambda: self._redis.exists(live_key)):  # noqa: B023 (called at once)
+                slot.alive = True
+                self._say(f"worker {slot.hostname} is alive")
+            elif now - slot.started_at > WORKER_BOOT_TIMEOUT_S and not slot.overdue_said:
+                slot.overdue_said = True
+                self._say(f"worker {slot.hostname} has not reported alive within {WORKER_BOOT_TIMEOUT_S:g} s; "
+                          "requests no longer wait for it")
+
+    def _starting(self, now: float) -> bool:
+        """True while some position is booting a worker or restarts one within ``RESTART_GRACE_S``."""
+        for slot in self._slots:
+            if slot.restart_at is not None and slot.restart_at - now <= RESTART_GRACE_S:
+                return True
+            if slot.proc is not None and not slot.alive and now - slot.started_at <= WORKER_BOOT_TIMEOUT_S:
+                return True
+        return False
+
+    def _advertise(self, now: float) -> None:
+        if self._starting(now):
+            if self._advertised_at is None or now - self._advertised_at >= STARTING_REFRESH_S:
+                if self._redis_call(lambda: self._redis.set(self._keys.worker_starting, "serve",
+                                                            px=STARTING_TTL_MS)) is not None:
+                    self._advertised_at = now
+        elif self._advertised_at is not None:
+            if self._redis_call(lambda: self._redis.delete(self._keys.worker_starting)) is not None:
+                self._advertised_at = None
