@@ -12,7 +12,7 @@ import pytest
 from audiosite.errors import ServerBusy
 from inference.runtime.context import KEYS, async_context
 from inference.runtime.rpc import load_single_flight
-from inference.scheduler import Scheduler
+from inference.scheduler import LoadEnd, Scheduler
 from inference.worker.runs import RunDispatcher
 from inference.worker.state import WorkerState
 
@@ -162,8 +162,8 @@ def test_a_load_announced_to_a_starting_worker_is_taken_by_it(redis_client):
             _live_worker(redis_client, "gpu0@late")
             while not (token := await ctx.redis.hget(KEYS.load("late"), "loader")):
                 await asyncio.sleep(0.01)
-            assert await ctx.scheduler.renew_load("late", token, "gpu0@late") == 1
-            assert str(await ctx.scheduler.finish_load("late", token, True, "gpu0@late", "boot-gpu0@late",
+            assert await ctx.scheduler.renew_load("late", token, "gpu0@late", "boot-gpu0@late") == 1
+            assert str(await ctx.scheduler.finish_load("late", token, LoadEnd.READY, "gpu0@late", "boot-gpu0@late",
                                                        capacity=1)) == "ok"
             await ctx.redis.set(KEYS.load_result(token), json.dumps({"ok": True}))
 

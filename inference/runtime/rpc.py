@@ -268,8 +268,10 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                     census = await ctx.scheduler.census()
                     if census.live_workers == 0:
                         if census.worker_starting:
-                            pickup_since[0] = time.monotonic()  # the task waits in the queue for that worker
-                            return NO_WORKER_CHECK_S
+                            # The task waits in the queue for that worker: its pickup time starts
+                            # once it beats (looked at often enough that it is not eaten by the wait).
+                            pickup_since[0] = time.monotonic()
+                            return min(NO_WORKER_CHECK_S, pickup_timeout_s / 4)
                         await ctx.scheduler.finish_load(model_id, token, LoadEnd.NO_WORKER,
                                                         error=LoadLost.NO_LIVE_WORKER)
                         raise no_live_worker_error(model_id)
