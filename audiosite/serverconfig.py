@@ -6,7 +6,7 @@ per-family option blocks. Every problem is reported at once, each message
 naming the key and, for model entries, the model id.
 
 Keys documented in API.md that this version does not implement yet
-(the browser UI, CORS, voices, spec overrides, live ingest)
+(the browser UI, CORS, a voice directory, spec overrides, live ingest)
 are refused with a message that says so, instead of being accepted and
 silently ignored.
 
@@ -38,10 +38,7 @@ NOT_YET_SUPPORTED_TOP = {
     "model_spec_override": "spec overrides",
     "live_ingest": "live streaming",
 }
-NOT_YET_SUPPORTED_MODEL = {
-    "voice_presets": "speech synthesis voices",
-    "default_voice_preset": "speech synthesis voices",
-}
+NOT_YET_SUPPORTED_MODEL: dict[str, str] = {}
 
 MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, not overflowed
 # 192 MiB: one decode of the longest default input (1800 s of 16 kHz float32, 115.2 MB) fits, two do not,
@@ -72,6 +69,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+class VoicePreset(_Strict):
+    """A speech voice under another name (``voice_presets``): the ``voice`` it stands for and the
+    request ``options`` it sets (checked against the family's ``request_options``)."""
+
+    voice: str = Field(min_length=1, max_length=128)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
 class ModelConfig(_Strict):
     """One entry of ``models``: a registered model id and how to load it.
 
@@ -91,6 +96,8 @@ class ModelConfig(_Strict):
     load_options: dict[str, Any] = Field(default_factory=dict)
     session_options: dict[str, Any] = Field(default_factory=dict)
     default_request_options: dict[str, Any] = Field(default_factory=dict)
+    voice_presets: dict[str, VoicePreset] = Field(default_factory=dict)
+    default_voice_preset: str | None = None
 
 
 class ServerConfig(_Strict):

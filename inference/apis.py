@@ -1,4 +1,5 @@
-"""Inference routes: ``POST /v1/audio/transcriptions`` and ``POST /v1/tasks/run``.
+"""Inference routes: ``POST /v1/audio/transcriptions``, ``POST /v1/audio/speech``,
+``GET /v1/audio/voices`` and ``POST /v1/tasks/run``.
 
 Views only translate HTTP to the runtime and back (async: a waiting request
 holds no thread): the length check, the input serializer
@@ -12,23 +13,26 @@ audio that then fails to decode gives the lease back with its 400/415.
 """
 from __future__ import annotations
 
+import base64
+import json
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from audiosite.apiview import APIView
-from django.http import HttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from rest_framework.exceptions import ParseError
+from rest_framework.negotiation import BaseContentNegotiation, DefaultContentNegotiation
 from rest_framework.response import Response
 
-from audiosite.errors import InvalidRequest, PayloadTooLarge
+from audiosite.errors import ApplicationError, InvalidRequest, PayloadTooLarge
 from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
-from inference import services, specs
+from inference import audio, services, specs, voices
 from inference.runtime.context import AsyncContext, async_context
 
-from .serializers import TaskRunInputSerializer, TranscriptionInputSerializer
+from .serializers import SpeechInputSerializer, TaskRunInputSerializer, TranscriptionInputSerializer
 
 
 def _data(request):
@@ -194,8 +198,164 @@ class TaskRunApi(APIView):
         options = data["request"]["options"]
         _check_options(meta["family"], options, lambda keys: ".".join(["request.options", *keys]))
         timeout_ms = data["busy_timeout_ms"]
+        if meta["task"] == "tts":
+            return await _task_speech(meta, ctx, data, started)
+        if data["request"]["source"] is None:
+            raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}: request needs 'audio' or "
+                                 "'audio_base64'", param="request.audio_base64")
         param, source = data["request"]["source"]
         raw = source if isinstance(source, bytes) else _read_local(source, param)
         outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)
+
+
+def _speech_options(meta: dict, voice: str | None, extra: dict) -> dict:
+    """Request options of a speech request: the voice preset's options, then ``extra`` (speed, seed).
+
+    Raises:
+        InvalidRequest: an unknown voice (400, ``param`` "voice"; the message names the voices).
+    """
+    resolved = voices.resolve_voice(meta, voice)
+    if resolved is None:
+        names = ", ".join(v["id"] for v in voices.model_voices(meta))
+        raise InvalidRequest(f"voice {voice!r} does not exist for model {meta['id']!r}; voices: {names}",
+                             param="voice")
+    _voice_id, options = resolved
+    options.update(extra)
+    return options
+
+
+def _usage(text: str, final: dict | None) -> dict:
+    """``usage`` of a finished speech response: input tokens = characters, output tokens = phonemes
+    synthesised (Piper has no tokens; these are its nearest units)."""
+    output = int((final or {}).get("phonemes", 0))
+    return {"input_tokens": len(text), "output_tokens": output, "total_tokens": len(text) + output}
+
+
+async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text: str):
+    """The response body: encoded audio chunks as sentences arrive (or their SSE events); the lease is
+    released when the last byte was handed out or the client left (R8.3)."""
+    try:
+        encoder = audio.SpeechEncoder(fmt, stream.sample_rate_hz)
+        async for pcm in stream.pcm():
+            chunk = encoder.encode(pcm)
+            if chunk:
+                yield _sse_delta(chunk) if sse else chunk
+        tail = encoder.finish()
+        if tail:
+            yield _sse_delta(tail) if sse else tail
+        if sse:
+            done = {"type": "speech.audio.done", "usage": _usage(text, stream.final)}
+            yield f"data: {json.dumps(done)}\n\n".encode()
+    except ApplicationError as exc:
+        if not sse:
+            raise  # headers are out: the body just ends short
+        yield f"data: {json.dumps({'type': 'error', 'error': exc.body()['error']})}\n\n".encode()
+    finally:
+        await stream.aclose()
+
+
+def _sse_delta(chunk: bytes) -> bytes:
+    event = {"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")}
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+class IgnoreAccept(BaseContentNegotiation):
+    """Content negotiation that never refuses: the SDK sends ``Accept: application/octet-stream`` for
+    every speech request (also for sse), so the body's type follows ``response_format`` and
+    ``stream_format`` only (API.md) and errors are always JSON."""
+
+    def select_parser(self, request, parsers):
+        return DefaultContentNegotiation().select_parser(request, parsers)
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+class SpeechApi(APIView):
+    """``POST /v1/audio/speech`` (OpenAI-compatible; input: :class:`SpeechInputSerializer`).
+
+    Responds with the audio in ``response_format`` (``pcm``: raw s16le mono at
+    the rate in ``X-Sample-Rate``), sent sentence by sentence as it is
+    synthesised; with ``stream_format=sse`` (chosen by that field only, never by
+    ``Accept``) ``text/event-stream`` of ``speech.audio.delta`` events (base64
+    of the chunk in ``response_format``) then ``speech.audio.done`` with ``usage``.
+
+    Raises:
+        InvalidRequest: bad input, unknown voice, a model that is not ``tts``,
+            options the model refuses, text without anything to say (400).
+        NotFound (404), ServerBusy (503): as the other inference routes.
+    """
+
+    content_negotiation_class = IgnoreAccept
+
+    async def post(self, request):
+        check_length(request)
+        data = validated(SpeechInputSerializer(data=_data(request), context={"query_params": request.query_params}))
+        meta, ctx = await _model(data["model"], data["busy_timeout_ms"])
+        if meta["task"] != "tts":
+            raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not speech synthesis",
+                                 param="model")
+        extra = {"speed": data["speed"]}
+        if data["seed"] is not None:
+            extra["seed"] = data["seed"]
+        options = _speech_options(meta, data["voice"], extra)
+        _check_options(meta["family"], options, lambda keys: keys[0] if keys else None)
+        stream = await services.speech_open(ctx, meta, data["input"], options, data["busy_timeout_ms"])
+        fmt, sse = data["response_format"], data["stream_format"] == "sse"
+        response = StreamingHttpResponse(_speech_body(stream, fmt, sse, data["input"]),
+                                         content_type="text/event-stream" if sse else audio.speech_content_type(fmt))
+        response["X-Sample-Rate"] = str(audio.speech_output_rate(fmt, stream.sample_rate_hz))
+        response["Cache-Control"] = "no-cache"
+        return response
+
+
+class VoicesApi(APIView):
+    """``GET /v1/audio/voices?model=<id>`` → ``{"voices": [{"id", "name", "language", "sample_rate", …}]}``.
+
+    Presets carry ``preset_of`` (the voice they stand for) and their ``options``.
+
+    Raises:
+        InvalidRequest: no ``model`` parameter, or a model that is not ``tts`` (400).
+        NotFound: unknown model (404).
+    """
+
+    async def get(self, request):
+        model_id = request.query_params.get("model")
+        if not model_id:
+            raise InvalidRequest("model is required (?model=<id>)", param="model")
+        meta, _ctx = await _model(model_id, None)
+        if meta["task"] != "tts":
+            raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}: it has no voices",
+                                 param="model")
+        return Response({"voices": voices.model_voices(meta)})
+
+
+async def _task_speech(meta: dict, ctx: AsyncContext, data: dict, started: float) -> Response:
+    """``/v1/tasks/run`` for a ``tts`` model: the whole text synthesised, answered at once as
+    ``{"audio": base64 WAV (s16le mono), "sample_rate", "duration" (s), "sentences", "timing"}``."""
+    req = data["request"]
+    if "text" not in req:
+        raise InvalidRequest(f"model {meta['id']!r} synthesises speech: request needs 'text'", param="request.text")
+    options = dict(req["options"])
+    stream = await services.speech_open(ctx, meta, req["text"], options, data["busy_timeout_ms"])
+    encoder = audio.SpeechEncoder("wav", stream.sample_rate_hz)
+    parts, samples = [], 0
+    try:
+        async for pcm in stream.pcm():
+            samples += len(pcm) // 2
+            parts.append(encoder.encode(pcm))
+        parts.append(encoder.finish())
+        final = stream.final or {}
+    finally:
+        await stream.aclose()
+    wall_ms = (time.monotonic() - started) * 1000
+    duration_s = samples / stream.sample_rate_hz
+    return Response({"model": meta["id"], "task": "tts", "audio": base64.b64encode(b"".join(parts)).decode(),
+                     "format": "wav", "sample_rate": stream.sample_rate_hz, "duration": round(duration_s, 6),
+                     "sentences": final.get("sentences"),
+                     "timing": {"wall_ms": round(wall_ms, 3), "audio_duration_ms": round(duration_s * 1000, 3),
+                                "rtf": round(wall_ms / (duration_s * 1000), 4) if samples else None,
+                                "queue_ms": round(stream.lease.waited_ms, 3), "load_ms": round(stream.load_ms, 3),
+                                "inference_ms": final.get("inference_ms")}})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import soundfile
@@ -294,3 +295,114 @@ def to_bytes(samples: np.ndarray) -> memoryview:
 def from_bytes(data: bytes) -> np.ndarray:
     """Inverse of :func:`to_bytes`: a writable float32 ``(n,)`` array (one copy of ``data``)."""
     return np.frombuffer(data, dtype="<f4").copy()
+
+
+# -- speech output -----------------------------------------------------------------------------------
+
+SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+"""``response_format`` values of ``POST /v1/audio/speech`` (API.md); mp3 is OpenAI's default."""
+
+# format -> (FFmpeg muxer, FFmpeg encoder, fixed output rate in Hz or None = the input's rate,
+#            MIME type, bit rate in bit/s or None = lossless). Opus runs at 48 kHz only among the
+#            rates a 22,050 Hz voice could map to. 64 kbit/s mono is transparent enough for speech
+#            (libmp3lame's own default at 22,050 Hz is 32 kbit/s).
+_CONTAINERS: dict[str, tuple[str, str, int | None, str, int | None]] = {
+    "mp3": ("mp3", "libmp3lame", None, "audio/mpeg", 64000),
+    "opus": ("ogg", "libopus", 48000, "audio/ogg", 48000),
+    "aac": ("adts", "aac", None, "audio/aac", 64000),
+    "flac": ("flac", "flac", None, "audio/flac", None),
+    "wav": ("wav", "pcm_s16le", None, "audio/wav", None),
+}
+
+
+def speech_content_type(fmt: str) -> str:
+    """The MIME type of a ``response_format`` (``pcm``: ``audio/pcm``, raw s16le)."""
+    return "audio/pcm" if fmt == "pcm" else _CONTAINERS[fmt][3]
+
+
+def speech_output_rate(fmt: str, sample_rate_hz: int) -> int:
+    """The sample rate (Hz) a client decodes from ``fmt`` when the model produces ``sample_rate_hz``."""
+    return (_CONTAINERS[fmt][2] if fmt != "pcm" else None) or sample_rate_hz
+
+
+class _Sink:
+    """A write-only, non-seekable byte sink for PyAV: muxers then write streaming headers
+    (no length fields patched at the end), so every byte can be sent as soon as it exists."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self._parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
+
+class SpeechEncoder:
+    """Incremental encoder of 16-bit mono PCM into a ``response_format`` with PyAV (bundled FFmpeg).
+
+    ``encode(pcm)`` returns the bytes ready so far (possibly empty: encoders
+    buffer whole frames); ``finish()`` flushes and returns the rest. The
+    concatenation of all returned bytes is one playable file/stream. ``pcm``
+    passes the bytes through unchanged (raw s16le at the model's rate).
+
+    Args:
+        fmt: one of :data:`SPEECH_FORMATS`.
+        sample_rate_hz: rate of the PCM given to ``encode`` (the model's, e.g. 22,050).
+
+    Raises:
+        KeyError: an unknown ``fmt`` (callers validate it first).
+    """
+
+    def __init__(self, fmt: str, sample_rate_hz: int):
+        self.fmt = fmt
+        self.sample_rate_hz = sample_rate_hz
+        if fmt == "pcm":
+            return
+        import av  # PyAV: imported only by processes that encode
+
+        muxer, codec, rate, _mime, bit_rate = _CONTAINERS[fmt]
+        self._av = av
+        self._sink = _Sink()
+        # bitexact: no random Ogg serial number or encoder version tag, so equal audio gives equal bytes
+        self._container = av.open(self._sink, mode="w", format=muxer, options={"fflags": "+bitexact"})
+        stream: Any = self._container.add_stream(codec, rate=rate or sample_rate_hz, layout="mono")
+        if bit_rate:
+            stream.bit_rate = bit_rate
+        self._stream = stream
+        self._resampler = av.AudioResampler(format=stream.codec_context.format, layout="mono",
+                                            rate=rate or sample_rate_hz)
+        self._pts = 0
+
+    def _mux(self, frame) -> None:
+        for out in self._resampler.resample(frame):
+            for packet in self._stream.encode(out):
+                self._container.mux(packet)
+
+    def encode(self, pcm: bytes) -> bytes:
+        """Encode a block of s16le mono samples; returns the encoded bytes available now."""
+        if self.fmt == "pcm":
+            return pcm
+        samples = np.frombuffer(pcm, dtype="<i2")
+        if samples.size == 0:
+            return b""
+        frame = self._av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = self.sample_rate_hz
+        frame.pts = self._pts
+        self._pts += samples.size
+        self._mux(frame)
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        """Flush the encoder and close the container; returns the last bytes."""
+        if self.fmt == "pcm":
+            return b""
+        self._mux(None)
+        for packet in self._stream.encode(None):
+            self._container.mux(packet)
+        self._container.close()
+        return self._sink.take()

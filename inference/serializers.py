@@ -16,7 +16,7 @@ from rest_framework import serializers
 from rest_framework.fields import empty
 
 from audiosite.validation import (BooleanField, ChoiceField, InputField, InputSerializer, IntegerField,
-                                  NumberField, ObjectField, TextField)
+                                  NumberField, ObjectField, TextField, text_problem)
 from audiosite.serverconfig import get_config
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -158,27 +158,62 @@ class TranscriptionInputSerializer(BusyTimeoutInput):
         return cls.OPTION_FIELDS.get(keys[0]) if keys else None
 
 
+MAX_SPEECH_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech (API.md)
+SPEECH_RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+STREAM_FORMATS = ("audio", "sse")
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range
+
+
+class SpeechTextField(TextField):
+    """``input``: plain text of 1..``MAX_SPEECH_INPUT_CHARS`` characters (code points)."""
+
+    default_error_messages = {"length": "{name} must have 1 to {limit} characters, not {count}"}
+
+    def to_internal_value(self, data) -> str:
+        text = super().to_internal_value(data)
+        if not text.strip() or len(text) > MAX_SPEECH_INPUT_CHARS:
+            self.fail("length", limit=MAX_SPEECH_INPUT_CHARS, count=len(text) if text.strip() else 0)
+        return text
+
+
+class VoiceField(InputField):
+    """``voice``: a voice name, or ``{"id": name}`` (OpenAI's custom-voice object) → the name."""
+
+    default_error_messages = {"type": "{name} must be a voice name or an object {{\"id\": name}}"}
+
+    def to_internal_value(self, data) -> str:
+        if isinstance(data, dict) and set(data) == {"id"}:
+            data = data["id"]
+        if not isinstance(data, str) or not data or text_problem(data) or len(data) > 128:
+            self.fail("type")
+        return data
+
+
 class TaskRequestSerializer(InputSerializer):
-    """``request`` of ``POST /v1/tasks/run``: ``{"audio_base64" | "audio", "options", "busy_timeout_ms"}``.
+    """``request`` of ``POST /v1/tasks/run``: ``{"audio_base64" | "audio" | "text", "options", "busy_timeout_ms"}``.
 
     Validated data: ``options`` (an object of plain text, default ``{}``;
     the family's schema is the view's check); ``busy_timeout_ms`` (int ms or
     None); ``source``: ``(param, bytes)`` for ``audio_base64`` (preferred
-    when both are sent) or ``(param, path)`` for ``audio``.
+    when both are sent) or ``(param, path)`` for ``audio``; or, for a speech
+    model, ``text`` (1..4096 characters) and ``source`` None. Which of them
+    the model needs is the view's check.
     """
 
-    body_message = "request must be a JSON object with 'audio' or 'audio_base64'"
+    body_message = "request must be a JSON object with 'audio', 'audio_base64' or 'text'"
 
     options = ObjectField()
     busy_timeout_ms = IntegerField(default=None)
     audio_base64 = Base64Field(required=False, blank_is_absent=False)
     audio = LocalPathField(required=False, blank_is_absent=False)
+    text = SpeechTextField(required=False, blank_is_absent=False)
 
     def validate(self, attrs: dict) -> dict:
         name = next((k for k in ("audio_base64", "audio") if k in attrs), None)
-        if name is None:
-            raise serializers.ValidationError("request needs 'audio' (server-local path) or 'audio_base64'")
-        attrs["source"] = (self.fields[name].path, attrs[name])
+        if name is None and "text" not in attrs:
+            raise serializers.ValidationError(
+                "request needs 'audio' (server-local path) or 'audio_base64', or 'text' for a speech model")
+        attrs["source"] = (self.fields[name].path, attrs[name]) if name else None
         return attrs
 
 
@@ -198,4 +233,36 @@ class TaskRunInputSerializer(BusyTimeoutInput):
             attrs["busy_timeout_ms"] = self.busy_timeout_from_query()
         if attrs["busy_timeout_ms"] is None:
             attrs["busy_timeout_ms"] = attrs["request"]["busy_timeout_ms"]
+        return attrs
+
+
+class SpeechInputSerializer(BusyTimeoutInput):
+    """``POST /v1/audio/speech`` (JSON, as the OpenAI SDK sends it).
+
+    Validated data: ``model``; ``input`` (1..4096 characters); ``voice`` (a name
+    or None = the model's default); ``speed`` (0.25..4, default 1);
+    ``instructions`` (accepted; Piper voices ignore it); ``response_format``
+    (default mp3); ``stream_format`` (``audio`` default | ``sse``); ``seed``
+    (0..2**31-2 or None); ``language`` (accepted; a voice speaks its own);
+    ``busy_timeout_ms`` (body, else query string; None = the model's ceiling).
+    """
+
+    input = SpeechTextField()
+    voice = VoiceField(required=False, default=None)
+    speed = NumberField(required=False, default=1.0)
+    instructions = TextField(required=False)
+    response_format = ChoiceField(SPEECH_RESPONSE_FORMATS, default="mp3")
+    stream_format = ChoiceField(STREAM_FORMATS, default="audio")
+    seed = IntegerField(required=False, default=None, minimum=0, maximum=2**31 - 2)
+    language = TextField(required=False)
+    busy_timeout_ms = IntegerField(default=None)
+
+    def validate_speed(self, value: float) -> float:
+        if not MIN_SPEED <= value <= MAX_SPEED:
+            raise serializers.ValidationError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, not {value}")
+        return value
+
+    def validate(self, attrs: dict) -> dict:
+        if attrs["busy_timeout_ms"] is None:
+            attrs["busy_timeout_ms"] = self.busy_timeout_from_query()
         return attrs

@@ -473,3 +473,133 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
             run_input.release_samples()  # its budget reservation, if the samples never reached Redis
         if not handover.sent:
             await asyncio.shield(_give_back(ctx, model_id, lease.lease_id, run_input))
+
+
+# -- speech synthesis (streamed) --------------------------------------------------------------------
+
+class SpeechStream:
+    """An admitted speech request whose audio is being synthesised on a worker.
+
+    Holds the request's lease (renewed by a keep-alive) from
+    :func:`speech_open` until :meth:`aclose`: the slot is busy until the last
+    byte is written or the client leaves (R8.3). Iterate :meth:`pcm` for s16le
+    mono PCM blocks at ``sample_rate_hz`` (one per sentence), then read
+    ``final`` (the worker's summary: ``sentences``, ``phonemes``, ``samples``,
+    ``inference_ms``, ``slot``, ``stopped``).
+    """
+
+    def __init__(self, ctx: AsyncContext, model_id: str, lease: Lease, keep_alive, stream: rpc.WorkerStream,
+                 first: list[bytes], sample_rate_hz: int, load_ms: float):
+        self.ctx = ctx
+        self.model_id = model_id
+        self.lease = lease
+        self._keep_alive = keep_alive
+        self._stream = stream
+        self._pending = first
+        self.sample_rate_hz = sample_rate_hz
+        self.load_ms = load_ms
+        self._closed = False
+
+    @property
+    def final(self) -> dict | None:
+        """The worker's end frame (None until the whole text was synthesised)."""
+        return self._stream.final
+
+    async def pcm(self):
+        """Yield s16le mono PCM ``bytes`` per sentence as the worker produces them.
+
+        Raises:
+            ServerBusy: the worker was lost mid-stream (``worker_lost``).
+            ApplicationError: the adapter failed mid-stream (a bug).
+        """
+        while self._pending:
+            yield self._pending.pop(0)
+        while self._stream.final is None:
+            for frame in await self._stream.frames():
+                yield frame
+        final = self._stream.final
+        if not final["ok"]:
+            raise ApplicationError(f"model {self.model_id!r} failed mid-stream: {final['message']}")
+
+    async def aclose(self) -> None:
+        """End the request: stop the worker after its current sentence if it is still going (the client
+        left), then release the lease. Idempotent; finishes even if the caller is cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        await leases.run_to_completion(self._finish())
+
+    async def _finish(self) -> None:
+        try:
+            if self._stream.final is None:
+                await self._stream.stop(self.ctx.scheduler.lease_ttl_ms / 1000)
+            await self._stream.discard()
+        finally:
+            await self._keep_alive.__aexit__(None, None, None)
+            await self.ctx.scheduler.release(self.model_id, self.lease.lease_id)
+
+
+async def speech_open(ctx: AsyncContext, meta: dict, text: str, options: dict,
+                      request_timeout_ms: int | None) -> SpeechStream:
+    """Admit a speech request and start its synthesis; returns once its first sentence (or refusal) is there.
+
+    Waiting for the first frame before answering means a request the model
+    refuses (e.g. text without phonemes) still gets its 400 before any
+    response header is sent.
+
+    Args:
+        meta: the published registration of a ``tts`` model.
+        text: the input text (checked by the view: 1..4096 characters).
+        options: validated request options (merged with defaults on the worker).
+
+    Raises:
+        ServerBusy, ModelLoadFailed, NotFound, Conflict: as :func:`run`.
+        InvalidRequest: the adapter refused the request (``param`` names the field).
+        ApplicationError: the adapter failed on valid input (a bug).
+    """
+    model_id = meta["id"]
+    timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
+    lease = await leases.acquire(ctx, model_id, timeout_ms)
+    keep_alive = ctx.scheduler.keep_alive(model_id, lease.lease_id)
+    await keep_alive.__aenter__()
+    stream: rpc.WorkerStream | None = None
+    try:
+        current = await published.meta_get(ctx, model_id)
+        if current is None:
+            raise NotFound(f"model {model_id!r} was unregistered while the request waited", param="model")
+        if (current["family"], current["task"]) != (meta["family"], meta["task"]):
+            raise Conflict(f"model {model_id!r} was reconfigured to {current['family']}/{current['task']} "
+                           "while the request waited; retry", param="model")
+        load_ms = 0.0
+        for _attempt in range(2):
+            left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
+            placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+            load_ms += placement.load_ms
+            stream = rpc.WorkerStream(ctx, model_id, placement)
+            await stream.start(lease.lease_id, text, options)
+            first = await stream.frames()
+            final = stream.final
+            if final is not None and not final["ok"] and final["kind"] == rpc.RunFailure.NOT_LOADED:
+                await stream.discard()
+                await ctx.scheduler.mark_unloaded(model_id, placement.boot, "pool lost")
+                continue
+            break
+        else:
+            raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+        if final is not None and not final["ok"]:
+            if final["kind"] == rpc.RunFailure.INVALID_INPUT:
+                raise InvalidRequest(final["message"], param=final.get("param"))
+            raise ApplicationError(f"model {model_id!r} failed: {final['message']}")
+        rate = int(specs.require_spec(current["family"])["sample_rate_hz"])
+        return SpeechStream(ctx, model_id, lease, keep_alive, stream, first, rate, load_ms)
+    except BaseException:
+        async def give_back() -> None:
+            try:
+                if stream is not None:
+                    await stream.stop(ctx.scheduler.lease_ttl_ms / 1000)
+                    await stream.discard()
+            finally:
+                await keep_alive.__aexit__(None, None, None)
+                await ctx.scheduler.release(model_id, lease.lease_id)
+        await leases.run_to_completion(give_back())
+        raise

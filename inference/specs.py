@@ -96,6 +96,7 @@ def check_model_entry(entry: dict) -> list[str]:
     problems.extend(
         _schema_problems(spec["request_options"], entry.get("default_request_options") or {}, "default_request_options")
     )
+    problems.extend(_voice_problems(spec, entry))
     path = entry.get("path")
     kind = spec.get("checkpoint_kind")  # 'file' or 'directory' (e.g. a CTranslate2 model folder)
     if path is not None and not Path(path).exists():
@@ -104,6 +105,26 @@ def check_model_entry(entry: dict) -> list[str]:
         problems.append(f"key 'path': {path!r} is not a file (family {spec['family']!r} loads one checkpoint file)")
     elif path is not None and kind == "directory" and not Path(path).is_dir():
         problems.append(f"key 'path': {path!r} is not a directory (family {spec['family']!r} loads a model folder)")
+    return problems
+
+
+def _voice_problems(spec: dict, entry: dict) -> list[str]:
+    """Problems of ``voice_presets`` / ``default_voice_preset``: only a ``tts`` family has voices; each
+    preset's ``options`` must pass the family's ``request_options`` schema; the default must be a
+    preset. (Whether a preset's ``voice`` exists is checked when requests resolve it: the web answers
+    400 naming the voices.)"""
+    presets = entry.get("voice_presets") or {}
+    default = entry.get("default_voice_preset")
+    if not presets and default is None:
+        return []
+    if "tts" not in spec["tasks"]:
+        return [f"key 'voice_presets': family {spec['family']!r} does not synthesise speech (no voices)"]
+    problems = []
+    for name, preset in presets.items():
+        problems.extend(_schema_problems(spec["request_options"], preset.get("options") or {},
+                                         f"voice_presets.{name}.options"))
+    if default is not None and default not in presets:
+        problems.append(f"key 'default_voice_preset': {default!r} is not one of voice_presets {sorted(presets)}")
     return problems
 
 

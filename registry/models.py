@@ -66,6 +66,8 @@ class ModelRegistration(models.Model):
             "load_options": self.options.get("load_options", {}),
             "session_options": self.options.get("session_options", {}),
             "default_request_options": self.options.get("default_request_options", {}),
+            "voice_presets": self.options.get("voice_presets", {}),
+            "default_voice_preset": self.options.get("default_voice_preset"),
             "busy_timeout_ms": self.busy_timeout_ms,
             "slots": self.slots,
             "lazy": self.lazy,

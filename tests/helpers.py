@@ -697,3 +697,47 @@ def peak_rss_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM in /proc status")
+
+
+# -- speech output -------------------------------------------------------------------------------
+def words(text: str) -> str:
+    """Lower-case words without punctuation, for WER."""
+    return " ".join("".join(ch for ch in text.lower() if ch.isalnum() or ch.isspace() or ch == "'").split())
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Decoded speech: float32 mono ``samples`` at ``rate`` Hz, ``channels`` as the file says, and the decoder."""
+
+    samples: np.ndarray
+    rate: int
+    channels: int
+    decoder: str
+
+
+def decode_speech(data: bytes, fmt: str, pcm_rate: int = 22050) -> Decoded:
+    """Decode a speech response with a library other than its encoder (PyAV's FFmpeg) where one exists.
+
+    mp3, opus (Ogg), wav: libsndfile (``soundfile``). flac: libsndfile cannot read a FLAC stream whose
+    header gives no length (what a streamed response must send), and aac it does not read at all:
+    those go through PyAV, and the flac test compares the result sample by sample with the raw pcm
+    response instead. pcm: raw s16le at ``pcm_rate``.
+    """
+    if fmt == "pcm":
+        return Decoded(np.frombuffer(data, "<i2").astype(np.float32) / 32768, pcm_rate, 1, "numpy")
+    if fmt in ("mp3", "opus", "wav"):
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        return Decoded(samples[:, 0], rate, samples.shape[1], "libsndfile")
+    import av
+
+    parts, rate, channels = [], 0, 0
+    with av.open(io.BytesIO(data)) as container:
+        for frame in container.decode(audio=0):
+            rate, channels = frame.sample_rate, frame.layout.nb_channels
+            array = frame.to_ndarray()
+            planar = frame.format.is_planar
+            parts.append(array.reshape(channels, -1)[0] if planar else array.reshape(-1, channels)[:, 0])
+    samples = np.concatenate(parts).astype(np.float32)
+    if np.issubdtype(parts[0].dtype, np.integer):
+        samples /= 32768
+    return Decoded(samples, rate, channels, "pyav")

@@ -21,8 +21,31 @@ def problems_of(data) -> list[str]:
 
 def test_shipped_default_config_is_valid():
     config = load_config(DEFAULT_CONFIG_PATH, overrides={})
-    assert {m.family for m in config.models} == {"whisper", "silero_vad"}
+    assert {m.family for m in config.models} == {"whisper", "silero_vad", "piper"}
     assert config.busy_timeout_ms == 300000 and config.lease_ttl_ms == 30000 and config.port == 8080
+    piper = next(m for m in config.models if m.family == "piper")
+    openai_voices = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer"}
+    assert openai_voices <= set(piper.voice_presets)
+    assert {p.voice for p in piper.voice_presets.values()} == {"joe"}
+
+
+def test_voice_presets_are_checked_against_the_family():
+    good = {"id": "tts", "family": "piper", "voice_presets": {"alloy": {"voice": "joe", "options": {"speed": 1.5}}},
+            "default_voice_preset": "alloy"}
+    assert parse_config({"models": [good]}).models[0].voice_presets["alloy"].options == {"speed": 1.5}
+    problems = [
+        ({**good, "voice_presets": {"alloy": {"voice": "joe", "options": {"speed": 9}}}},
+         "voice_presets.alloy.options.speed"),
+        ({**good, "voice_presets": {"alloy": {"voice": "joe", "options": {"pitch": 1}}}},
+         "voice_presets.alloy.options"),
+        ({**good, "default_voice_preset": "nova"}, "default_voice_preset"),
+        ({**good, "voice_presets": {"alloy": {"options": {}}}}, "voice"),
+        ({"id": "w", "family": "whisper", "voice_presets": {"alloy": {"voice": "joe"}}}, "voice_presets"),
+    ]
+    for entry, key in problems:
+        with pytest.raises(ConfigError) as refused:
+            parse_config({"models": [entry]})
+        assert key in str(refused.value), (key, str(refused.value))
 
 
 def test_defaults_follow_api_md():

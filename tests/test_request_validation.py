@@ -13,7 +13,7 @@ from django.http import QueryDict
 
 from audiosite.errors import ERROR_TEXT_MAX_CHARS, ApplicationError, InvalidRequest, clip_text
 from audiosite.validation import JSONParser, validated
-from inference.serializers import TaskRunInputSerializer, TranscriptionInputSerializer
+from inference.serializers import SpeechInputSerializer, TaskRunInputSerializer, TranscriptionInputSerializer
 from registry.serializers import ModelLoadInputSerializer, ModelUnloadInputSerializer, UnloadModelsInputSerializer
 
 
@@ -36,8 +36,9 @@ def refusal(serializer_class, data, query: str = "") -> tuple[int, str | None, s
     ({"model": "vad", "request": {"audio": "x", "busy_timeout_ms": "soon"}}, "request.busy_timeout_ms",
      "request.busy_timeout_ms must be an integer"),
     ({"model": "vad", "request": {"options": {}}}, "request",
-     "request needs 'audio' (server-local path) or 'audio_base64'"),
-    ({"model": "vad", "request": None}, "request", "request must be a JSON object with 'audio' or 'audio_base64'"),
+     "request needs 'audio' (server-local path) or 'audio_base64', or 'text' for a speech model"),
+    ({"model": "vad", "request": None}, "request",
+     "request must be a JSON object with 'audio', 'audio_base64' or 'text'"),
     ({"model": "vad", "busy_timeout_ms": -1, "request": {"audio": "x"}}, "busy_timeout_ms",
      "busy_timeout_ms must be between 0 and 2147483647"),
     ({"request": {"audio": "x"}}, "model", "model is required"),
@@ -234,3 +235,21 @@ def test_error_bodies_quote_long_input_clipped(stack, speech):
         assert error["param"] is None or len(error["param"]) < 400
     assert answers[0].json()["error"]["param"] == "prompt"
     assert answers[0].json()["error"]["message"].endswith("AAAA' is too long")
+
+
+def test_speech_input_limits_and_defaults():
+    ok = validated(SpeechInputSerializer(data={"model": "tts", "input": "é" * 4096}, context={"query_params": {}}))
+    assert (ok["voice"], ok["speed"], ok["response_format"], ok["stream_format"], ok["seed"]) == (
+        None, 1.0, "mp3", "audio", None)
+    assert validated(SpeechInputSerializer(data={"model": "tts", "input": "Hi", "voice": {"id": "alloy"}},
+                                           context={"query_params": {}}))["voice"] == "alloy"
+    cases = [
+        ({"input": "é" * 4097}, "input", "input must have 1 to 4096 characters, not 4097"),
+        ({"input": "   "}, "input", "input must have 1 to 4096 characters, not 0"),
+        ({"input": "Hi", "speed": 0.2}, "speed", "speed must be between 0.25 and 4.0, not 0.2"),
+        ({"input": "Hi", "speed": "fast"}, "speed", "speed must be a number"),
+        ({"input": "Hi", "voice": {"name": "x"}}, "voice", 'voice must be a voice name or an object {"id": name}'),
+        ({"input": "Hi", "seed": -1}, "seed", "seed must be between 0 and 2147483646"),
+    ]
+    for change, param, message in cases:
+        assert refusal(SpeechInputSerializer, {"model": "tts", **change}) == (400, param, message)

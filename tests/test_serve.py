@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+import soundfile
 
 from audiosite.supervision import RestartBackoff
 
@@ -64,7 +66,13 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
                 "audio_base64": __import__("base64").b64encode(sample.read_bytes()).decode()}})
             assert vad.status_code == 200 and vad.json()["segments"]
             assert {m["id"]: m["state"] for m in c.get("/v1/models").json()["data"]} == {
-                "whisper-tiny.en": "ready", "silero-vad": "ready"}
+                "whisper-tiny.en": "ready", "silero-vad": "ready", "piper-joe": "ready"}
+            # The README's speech example on the shipped default: an OpenAI voice name, mp3 by default.
+            speech = c.post("/v1/audio/speech", json={"model": "piper-joe", "voice": "alloy",
+                                                       "input": "Hello from audiosite."})
+            assert speech.status_code == 200 and speech.headers["content-type"] == "audio/mpeg"
+            samples, rate = soundfile.read(io.BytesIO(speech.content))
+            assert rate == 22050 and samples.ndim == 1 and len(samples) / rate > 0.5
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -6,6 +6,7 @@ import importlib
 _FAMILIES = {
     "silero_vad": ("inference.adapters.silero_vad", "SileroVadAdapter"),
     "whisper": ("inference.adapters.whisper", "WhisperAdapter"),
+    "piper": ("inference.adapters.piper", "PiperAdapter"),
     "fixture": ("inference.adapters.fixture", "FixtureAdapter"),
 }
 

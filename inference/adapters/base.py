@@ -43,6 +43,23 @@ class AudioRequest:
 
 
 @dataclass(frozen=True)
+class TextRequest:
+    """One synthesis request.
+
+    Attributes:
+        text: the input text (plain Unicode, 1..4096 characters checked by the web side).
+        options: validated options merged with the spec and registration defaults:
+            ``length_scale`` (> 0, 1 = the voice's pace), ``noise_scale``, ``noise_w``,
+            ``sentence_silence_s`` (s of silence after each sentence), ``speaker``
+            (speaker index), ``speed`` (0.25..4, a time stretch that keeps the pitch), ``seed``
+            (int 0..2**31-2 or None = random).
+    """
+
+    text: str
+    options: dict
+
+
+@dataclass(frozen=True)
 class LoadContext:
     """What a load needs besides the spec.
 

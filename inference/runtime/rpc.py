@@ -461,3 +461,96 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
         return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
     finally:
         ctx.listener.forget(f"done:{request_id}")
+
+
+STOP_TTL_MS = 600000  # a stop request outlives any sentence
+
+
+class WorkerStream:
+    """The frames of one streamed speech run on a worker (``inference.worker.work.stream_speech``).
+
+    The caller keeps (and renews) the run's lease: a stream's slot is held
+    until its last byte is written or its client leaves (R8.3). Frames arrive
+    on ``Keys.chunks(request_id)``; every push also publishes
+    ``chunk:<request_id>`` on this process's channel, so waiting costs no
+    polling; a watchdog tick checks that the worker still lives (R7.4).
+
+    Attributes:
+        final: the end frame's JSON once read (None before).
+    """
+
+    def __init__(self, ctx: AsyncContext, model_id: str, placement: Placement):
+        self.ctx = ctx
+        self.model_id = model_id
+        self.placement = placement
+        self.request_id = uuid.uuid4().hex
+        self.final: dict | None = None
+        self._key = KEYS.chunks(self.request_id)
+        self._wake_key = f"chunk:{self.request_id}"
+        self._check_s = LIVENESS_CHECK_S  # when to look at the worker's liveness if no frame comes
+
+    async def start(self, lease_id: str, text: str, options: dict) -> None:
+        """Push the run header ``{"stream": true, "model_id", "request_id", "lease_id", "boot",
+        "channel", "text", "options"}`` on the owning worker's run queue (one round trip)."""
+        header = json.dumps({"stream": True, "model_id": self.model_id, "request_id": self.request_id,
+                             "lease_id": lease_id, "boot": self.placement.boot,
+                             "channel": self.ctx.listener.channel, "text": text, "options": options})
+        queue_key = KEYS.run_queue(self.placement.owner, self.placement.boot)
+        async with self.ctx.redis_bytes.pipeline(transaction=False) as pipe:
+            pipe.lpush(queue_key, header)
+            pipe.pexpire(queue_key, INPUT_TTL_MS)
+            await pipe.execute()
+
+    async def frames(self) -> list[bytes]:
+        """The PCM frames available now, waiting for at least one; empty once the end frame was read.
+
+        Each returned item is s16le mono PCM (the ``a`` type byte removed). The
+        end frame sets :attr:`final` and ends the stream.
+
+        Raises:
+            ServerBusy: (code ``worker_lost``) the worker stopped beating before the end frame.
+        """
+        while self.final is None:
+            wake = self.ctx.listener.expect(self._wake_key)
+            try:
+                items = await self.ctx.redis_bytes.lpop(self._key, 64)
+                if items:
+                    audio_frames = []
+                    for item in items:
+                        if item[:1] == b"e":
+                            self.final = json.loads(item[1:])
+                            break
+                        audio_frames.append(item[1:])
+                    return audio_frames
+                done, _ = await asyncio.wait({wake}, timeout=self._check_s)
+                if not done:
+                    # Look again just after the worker's liveness would lapse (R7.4, as for runs).
+                    left_s = await worker_alive_for_s(self.ctx, self.placement.owner, self.placement.boot)
+                    if left_s is None:
+                        raise ServerBusy(f"model {self.model_id!r}: its worker stopped responding mid-stream",
+                                         code="worker_lost")
+                    self._check_s = next_check_s(left_s)
+            finally:
+                self.ctx.listener.forget(self._wake_key)
+        return []
+
+    async def stop(self, wait_s: float) -> bool:
+        """Ask the worker to stop after its current sentence and wait (up to ``wait_s``) for its end frame.
+
+        Returns:
+            True when the end frame arrived (the worker's slot is free again).
+        """
+        if self.final is not None:
+            return True
+        await self.ctx.redis.set(KEYS.stop(self.request_id), "1", px=STOP_TTL_MS)
+        deadline = time.monotonic() + wait_s
+        try:
+            while self.final is None and time.monotonic() < deadline:
+                await asyncio.wait_for(self.frames(), timeout=max(0.01, deadline - time.monotonic()))
+        except (TimeoutError, ServerBusy):
+            return False
+        return True
+
+    async def discard(self) -> None:
+        """Delete what is left of the stream in Redis (frames, stop flag)."""
+        await self.ctx.redis.delete(self._key, KEYS.stop(self.request_id))

@@ -115,6 +115,18 @@ class Keys:
         """
         return f"{self.prefix}runs:{hostname}:{boot}"
 
+    def chunks(self, request_id: str) -> str:
+        """LIST of a streamed run's frames (with a TTL): the worker ``RPUSH``es, the web ``LPOP``s.
+
+        A frame is one type byte then its body: ``a`` + 16-bit little-endian
+        mono PCM of one sentence, or ``e`` + the run's final JSON reply (the last frame).
+        """
+        return f"{self.prefix}chunks:{request_id}"
+
+    def stop(self, request_id: str) -> str:
+        """Key set by the web when a streamed run's client left: the worker stops after its current sentence."""
+        return f"{self.prefix}stop:{request_id}"
+
     def result(self, request_id: str) -> str:
         """Key holding a request's result (with a TTL)."""
         return f"{self.prefix}out:{request_id}"

@@ -94,9 +94,7 @@ class RunDispatcher:
         self._pool.shutdown(wait=True)
         refused = 0
         while (raw := self._client.rpop(self.queue_key)) is not None:
-            header = json.loads(raw)
-            work.reply(header["channel"], KEYS.result(header["request_id"]), f"done:{header['request_id']}",
-                       not_loaded(header["model_id"]))
+            refuse(json.loads(raw))
             refused += 1
         self._client.close()
         return refused
@@ -107,18 +105,32 @@ def not_loaded(model_id: str) -> dict:
     return {"ok": False, "kind": RunFailure.NOT_LOADED, "message": f"model {model_id!r} is not loaded on this worker"}
 
 
+def refuse(header: dict) -> None:
+    """Answer a run this worker never took ``not_loaded``: by reply key, or by end frame for a stream."""
+    if header.get("stream"):
+        work.push_frame(header["channel"], header["request_id"], work.end_frame(not_loaded(header["model_id"])))
+    else:
+        work.reply(header["channel"], KEYS.result(header["request_id"]), f"done:{header['request_id']}",
+                   not_loaded(header["model_id"]))
+
+
 def serve_run(worker: WorkerState, header: dict) -> None:
     """Serve the run described by ``header`` (see ``inference.runtime.rpc.run_on_worker``) and reply.
 
     Reply in ``Keys.result(request_id)``, wake-up ``done:<request_id>`` on the
     sender's channel: ``work.run_request``'s payload, or ``not_loaded`` when
-    this worker holds no pool of the model (the sender keeps the lease).
+    this worker holds no pool of the model (the sender keeps the lease). A
+    speech stream (``header["stream"]``, from ``inference.runtime.rpc.stream_on_worker``)
+    answers with frames instead (``work.stream_speech``).
     """
     model_id, request_id = header["model_id"], header["request_id"]
     pool = worker.get(model_id)
     if pool is None or header["boot"] != worker.boot:
-        payload = not_loaded(model_id)
-    else:
-        payload = work.run_request(worker, pool, model_id, request_id, header["lease_id"],
-                                   int(header["sample_rate_hz"]), header["options"])
+        refuse(header)
+        return
+    if header.get("stream"):
+        work.stream_speech(worker, pool, header)
+        return
+    payload = work.run_request(worker, pool, model_id, request_id, header["lease_id"],
+                               int(header["sample_rate_hz"]), header["options"])
     work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload)

@@ -13,12 +13,14 @@ import json
 import logging
 import time
 
+import numpy as np
+
 from inference import audio, specs
-from inference.adapters.base import AudioRequest, InvalidInput
+from inference.adapters.base import AudioRequest, InvalidInput, TextRequest
 from inference.adapters.fixture_barrier import make_barrier
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
 from inference.runtime.rpc import RunFailure
-from inference.scheduler import LoadEnd, LoadOutcome
+from inference.scheduler import Keys, LoadEnd, LoadOutcome
 from registry import services as records
 
 from .state import Pool, WorkerState
@@ -123,6 +125,66 @@ def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, 
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
             "worker": worker.hostname}
+
+
+def push_frame(channel: str, request_id: str, frame: bytes) -> None:
+    """Append one frame to a streamed run's ``Keys.chunks`` list (TTL ``RESULT_TTL_MS``) and wake its reader
+    with ``chunk:<request_id>`` on ``channel`` (one round trip)."""
+    key = KEYS.chunks(request_id)
+    with sync_redis_bytes().pipeline(transaction=False) as pipe:
+        pipe.rpush(key, frame)
+        pipe.pexpire(key, RESULT_TTL_MS)
+        pipe.publish(channel, f"chunk:{request_id}")
+        pipe.execute()
+
+
+def end_frame(payload: dict) -> bytes:
+    """The last frame of a streamed run: ``e`` + the JSON reply (see :func:`stream_speech`)."""
+    return b"e" + json.dumps(payload).encode()
+
+
+def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
+    """Synthesise ``header["text"]`` sentence by sentence, pushing each as a frame as soon as it exists.
+
+    Frames (``Keys.chunks``): ``a`` + s16le mono PCM at the model's rate per
+    sentence, then one end frame ``e`` + ``{"ok": true, "slot", "inference_ms",
+    "worker", "sentences", "phonemes", "samples", "stopped"}`` or a failure
+    ``{"ok": false, "kind", "message"[, "param"]}`` (kinds as ``run_request``).
+
+    The lease stays with the web process, which renews it for the whole
+    stream (the slot is held until the last byte is written, R8.3); this
+    thread never renews or releases it. After every sentence it stops early
+    when the web set ``Keys.stop`` (its client left) or the web process's
+    liveness key is gone (it died): at most one sentence is made for nobody.
+    """
+    request_id, channel = header["request_id"], header["channel"]
+    stop_key, web_live_key = KEYS.stop(request_id), Keys.process_live(channel)
+    client = sync_redis_bytes()
+    final: dict
+    try:
+        request = TextRequest(header["text"], {**pool.request_defaults, **header["options"]})
+        with pool.slot() as slot:
+            started = time.monotonic()
+            sentences = phonemes = samples = 0
+            stopped = False
+            for sentence in pool.sessions[slot].stream(request):
+                pcm = np.round(np.clip(sentence.samples, -1.0, 1.0) * 32767).astype("<i2")
+                push_frame(channel, request_id, b"a" + pcm.tobytes())
+                sentences, phonemes, samples = sentences + 1, phonemes + sentence.phonemes, samples + pcm.size
+                with client.pipeline(transaction=False) as pipe:
+                    left, web_alive = pipe.exists(stop_key).exists(web_live_key).execute()
+                stopped = bool(left) or not web_alive
+                if stopped:
+                    break
+            final = {"ok": True, "slot": slot, "inference_ms": round((time.monotonic() - started) * 1000, 3),
+                     "worker": worker.hostname, "sentences": sentences, "phonemes": phonemes,
+                     "samples": samples, "stopped": stopped}
+    except InvalidInput as exc:
+        final = {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
+    except Exception as exc:  # a bug in an adapter: report it, keep the worker
+        log.exception("speech stream of %s failed", header["model_id"])
+        final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
+    push_frame(channel, request_id, end_frame(final))
 
 
 def destroy_pool(worker: WorkerState, model_id: str) -> dict:
