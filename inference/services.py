@@ -279,9 +279,13 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
             if room_timeout_ms is None:
                 room_timeout_ms = get_config().busy_timeout_ms
             deadline_s = time.monotonic() + room_timeout_ms / 1000 if room_timeout_ms > 0 else None
-            async with leases.cold_load_guard(ctx, deadline_s):
+            async with leases.cold_load_guard(ctx, deadline_s) as guard:
                 started = time.monotonic()
-                await make_room(ctx, model_id, deadline_s)
+                status = (await ctx.scheduler.snapshot([model_id]))[model_id]
+                if status["retry_in_ms"] and not force:  # failed while we waited for the guard (R6.7)
+                    raise rpc.backoff_error(model_id, status["retry_in_ms"], status["error"])
+                await make_room(ctx, model_id, deadline_s, guard)
+                await guard.check()
                 placement = await rpc.load_single_flight(ctx, model_id, force=force, on_load_lost=lost)
                 if placement.load_ms:
                     return rpc.Placement(placement.owner, placement.boot, (time.monotonic() - started) * 1000)
@@ -306,10 +310,12 @@ Only the holder of the cold-load guard polls (one per deployment), with one
 snapshot per poll: cheap, and simpler than a wake-up on every release."""
 
 
-async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None = None) -> list[str]:
+async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None = None,
+                    guard: leases.GuardHeld | None = None) -> list[str]:
     """Apply the memory guard and evict LRU models so ``model_id`` may load (R6.1, R6.5).
 
-    Call while holding the cold-load guard. Victims are models that are
+    Call while holding the cold-load guard (``guard``: checked before each
+    eviction, so a holder that stalled past the TTL evicts nothing). Victims are models that are
     ready, hold no lease and have an empty queue (try-acquire: never waiting,
     never interrupting, R6.1, R6.3); models being torn down do not count
     (R6.2). When too few can be evicted now, waits for resident models to
@@ -354,6 +360,8 @@ async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None =
         for victim in victims:
             if need <= 0:
                 break
+            if guard is not None:
+                await guard.check()  # never evict on a guard this process no longer holds (R6.6)
             lease = await ctx.scheduler.try_acquire(victim, ModelState.READY)
             if lease is None:  # busy, queued or changed state since the snapshot (R6.1, R6.3)
                 continue

@@ -171,6 +171,45 @@ def test_no_model_is_evicted_for_a_load_in_backoff(rstack):
     assert loads == [("failed",)]
 
 
+def test_a_request_queued_on_the_guard_behind_a_failing_load_evicts_nothing(rstack):
+    """R6.7 with R6.6 (found by an adversarial run): requests for a model wait for the cold-load guard
+    while its load fails; the backoff is checked again once the guard is theirs, so the request
+    behind gets 503 at once and does not evict the model another cold load put in meanwhile."""
+    limit = rstack.limit
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            fillers = [f"gf{i}" for i in range(limit - 1)]
+            for name in fillers + ["gbusy", "gfail", "gother"]:
+                entry = fx(name, 2, load_barrier="gfail-load") if name == "gfail" else fx(name, 1)
+                assert (await op.post("/v1/models/load", json=entry | {"lazy": True})).status_code == 200
+            for name in fillers:
+                assert (await post(op, name))[0].status_code == 200
+            busy = asyncio.create_task(post(op, "gbusy", barrier="gbusy-run"))
+            await until(lambda: rstack.arrived("gbusy-run") == 1)
+            first = asyncio.create_task(post(op, "gfail", busy_timeout_ms=60000))  # holds the guard, waits for room
+            await asyncio.sleep(0.5)
+            other = asyncio.create_task(post(op, "gother", busy_timeout_ms=60000))
+            await until(lambda: rstack.counters("__coldload__")["queued"] == 1)
+            second = asyncio.create_task(post(op, "gfail", busy_timeout_ms=60000))
+            await until(lambda: rstack.counters("__coldload__")["queued"] == 2)
+            rstack.release("gbusy-run")
+            assert (await within(busy, 20))[0].status_code == 200
+            await until(lambda: rstack.arrived("gfail-load") == 1)  # gbusy evicted, gfail loading
+            rstack.release("gfail-load", action="fail")
+            failed = (await within(first, 20))[0]
+            assert failed.status_code == 503 and failed.json()["error"]["code"] == "load_failed"
+            assert (await within(other, 20))[0].status_code == 200
+            refused = (await within(second, 20))[0]
+            assert refused.status_code == 503 and "backoff" in refused.json()["error"]["message"], refused.text
+            assert "gother" in loaded(rstack)  # not evicted for a load in backoff
+    run(scenario())
+    events = rstack.sql("SELECT model_id, actor FROM registry_lifecycleevent WHERE event = 'teardown' "
+                        "AND actor LIKE 'eviction for gfail%%'")
+    assert len(events) == 1  # the one eviction that made room for its first load
+
+
 def test_a_model_in_slow_teardown_does_not_count_toward_the_limit(rstack):
     """R6.2: while A's teardown is held, A no longer counts: loading B under the limit does not
     evict the unrelated loaded model C (limit 2), and B loads at once (limit 1)."""

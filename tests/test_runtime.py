@@ -120,7 +120,7 @@ def test_with_no_worker_alive_or_starting_a_load_fails_no_worker_at_once(redis_c
     census, error, elapsed, status = run(scenario())
     assert census.live_workers == 0 and not census.worker_starting
     assert error.code == "no_worker" and "no GPU worker is alive" in error.message
-    assert elapsed < 0.5
+    assert elapsed < 1.5  # one census, then one more after the grace second (a stopping worker's gap)
     assert status["state"] == "unloaded" and status["retry_in_ms"] == 0
     assert redis_client.llen("gpu") == 0  # nothing was sent
 

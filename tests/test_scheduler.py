@@ -15,6 +15,7 @@ from inference.scheduler import (
     Keys,
     Listener,
     LoadEnd,
+    ModelState,
     Scheduler,
     effective_timeout_ms,
 )
@@ -755,4 +756,24 @@ def test_a_process_killed_just_before_the_release_costs_at_most_one_lease_ttl(re
             assert 0.9 <= waited_s < 1.8, waited_s  # one lease TTL (1 s), not four
             assert await rig.counts("m") == (1, 0)
             await rig.scheduler.release("m", lease.lease_id)
+    run(scenario())
+
+
+def test_an_unload_keeps_the_error_of_a_failed_load_while_its_backoff_is_remembered(redis_client):
+    """R6.7 (found by an adversarial run): an unload's state changes do not wipe ``error`` of a failed
+    load whose backoff is still remembered (status kept ``failed`` with ``last_error`` null)."""
+    async def scenario():
+        async with Rig(Keys(unique_prefix())) as rig:
+            sched = rig.scheduler
+            decision = await sched.begin_load(rig.listener, "m", "t1")
+            assert decision.action == "load"
+            assert await sched.renew_load("m", "t1", "w1", "boot1") == 1
+            assert await sched.finish_load("m", "t1", LoadEnd.FAILED, owner="w1", boot="boot1",
+                                           error="broken weights") == "ok"
+            manager = await rig.acquire("m", 0, "manager")
+            await sched.set_state("m", ModelState.UNLOADING, manager.lease_id)
+            await sched.set_state("m", ModelState.UNLOADED, manager.lease_id)
+            await sched.release("m", manager.lease_id)
+            status = (await sched.snapshot(["m"]))["m"]
+            assert status["state"] == "failed" and status["error"] == "broken weights" and status["retry_at_ms"]
     run(scenario())

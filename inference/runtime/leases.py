@@ -133,9 +133,29 @@ async def cold_load_guard(ctx: AsyncContext, deadline_s: float | None = None):
                              "did not finish within its busy timeout", code="residency_full") from None
     try:
         async with ctx.scheduler.keep_alive(guard, lease.lease_id):
-            yield
+            yield GuardHeld(ctx, lease)
     finally:
         await asyncio.shield(ctx.scheduler.release(guard, lease.lease_id))
+
+
+class GuardHeld:
+    """The cold-load guard as its holder sees it: :meth:`check` before each step that needs it
+    (an eviction, the load), because a holder that stalled past the lease TTL has lost it to the
+    next cold load (R6.6)."""
+
+    def __init__(self, ctx: AsyncContext, lease: Lease):
+        self._ctx = ctx
+        self._lease = lease
+
+    async def check(self) -> None:
+        """Renew the guard's lease now (one round trip).
+
+        Raises:
+            ServerBusy: (code ``residency_full``) the lease was reclaimed: another cold load has the guard.
+        """
+        if not await self._ctx.scheduler.renew(self._lease.model_id, self._lease.lease_id):
+            raise ServerBusy("this server process stalled past the lease TTL and lost its turn for a cold load; "
+                             "retry", code="residency_full")
 
 
 Transition = Callable[[Lease], Awaitable[Any]]

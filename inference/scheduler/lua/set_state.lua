@@ -1,7 +1,7 @@
 -- set_state.lua: a manager records a lifecycle state of the model it holds (R4.4, R4.5).
 -- KEYS[1] base key of the model
 -- ARGV[1] new state: 'unloading', 'reconfiguring' or 'unloaded'
--- ARGV[2] error text ('' clears it)
+-- ARGV[2] error text ('' clears it, except a failed load's error while its backoff is remembered, R6.7)
 -- ARGV[3] the caller's manager lease id (must be held: only the manager changes state)
 -- Allowed transitions (anything else changes nothing):
 --   any state                       -> unloading | reconfiguring   (teardown begins;
@@ -23,7 +23,12 @@ local state = redis.call('HGET', key, 'state') or 'unloaded'
 local begins = want == 'unloading' or want == 'reconfiguring'
 local ends = want == 'unloaded' and (state == 'unloading' or state == 'reconfiguring' or state == 'unloaded')
 if not (begins or ends) then return 'bad_transition' end
-redis.call('HSET', key, 'state', want, 'error', err)
+-- An unload does not forget a failed load (R6.7): its error stays while its backoff is remembered.
+if err == '' and redis.call('HEXISTS', key, 'retry_at_ms') == 1 then
+  redis.call('HSET', key, 'state', want)
+else
+  redis.call('HSET', key, 'state', want, 'error', err)
+end
 redis.call('HDEL', key, 'owner', 'boot', 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot',
            'capacity')
 return 'ok'
