@@ -24,6 +24,7 @@ from .helpers import (
     QUICK_S,
     ROOT,
     body,
+    embedded_env,
     events_of,
     free_port,
     live_workers,
@@ -87,11 +88,17 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
 @pytest.mark.stack
 def test_serve_stops_everything_and_fails_when_the_web_process_dies(tmp_path):
     """If the web process dies, serve stops the rest and exits non-zero (docs/operations.md: only
-    workers are restarted)."""
+    workers are restarted). Also: serve keeps the caller's own AUDIOSITE_CONFIG_OVERRIDES (merged
+    under its flags; it used to replace them, found by a new-user run)."""
     config = tmp_path / "server.json"
     config.write_text('{"backend": "cpu", "lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
-    proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(free_port()))
+    port = free_port()
+    env = embedded_env(tmp_path, AUDIOSITE_CONFIG_OVERRIDES='{"max_request_body_bytes": 1000}')
+    proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(port), env=env)
     try:
+        too_big = httpx.post(f"http://127.0.0.1:{port}/v1/tasks/run", content=b"x" * 2000,
+                             headers={"content-type": "application/json"}, timeout=QUICK_S)
+        assert too_big.status_code == 413 and "1000" in too_big.json()["error"]["message"], too_big.text
         children = psutil.Process(proc.pid).children(recursive=True)
         web = next(c for c in children if "audiosite.web" in " ".join(c.cmdline()))
         web.kill()
