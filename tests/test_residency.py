@@ -180,23 +180,22 @@ def test_a_request_queued_on_the_guard_behind_a_failing_load_evicts_nothing(rsta
     async def scenario():
         async with mclient(rstack, rstack.token) as op:
             await reset(op, rstack)
-            fillers = [f"gf{i}" for i in range(limit - 1)]
-            for name in fillers + ["gbusy", "gfail", "gother"]:
+            busy_models = [f"gbusy{i}" for i in range(limit)]
+            for name in busy_models + ["gfail", "gother"]:
                 entry = fx(name, 2, load_barrier="gfail-load") if name == "gfail" else fx(name, 1)
                 assert (await op.post("/v1/models/load", json=entry | {"lazy": True})).status_code == 200
-            for name in fillers:
-                assert (await post(op, name))[0].status_code == 200
-            busy = asyncio.create_task(post(op, "gbusy", barrier="gbusy-run"))
-            await until(lambda: rstack.arrived("gbusy-run") == 1)
+            busy = [asyncio.create_task(post(op, name, barrier="gbusy-run")) for name in busy_models]
+            await until(lambda: rstack.arrived("gbusy-run") == limit)  # the limit is full of busy models
             first = asyncio.create_task(post(op, "gfail", busy_timeout_ms=60000))  # holds the guard, waits for room
             await asyncio.sleep(0.5)
             other = asyncio.create_task(post(op, "gother", busy_timeout_ms=60000))
             await until(lambda: rstack.counters("__coldload__")["queued"] == 1)
             second = asyncio.create_task(post(op, "gfail", busy_timeout_ms=60000))
             await until(lambda: rstack.counters("__coldload__")["queued"] == 2)
-            rstack.release("gbusy-run")
-            assert (await within(busy, 20))[0].status_code == 200
-            await until(lambda: rstack.arrived("gfail-load") == 1)  # gbusy evicted, gfail loading
+            rstack.release("gbusy-run", count=limit)
+            for task in busy:
+                assert (await within(task, 20))[0].status_code == 200
+            await until(lambda: rstack.arrived("gfail-load") == 1)  # one busy model evicted, gfail loading
             rstack.release("gfail-load", action="fail")
             failed = (await within(first, 20))[0]
             assert failed.status_code == 503 and failed.json()["error"]["code"] == "load_failed"
