@@ -93,12 +93,12 @@ def test_serve_stops_everything_and_fails_when_the_web_process_dies(tmp_path):
     config = tmp_path / "server.json"
     config.write_text('{"backend": "cpu", "lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
     port = free_port()
-    env = embedded_env(tmp_path, AUDIOSITE_CONFIG_OVERRIDES='{"max_request_body_bytes": 1000}')
+    env = embedded_env(tmp_path, AUDIOSITE_CONFIG_OVERRIDES='{"max_request_body_bytes": 2000}')
     proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(port), env=env)
     try:
-        too_big = httpx.post(f"http://127.0.0.1:{port}/v1/tasks/run", content=b"x" * 2000,
+        too_big = httpx.post(f"http://127.0.0.1:{port}/v1/tasks/run", content=b"x" * 3000,
                              headers={"content-type": "application/json"}, timeout=QUICK_S)
-        assert too_big.status_code == 413 and "1000" in too_big.json()["error"]["message"], too_big.text
+        assert too_big.status_code == 413 and "2000" in too_big.json()["error"]["message"], too_big.text
         children = psutil.Process(proc.pid).children(recursive=True)
         web = next(c for c in children if "audiosite.web" in " ".join(c.cmdline()))
         web.kill()

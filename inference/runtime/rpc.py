@@ -314,9 +314,13 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                     host = await ctx.redis.hget(KEYS.load(model_id), "loader_host") or ""
                     error = f"worker {host} was lost while loading the model"
                     ended = await ctx.scheduler.finish_load(model_id, token, LoadEnd.WORKER_LOST, error=error)
-                    if ended is LoadOutcome.OK and on_load_lost is not None:
-                        await on_load_lost(host, error)
-                    raise worker_lost_while_loading(model_id, error)
+                    if ended is LoadOutcome.OK:
+                        if on_load_lost is not None:
+                            await on_load_lost(host, error)
+                        raise worker_lost_while_loading(model_id, error)
+                    # Another caller ended it first (and may have cleared the loader's name): say what it recorded.
+                    recorded = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+                    raise recorded or worker_lost_while_loading(model_id, error)
                 return None  # GONE: finished (its reply is read below) or ended by another caller
 
             replied = await await_reply(ctx, wake, KEYS.load_result(token), load_goes_on,
