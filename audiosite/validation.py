@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import math
 import re
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from django.conf import settings
@@ -88,24 +89,35 @@ def _parse_int(literal: str) -> int | HugeInteger:
         return HugeInteger(literal)
 
 
-def huge_integer_keys(value, keys: tuple[str, ...] = ()) -> tuple[tuple[str, ...], HugeInteger] | None:
-    """The first :class:`HugeInteger` inside decoded JSON, with the object keys leading to it, else None.
+def first_in_json(value: Any, is_bad: Callable[[Any], bool],
+                  keys: tuple[str, ...] = ()) -> tuple[tuple[str, ...], Any] | None:
+    """The first value or object key inside decoded JSON for which ``is_bad`` is true, else None.
 
-    List indices are skipped (as in :func:`bad_text_keys`).
+    Returns:
+        ``(keys, found)``: the object keys leading to it (list indices are
+        skipped; for a bad key, the keys of the object holding it) and the
+        offending value or key (a key is passed to ``is_bad`` as ``str``).
     """
-    if isinstance(value, HugeInteger):
-        return keys, value
     if isinstance(value, dict):
         for key, item in value.items():
-            found = huge_integer_keys(item, (*keys, str(key)))
+            if is_bad(str(key)):
+                return keys, str(key)
+            found = first_in_json(item, is_bad, (*keys, str(key)))
             if found:
                 return found
-    elif isinstance(value, list):
+        return None
+    if isinstance(value, list):
         for item in value:
-            found = huge_integer_keys(item, keys)
+            found = first_in_json(item, is_bad, keys)
             if found:
                 return found
-    return None
+        return None
+    return (keys, value) if is_bad(value) else None
+
+
+def huge_integer_keys(value) -> tuple[tuple[str, ...], HugeInteger] | None:
+    """The first :class:`HugeInteger` inside decoded JSON, with the object keys leading to it, else None."""
+    return first_in_json(value, lambda item: isinstance(item, HugeInteger))
 
 
 class JSONParser(parsers.JSONParser):
@@ -158,29 +170,13 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-def bad_text_keys(value, keys: tuple[str, ...] = ()) -> tuple[tuple[str, ...], str] | None:
+def bad_text_keys(value) -> tuple[tuple[str, ...], str] | None:
     """The first string (key or value) inside decoded JSON that is not plain text, else None.
 
     Returns:
-        ``(keys, text)``: the object keys leading to the value (list indices
-        are skipped; for a bad key, the keys of the object holding it) and
-        the offending string.
+        ``(keys, text)`` as :func:`first_in_json` gives them.
     """
-    if isinstance(value, str):
-        return None if text_problem(value) is None else (keys, value)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if text_problem(str(key)) is not None:
-                return keys, str(key)
-            found = bad_text_keys(item, (*keys, str(key)))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for item in value:
-            found = bad_text_keys(item, keys)
-            if found:
-                return found
-    return None
+    return first_in_json(value, lambda item: isinstance(item, str) and text_problem(item) is not None)
 
 
 def bad_text_path(value, name: str = "") -> tuple[str, str] | None:
