@@ -68,14 +68,12 @@ class LoadOutcome(StrEnum):
 
 
 class LoadLost(StrEnum):
-    """``error`` recorded for a load that ended without any worker's outcome: nobody could take it
-    (``NO_LIVE_WORKER``), nobody took it in time (``NOT_PICKED_UP``), or the worker that took it
-    stopped (``LOADER_STOPPED``). ``finish_load.lua`` sets no backoff for these (no owner given),
-    and callers that waited on such a load are told the loader's own 503 code (R7.4)."""
+    """``error`` recorded for a load that ended as ``LoadEnd.NO_WORKER``: nobody could take it
+    (``NO_LIVE_WORKER``) or nobody took it in time (``NOT_PICKED_UP``). A load whose worker died
+    ends as ``LoadEnd.WORKER_LOST`` with the worker's name in its error instead (R7.4)."""
 
     NO_LIVE_WORKER = "no worker is alive"
     NOT_PICKED_UP = "no worker started the load"
-    LOADER_STOPPED = "the loading worker stopped"
 
 
 class LoadClaim(StrEnum):
