@@ -411,11 +411,19 @@ def send_copies_bytes(nbytes: int) -> int:
     return 2 * nbytes if nbytes < BLOCKING_SEND_MIN_BYTES else 0
 
 
-def _send_blocking(input_key: str, data: memoryview, queue_key: str, header: str) -> None:
-    pipe = sync_redis_bytes().pipeline(transaction=False)
-    pipe.set(input_key, data, px=INPUT_TTL_MS)
+def queue_header(pipe, placement: Placement, header: str) -> None:
+    """Add to ``pipe`` (a sync or async Redis pipeline) the push of a run ``header`` on
+    ``placement``'s worker run queue (``Keys.run_queue``), with the queue's TTL refreshed so the
+    queue of a worker that died goes away on its own."""
+    queue_key = KEYS.run_queue(placement.owner, placement.boot)
     pipe.lpush(queue_key, header)
     pipe.pexpire(queue_key, INPUT_TTL_MS)
+
+
+def _send_blocking(input_key: str, data: memoryview, placement: Placement, header: str) -> None:
+    pipe = sync_redis_bytes().pipeline(transaction=False)
+    pipe.set(input_key, data, px=INPUT_TTL_MS)
+    queue_header(pipe, placement, header)
     pipe.execute()
 
 
@@ -451,7 +459,6 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
     header = json.dumps({"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
                          "boot": placement.boot, "channel": ctx.listener.channel,
                          "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options})
-    queue_key = KEYS.run_queue(placement.owner, placement.boot)
     input_key = KEYS.input(request_id)
     wake = ctx.listener.expect(f"done:{request_id}")
 
@@ -459,15 +466,14 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
         samples = run_input.samples
         if samples is not None and samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
             await asyncio.get_running_loop().run_in_executor(
-                _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), queue_key, header)
+                _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), placement, header)
         else:
             async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
                 if samples is not None:
                     pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
                 else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
                     pipe.pexpire(input_key, INPUT_TTL_MS)
-                pipe.lpush(queue_key, header)
-                pipe.pexpire(queue_key, INPUT_TTL_MS)  # a dead worker's queue goes away on its own
+                queue_header(pipe, placement, header)
                 await pipe.execute()
         del samples
         run_input.staged = True
@@ -528,10 +534,8 @@ class WorkerStream:
         header = json.dumps({"stream": True, "model_id": self.model_id, "request_id": self.request_id,
                              "lease_id": lease_id, "boot": self.placement.boot,
                              "channel": self.ctx.listener.channel, "text": text, "options": options})
-        queue_key = KEYS.run_queue(self.placement.owner, self.placement.boot)
         async with self.ctx.redis_bytes.pipeline(transaction=False) as pipe:
-            pipe.lpush(queue_key, header)
-            pipe.pexpire(queue_key, INPUT_TTL_MS)
+            queue_header(pipe, self.placement, header)
             await pipe.execute()
 
     async def frames(self) -> list[bytes]:
