@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -435,8 +436,12 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
     run_input: rpc.RunInput | None = None
     try:
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
-            # A manager ahead of us may have unregistered or reconfigured the model (R2.3).
-            current = await published.meta_get(ctx, model_id)
+            # A manager ahead of us may have unregistered or reconfigured the model (R2.3). A lease
+            # granted at once carries the registration and placement read in the grant's own step.
+            if lease.meta_json is not None:
+                current = json.loads(lease.meta_json) if lease.meta_json else None
+            else:
+                current = await published.meta_get(ctx, model_id)
             if current is None:
                 raise NotFound(f"model {model_id!r} was unregistered while the request waited", param="model")
             if (current["family"], current["task"]) != (meta["family"], meta["task"]):
@@ -445,9 +450,14 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                                param="model")
             run_input = await decode_audio(audio_input, header, current["family"], options)
             load_ms = 0.0
+            ready_on = lease.ready_on
             for _attempt in range(2):
-                left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
-                placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+                if ready_on is not None:  # ready on a live worker when granted: nothing to load
+                    placement = rpc.Placement(*ready_on, load_ms=0.0)
+                    ready_on = None
+                else:
+                    left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
+                    placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
                 load_ms += placement.load_ms
                 reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, handover)
                 if reply is None:

@@ -174,6 +174,7 @@ class Scheduler:
         self.keys = keys
         self.lease_ttl_ms = lease_ttl_ms
         self._scripts = {name: redis.register_script(source) for name, source in _SOURCES.items()}
+        self._release_loaded = False  # release_in: loaded on this client's server (sync clients only)
 
     def _run(self, name: str, keys: list[str], args: list):
         return self._scripts[name](keys=keys, args=args)
@@ -182,6 +183,16 @@ class Scheduler:
     def release(self, model_id: str, lease_id: str):
         """Give a lease back (idempotent). Returns 1 if it was held, else 0."""
         return self._run("release", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms])
+
+    def release_in(self, pipe, model_id: str, lease_id: str) -> None:
+        """Queue :meth:`release` on ``pipe`` (a pipeline of this instance's synchronous client), by its
+        SHA: its reply in the pipeline's results is :meth:`release`'s, or ``NoScriptError`` if Redis
+        lost its script cache (the script is loaded once per instance before the first use)."""
+        script = self._scripts["release"]
+        if not self._release_loaded:
+            self.redis.script_load(script.script)
+            self._release_loaded = True
+        pipe.evalsha(script.sha, 1, self.keys.model(model_id), lease_id, self.lease_ttl_ms)
 
     def renew(self, model_id: str, lease_id: str):
         """Extend a lease by the TTL. Returns 1, or 0 when it was already reclaimed."""
@@ -371,8 +382,8 @@ class Scheduler:
         grant_key = f"grant:{ticket}"
         future = listener.expect(grant_key)
         enqueue = asyncio.ensure_future(
-            self._run("enqueue", [base, self.keys.seq],
-                      [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind)])
+            self._run("enqueue", [base, self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix],
+                      [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id])
         )
         try:
             reply = await asyncio.shield(enqueue)
@@ -385,7 +396,9 @@ class Scheduler:
         status = _text(reply[0])
         if status == "granted":
             listener.forget(grant_key)
-            return Lease(model_id, ticket, int(reply[1]), 0.0, kind)
+            owner, boot = _text(reply[3]), _text(reply[4])
+            return Lease(model_id, ticket, int(reply[1]), 0.0, kind, meta_json=_text(reply[2]),
+                         ready_on=(owner, boot) if owner else None)
         if status == "overdue":
             listener.forget(grant_key)
             raise AdmissionOverdue(model_id, timeout_ms, int(reply[1]))

@@ -101,6 +101,14 @@ class Lease:
     ``lease_id`` equals the ticket id; ``granted_at_ms`` is Redis TIME in ms
     (0 when the grant was pushed rather than returned); ``waited_ms`` is how
     long the caller queued (local monotonic clock).
+
+    A lease granted at once (``enqueue`` returned it, nobody queued) also
+    carries what ``enqueue.lua`` read in the same atomic step, so the caller
+    needs no further round trip for it: ``meta_json``, the model's published
+    registration (JSON text; "" when it is not registered), and ``ready_on``,
+    ``(owner, boot)`` of the pool when the model is ready on a live worker.
+    Both are None for a lease granted after queueing (a manager may have run
+    in between: read them again).
     """
 
     model_id: str
@@ -108,6 +116,8 @@ class Lease:
     granted_at_ms: int
     waited_ms: float
     kind: LeaseKind = LeaseKind.REQUEST
+    meta_json: str | None = None
+    ready_on: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from inference.runtime.context import KEYS, redis_url
+from inference.runtime.context import KEYS, redis_url, sync_scheduler
 from inference.runtime.rpc import RunFailure
 
 from . import work
@@ -145,6 +145,14 @@ def serve_run(worker: WorkerState, header: dict) -> None:
     if header.get("stream"):
         work.stream_speech(worker, pool, header)
         return
-    payload = work.run_request(worker, pool, model_id, request_id, header["lease_id"],
-                               int(header["sample_rate_hz"]), header["options"])
-    work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload)
+    lease_id = header["lease_id"]
+    replied = False
+    try:
+        payload = work.run_request(worker, pool, model_id, request_id, lease_id,
+                                   int(header["sample_rate_hz"]), header["options"])
+        work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
+                   release=(model_id, lease_id))
+        replied = True
+    finally:
+        if not replied:  # the lease goes back on every path (R2.5 would reclaim it only after the TTL)
+            sync_scheduler().release(model_id, lease_id)

@@ -30,12 +30,31 @@ log = logging.getLogger(__name__)
 RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
 
 
-def reply(channel: str, key: str, wake: str, payload: dict) -> None:
-    """Store ``payload`` (JSON) at ``key`` for ``RESULT_TTL_MS`` and publish ``wake`` on ``channel``."""
-    with sync_redis().pipeline(transaction=False) as pipe:  # one round trip; the SET runs first
+def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, str] | None = None) -> None:
+    """Store ``payload`` (JSON) at ``key`` for ``RESULT_TTL_MS`` and publish ``wake`` on ``channel``.
+
+    Args:
+        release: ``(model_id, lease_id)``: release that lease first, in the same round trip
+            (a run's end: its slot is free before its sender wakes).
+
+    Raises:
+        redis.RedisError: the SET or the PUBLISH failed (a failed release is retried alone first).
+    """
+    scheduler = sync_scheduler()
+    with sync_redis().pipeline(transaction=False) as pipe:  # one round trip, run in this order
+        if release is not None:
+            scheduler.release_in(pipe, *release)
         pipe.set(key, json.dumps(payload), px=RESULT_TTL_MS)
         pipe.publish(channel, wake)
-        pipe.execute()
+        results = pipe.execute(raise_on_error=False)
+    if release is not None:
+        if isinstance(results[0], Exception):  # e.g. NOSCRIPT after Redis lost its script cache
+            log.info("releasing %s with the reply failed (%s); releasing it alone", release, results[0])
+            scheduler.release(*release)
+        results = results[1:]
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
 
 
 def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
@@ -88,7 +107,8 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
 
 def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str, lease_id: str,
                 sample_rate_hz: int, options: dict) -> dict:
-    """Serve one request on ``pool`` under ``lease_id``, renewing it, and release the lease on every path.
+    """Serve one request on ``pool`` under ``lease_id``, renewing it meanwhile. The caller releases the
+    lease (``reply(..., release=...)`` gives it back in the reply's round trip).
 
     Args:
         request_id: its samples wait in ``Keys.input(request_id)`` (float32, see ``inference.audio.to_bytes``).
@@ -99,15 +119,12 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
         ``{"ok": true, "result", "slot", "inference_ms", "worker"}`` or
         ``{"ok": false, "kind": "invalid_input"|"expired"|"error", "message"[, "param"]}``.
     """
-    scheduler = sync_scheduler()
     try:
-        with scheduler.keep_alive(model_id, lease_id):
+        with sync_scheduler().keep_alive(model_id, lease_id):
             return _run(worker, pool, request_id, sample_rate_hz, options)
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("run of %s failed", model_id)
         return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
-    finally:
-        scheduler.release(model_id, lease_id)
 
 
 def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, options: dict) -> dict:

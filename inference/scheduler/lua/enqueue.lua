@@ -1,13 +1,21 @@
 -- enqueue.lua: a request or a manager enters the model's FIFO queue (R2.1),
 -- with fail-fast (R3.3 requests, R3.4 managers).
 -- KEYS[1] base key of the model      KEYS[2] global FIFO sequence counter
+-- KEYS[3] published registrations (HASH)   KEYS[4] worker liveness key prefix
 -- ARGV[1] ticket id (becomes the lease id when granted)
 -- ARGV[2] reply channel of the waiting process (receives 'grant:<ticket>')
 -- ARGV[3] effective busy timeout in ms (0 = unbounded: no fail-fast)
 -- ARGV[4] lease TTL in ms
 -- ARGV[5] kind: 'request' (one slot) or 'manager' (the whole model)
+-- ARGV[6] the model id (its field in KEYS[3])
 -- Returns one of:
---   {'granted', granted_at_ms}            nobody queued and the kind is grantable
+--   {'granted', granted_at_ms, meta, owner, boot}
+--                                         nobody queued and the kind is grantable;
+--                                         meta: the model's published registration
+--                                         (JSON, '' when unregistered) read in the
+--                                         same step as the grant; owner/boot: where
+--                                         its pool is ready on a live worker, as
+--                                         begin_load's 'ready' says ('' when not)
 --   {'overdue', age_ms}                   refused at once: for a request, every
 --                                         occupied slot has run longer than the
 --                                         timeout (unoccupied slots are ignored);
@@ -26,7 +34,13 @@ if reap(base, now) > 0 or redis.call('ZCARD', base .. ':queue') > 0 then grant_p
 
 if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager) then
   grant(base, ticket, now, ttl_ms, is_manager)
-  return {'granted', now}
+  local meta = redis.call('HGET', KEYS[3], ARGV[6]) or ''
+  local owner, boot = '', ''
+  local load = redis.call('HMGET', base .. ':load', 'state', 'owner', 'boot')
+  if load[1] == 'ready' and load[2] and redis.call('GET', KEYS[4] .. load[2]) == load[3] then
+    owner, boot = load[2], load[3]
+  end
+  return {'granted', now, meta, owner, boot}
 end
 
 if timeout_ms > 0 then
