@@ -497,6 +497,9 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
                                  lambda: until_worker_lost(ctx, placement.owner, placement.boot)):
             await ctx.redis.delete(KEYS.input(request_id))
             return None
+        inline = wake.result() if wake.done() and not wake.cancelled() else None
+        if inline is not None:  # carried by the wake-up (inference.worker.work.reply): no round trip
+            return json.loads(inline)
         return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
     finally:
         ctx.listener.forget(f"done:{request_id}")

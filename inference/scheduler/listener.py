@@ -97,22 +97,30 @@ class Listener:
                 continue
             self._deliver(message["data"])
 
-    def _deliver(self, key: str) -> None:
+    def _deliver(self, message: str) -> None:
+        # A message is a key, or a key, a newline and an inline payload (see ``expect``).
+        key, _, inline = message.partition("\n")
         future = self._futures.pop(key, None)
         if future is not None:
             if not future.done():
-                future.set_result(key)
+                future.set_result(inline or None)
             return
         self._early[key] = None
         if len(self._early) > self._EARLY_MAX:
             self._early.pop(next(iter(self._early)))
 
     def expect(self, key: str) -> asyncio.Future:
-        """Register interest in ``key`` before the action that leads to its publication."""
+        """Register interest in ``key`` before the action that leads to its publication.
+
+        Returns:
+            A future resolved when ``key`` is published: to the payload the publisher put after
+            the key (``"<key>\\n<payload>"``, e.g. a run's reply), or None (a bare key, or a
+            message that came before this call: its payload is not kept).
+        """
         future = self.loop.create_future()
         if key in self._early:
             self._early.pop(key)
-            future.set_result(key)
+            future.set_result(None)
         else:
             self._futures[key] = future
         return future

@@ -125,7 +125,7 @@ def refuse(header: dict) -> None:
         work.push_frame(header["channel"], header["request_id"], work.end_frame(not_loaded(header["model_id"])))
     else:
         work.reply(header["channel"], KEYS.result(header["request_id"]), f"done:{header['request_id']}",
-                   not_loaded(header["model_id"]))
+                   not_loaded(header["model_id"]), inline=True)
 
 
 def serve_run(worker: WorkerState, header: dict) -> None:
@@ -151,7 +151,7 @@ def serve_run(worker: WorkerState, header: dict) -> None:
         payload = work.run_request(worker, pool, model_id, request_id, lease_id,
                                    int(header["sample_rate_hz"]), header["options"])
         work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
-                   release=(model_id, lease_id))
+                   release=(model_id, lease_id), inline=True)
         replied = True
     finally:
         if not replied:  # the lease goes back on every path (R2.5 would reclaim it only after the TTL)

@@ -29,23 +29,44 @@ log = logging.getLogger(__name__)
 
 RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
 
+INLINE_REPLY_MAX_CHARS = 8192
+"""A reply of at most this many characters of JSON is also carried in its wake-up message (a VAD
+result or a short transcript; longer ones are read from their key)."""
 
-def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, str] | None = None) -> None:
+INLINE_REPLY_TTL_MS = 30000
+"""How long the reply key of an inline reply stays (ms), for a waiter whose wake-up message was
+lost (a dropped subscription): it looks within ``inference.runtime.rpc.LIVENESS_CHECK_S``, then at
+least every liveness TTL (10 s). The reader does not delete it: at 100 short requests per second
+about 3,000 keys of a few hundred bytes stay in Redis."""
+
+
+def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, str] | None = None,
+          inline: bool = False) -> None:
     """Store ``payload`` (JSON) at ``key`` for ``RESULT_TTL_MS`` and publish ``wake`` on ``channel``.
 
     Args:
         release: ``(model_id, lease_id)``: release that lease first, in the same round trip
             (a run's end: its slot is free before its sender wakes).
+        inline: a run's reply, whose reader takes a payload from the wake-up (``rpc.run_on_worker``):
+            one of at most ``INLINE_REPLY_MAX_CHARS`` is sent in the message as ``wake + "\n" +
+            payload`` and kept at ``key`` for ``INLINE_REPLY_TTL_MS`` only.
 
     Raises:
         redis.RedisError: the SET or the PUBLISH failed (a failed release is retried alone first).
     """
     scheduler = sync_scheduler()
+    text = json.dumps(payload)
     with sync_redis().pipeline(transaction=False) as pipe:  # one round trip, run in this order
         if release is not None:
             scheduler.release_in(pipe, *release)
-        pipe.set(key, json.dumps(payload), px=RESULT_TTL_MS)
-        pipe.publish(channel, wake)
+        if inline and len(text) <= INLINE_REPLY_MAX_CHARS:
+            # The reply rides in the wake-up too (the listener hands it to the waiter, which then
+            # needs no GET); the key stays, briefly, for a waiter whose wake-up was lost.
+            pipe.set(key, text, px=INLINE_REPLY_TTL_MS)
+            pipe.publish(channel, f"{wake}\n{text}")
+        else:
+            pipe.set(key, text, px=RESULT_TTL_MS)
+            pipe.publish(channel, wake)
         results = pipe.execute(raise_on_error=False)
     if release is not None:
         if isinstance(results[0], Exception):  # e.g. NOSCRIPT after Redis lost its script cache
