@@ -21,7 +21,7 @@ import pytest
 
 from inference.scheduler import LIVENESS_TTL_MS
 
-from .helpers import FIXTURE_ENV, Cluster, events_of, fx, mclient, post, run, run_cluster, until, within
+from .helpers import FIXTURE_ENV, MODEL_S, Cluster, events_of, fx, mclient, post, run, run_cluster, until, within
 
 pytestmark = pytest.mark.stack
 
@@ -153,7 +153,11 @@ def test_a_worker_killed_during_a_load_frees_the_model_within_the_liveness_ttl(c
     cluster.ensure()
 
     async def scenario():
-        async with mclient(cluster.webs[0], token) as a, mclient(cluster.webs[1], token) as b:
+        # The bound under test is the time from the kill to the answers (DEAD_BOUND_S); the clients
+        # wait longer than QUICK_S in all, since on a loaded machine the load's set-up before the
+        # kill can take a good part of it (seen: an httpx ReadTimeout at 30 s, CI-like load).
+        async with mclient(cluster.webs[0], token, timeout=MODEL_S) as a, \
+                mclient(cluster.webs[1], token, timeout=MODEL_S) as b:
             waiting = [asyncio.create_task(post(c, "cold")) for c in (a, b)]
             await until(lambda: cluster.arrived("cold-load") == 1)
             await until(lambda: cluster.load_field("cold", "loader_host") is not None)
