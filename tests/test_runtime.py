@@ -15,6 +15,7 @@ from inference.runtime.rpc import load_single_flight
 from inference.scheduler import LoadEnd, Scheduler
 from inference.worker.runs import RunDispatcher
 from inference.worker.state import WorkerState
+from inference.worker.work import INLINE_REPLY_TTL_MS
 
 from .helpers import run, within
 
@@ -196,11 +197,14 @@ def test_a_stopping_worker_answers_its_queued_runs_not_loaded(redis_client):
         redis_client.lpush(queue_key, _run_header(request_id, "test-channel", worker.boot))
     assert dispatcher.stop(timeout_s=5) == 3
     assert redis_client.llen(queue_key) == 0
-    wakes = [pubsub.get_message(timeout=2)["data"] for _ in range(3)]
-    assert wakes == ["done:r1", "done:r2", "done:r3"]  # FIFO: the first pushed is answered first
-    for request_id in ("r1", "r2", "r3"):
-        reply = json.loads(redis_client.get(KEYS.result(request_id)))
-        assert reply["ok"] is False and reply["kind"] == "not_loaded"
+    wakes = [pubsub.get_message(timeout=2)["data"].partition("\n") for _ in range(3)]
+    assert [key for key, _, _ in wakes] == ["done:r1", "done:r2", "done:r3"]  # FIFO: first pushed, first answered
+    for (_, _, inline), request_id in zip(wakes, ("r1", "r2", "r3"), strict=True):
+        # The short reply rides in the wake-up, and its key keeps a copy for a waiter that missed it.
+        stored = redis_client.get(KEYS.result(request_id))
+        assert json.loads(inline) == json.loads(stored)
+        assert json.loads(stored)["ok"] is False and json.loads(stored)["kind"] == "not_loaded"
+        assert 0 < redis_client.pttl(KEYS.result(request_id)) <= INLINE_REPLY_TTL_MS
     pubsub.close()
 
 
