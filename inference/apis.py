@@ -185,7 +185,9 @@ class TranscriptionApi(APIView):
 
 
 class TaskRunApi(APIView):
-    """``POST /v1/tasks/run``: generic task input (VAD, ASR; input: :class:`TaskRunInputSerializer`).
+    """``POST /v1/tasks/run``: generic task input (VAD, ASR, TTS, music transcription, speaker embedding,
+    diarization; input: :class:`TaskRunInputSerializer`). A pipeline family (diarization) is served by
+    ``inference.services.diarize``, every other by ``inference.services.run``.
 
     Responds ``{"model", "task", <the task's outputs>, "timing"}``; errors as :class:`TranscriptionApi`.
     """
@@ -205,7 +207,8 @@ class TaskRunApi(APIView):
                                  "'audio_base64'", param="request.audio_base64")
         param, source = data["request"]["source"]
         raw = source if isinstance(source, bytes) else _read_local(source, param)
-        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
+        serve = services.diarize if specs.is_pipeline(meta["family"]) else services.run
+        outcome = await serve(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)
 

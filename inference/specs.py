@@ -185,6 +185,11 @@ def packaged_file(default: dict) -> Path:
     return Path(str(importlib.resources.files(default["package"]) / default["resource"]))
 
 
+def is_pipeline(family: str) -> bool:
+    """Whether ``family`` is a pipeline over other registered models (its spec has a ``pipeline`` block)."""
+    return "pipeline" in require_spec(family)
+
+
 def default_task(family: str) -> str:
     """The family's first listed task."""
     return require_spec(family)["tasks"][0]

@@ -9,6 +9,7 @@ _FAMILIES = {
     "piper": ("inference.adapters.piper", "PiperAdapter"),
     "speaker_embedding": ("inference.adapters.speaker_embedding", "SpeakerEmbeddingAdapter"),
     "basic_pitch": ("inference.adapters.basic_pitch", "BasicPitchAdapter"),
+    "diarization": ("inference.adapters.pipeline", "PipelineAdapter"),
     "fixture": ("inference.adapters.fixture", "FixtureAdapter"),
 }
 

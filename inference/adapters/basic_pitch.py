@@ -185,24 +185,24 @@ def extract_notes(frames: np.ndarray, onsets: np.ndarray, *, onset_threshold: fl
         _clear(energy, start, end, key)
         notes.append((start, end, key + LOWEST_MIDI, float(frames[start:end, key].mean())))
     while melodia_trick and energy.max() > frame_threshold:
-        middle, key = np.unravel_index(int(np.argmax(energy)), energy.shape)
-        middle, key = int(middle), int(key)
-        energy[middle, key] = 0
-        end, below = middle + 1, 0
-        while end < n_frames - 1 and below < ENERGY_TOLERANCE_FRAMES:
-            below = below + 1 if energy[end, key] < frame_threshold else 0
-            _clear(energy, end, end + 1, key)
-            end += 1
-        end -= below + 1
-        start, below = middle - 1, 0
-        while start > 0 and below < ENERGY_TOLERANCE_FRAMES:
-            below = below + 1 if energy[start, key] < frame_threshold else 0
-            _clear(energy, start, start + 1, key)
-            start -= 1
-        start += below + 1
-        if end - start <= min_note_frames:
+        flat = int(np.argmax(energy))
+        middle, row = divmod(flat, energy.shape[1])
+        energy[middle, row] = 0
+        last, below = middle + 1, 0
+        while last < n_frames - 1 and below < ENERGY_TOLERANCE_FRAMES:
+            below = below + 1 if energy[last, row] < frame_threshold else 0
+            _clear(energy, last, last + 1, row)
+            last += 1
+        last -= below  # exclusive end: drop the trailing frames below the threshold
+        first, below = middle - 1, 0
+        while first > 0 and below < ENERGY_TOLERANCE_FRAMES:
+            below = below + 1 if energy[first, row] < frame_threshold else 0
+            _clear(energy, first, first + 1, row)
+            first -= 1
+        first += below + 1  # first frame at or above the threshold
+        if last - first <= min_note_frames:
             continue
-        notes.append((start, end, key + LOWEST_MIDI, float(frames[start:end, key].mean())))
+        notes.append((first, last, row + LOWEST_MIDI, float(frames[first:last, row].mean())))
     return sorted(notes, key=lambda n: (n[0], n[2]))
 
 
@@ -224,7 +224,7 @@ def midi_file(notes: list[dict], tempo_bpm: float) -> bytes:
         piano.notes.append(pretty_midi.Note(velocity=int(note["velocity"]), pitch=int(note["pitch_midi"]),
                                             start=float(note["start_s"]), end=float(note["end_s"])))
         bends = note.get("pitch_bends") or []
-        times = np.linspace(note["start_s"], note["end_s"], len(bends), endpoint=False) if bends else []
+        times = np.linspace(note["start_s"], note["end_s"], len(bends), endpoint=False)
         for t, bend in zip(times, bends, strict=True):
             # ±2 semitones span ±8191: 4096 per semitone, a bend unit is a third of one.
             piano.pitch_bends.append(pretty_midi.PitchBend(int(round(4096 * bend / CONTOUR_BINS_PER_SEMITONE)),
@@ -236,8 +236,12 @@ def midi_file(notes: list[dict], tempo_bpm: float) -> bytes:
 
 
 def _key_range(min_hz: float | None, max_hz: float | None) -> tuple[int, int]:
-    lo = 0 if min_hz is None else max(0, int(np.ceil(pretty_midi.hz_to_note_number(min_hz))) - LOWEST_MIDI)
-    hi = N_KEYS if max_hz is None else min(N_KEYS, int(np.floor(pretty_midi.hz_to_note_number(max_hz))) - LOWEST_MIDI + 1)
+    """Keys ``[lo, hi)`` (0-based) whose pitches lie within ``min_hz..max_hz`` (None = no limit)."""
+    lo, hi = 0, N_KEYS
+    if min_hz is not None:
+        lo = max(0, int(np.ceil(pretty_midi.hz_to_note_number(min_hz))) - LOWEST_MIDI)
+    if max_hz is not None:
+        hi = min(N_KEYS, int(np.floor(pretty_midi.hz_to_note_number(max_hz))) - LOWEST_MIDI + 1)
     return lo, hi
 
 
@@ -319,7 +323,8 @@ class BasicPitchAdapter:
         session = ort.InferenceSession(str(ctx.checkpoint), options, providers=providers_for(ctx.backend, ctx.device))
         inputs = session.get_inputs()
         names = {o.name for o in session.get_outputs()}
-        if len(inputs) != 1 or list(inputs[0].shape[1:]) != [WINDOW_SAMPLES, 1] or not set(OUTPUT_NAMES.values()) <= names:
+        expected_outputs = set(OUTPUT_NAMES.values())
+        if len(inputs) != 1 or list(inputs[0].shape[1:]) != [WINDOW_SAMPLES, 1] or not expected_outputs <= names:
             raise ValueError("not a Basic Pitch graph: expected one input (batch, 43844, 1) and outputs "
                              f"{sorted(OUTPUT_NAMES.values())}")
         return Shared(session, inputs[0].name)

@@ -17,7 +17,8 @@ librosa (and numba), which this server does not install:
    scale linear below 1 kHz and logarithmic above, triangles normalised to
    unit area), ``log10(mel + 1e-10)``;
 3. windows of 80 frames every 40 frames (a clip shorter than one window is
-   zero-padded to one), one graph run for all windows of a request;
+   zero-padded to one), one graph run for all windows of a clip (the int8
+   graph scales its activations per run, so clips are never batched together);
 4. each window's embedding L2-normalised, averaged, and the mean
    L2-normalised again.
 
@@ -79,7 +80,7 @@ def read_recipe(session: ort.InferenceSession) -> Recipe:
                   cfg["input"]["name"], cfg["output"]["name"])
 
 
-def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+def _hz_to_mel(hz: np.ndarray | float) -> np.ndarray:
     """Slaney's mel scale (Auditory Toolbox): linear below 1 kHz (200/3 Hz per mel, so 1 kHz = 15 mel),
     logarithmic above it (27 mel per factor 6.4 in Hz)."""
     hz = np.asarray(hz, dtype=np.float64)
@@ -88,7 +89,7 @@ def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
     return np.where(hz >= min_log_hz, min_log_mel + np.log(np.maximum(hz, 1e-9) / min_log_hz) / logstep, hz / f_sp)
 
 
-def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+def _mel_to_hz(mel: np.ndarray | float) -> np.ndarray:
     """Inverse of :func:`_hz_to_mel`."""
     mel = np.asarray(mel, dtype=np.float64)
     f_sp = 200.0 / 3
@@ -164,17 +165,19 @@ class EmbeddingSession:
         self.slot = slot
 
     def embed_many(self, clips: list[np.ndarray]) -> np.ndarray:
-        """One unit embedding per clip (float32 ``(len(clips), emb_dim)``), all windows in one graph run."""
-        windows = [windows_of(self.shared, log_mel(self.shared, clip)) for clip in clips]
-        counts = [len(w) for w in windows]
-        out = self.shared.session.run([self.shared.recipe.output_name],
-                                      {self.shared.recipe.input_name: np.concatenate(windows)})[0]
-        per_window = _unit(out.astype(np.float64))
-        result, at = [], 0
-        for count in counts:
-            result.append(_unit(per_window[at: at + count].mean(axis=0)))
-            at += count
-        return np.asarray(result, dtype=np.float32)
+        """One unit embedding per clip (float32 ``(len(clips), emb_dim)``).
+
+        One graph run per clip, with all of that clip's windows (as the wheel does): the int8 graph
+        quantises its activations with a scale computed over the whole input batch, so batching
+        several clips together would make a clip's embedding depend on the others.
+        """
+        out = np.empty((len(clips), self.shared.recipe.emb_dim), dtype=np.float32)
+        for i, clip in enumerate(clips):
+            windows = windows_of(self.shared, log_mel(self.shared, clip))
+            per_window = self.shared.session.run([self.shared.recipe.output_name],
+                                                 {self.shared.recipe.input_name: windows})[0]
+            out[i] = _unit(_unit(per_window.astype(np.float64)).mean(axis=0))
+        return out
 
     def run(self, request: AudioRequest) -> dict:
         """Embed the whole input and, when ``segments`` is given, each segment.
@@ -203,8 +206,8 @@ class EmbeddingSession:
         for i, seg in enumerate(segments):
             start_s, end_s = float(seg["start_s"]), float(seg["end_s"])
             if not 0 <= start_s < end_s or start_s >= duration_s + 1e-6 or end_s > duration_s + 0.05:
-                raise InvalidInput(f"segment {i} ({start_s}..{end_s} s) is not inside the audio (0..{duration_s:.3f} s) "
-                                   "with end_s > start_s", param=f"segments.{i}")
+                raise InvalidInput(f"segment {i} ({start_s}..{end_s} s) is not inside the audio "
+                                   f"(0..{duration_s:.3f} s) with end_s > start_s", param=f"segments.{i}")
             clips.append(samples[int(round(start_s * rate)): int(round(end_s * rate))])
         vectors = self.embed_many(clips)
         result: dict = {"dimensions": int(vectors.shape[1]), "duration": round(duration_s, 6), "sample_rate": rate}
@@ -242,7 +245,8 @@ class SpeakerEmbeddingAdapter:
         session = ort.InferenceSession(str(ctx.checkpoint), options, providers=providers_for(ctx.backend, ctx.device))
         recipe = read_recipe(session)
         if recipe.sample_rate_hz != int(spec["sample_rate_hz"]):
-            raise ValueError(f"embedder expects {recipe.sample_rate_hz} Hz, the family serves {spec['sample_rate_hz']} Hz")
+            raise ValueError(f"embedder expects {recipe.sample_rate_hz} Hz, "
+                             f"the family serves {spec['sample_rate_hz']} Hz")
         hamming = scipy.signal.get_window("hamming", recipe.win_length, fftbins=True)
         left = (recipe.n_fft - recipe.win_length) // 2
         fft_window = np.zeros(recipe.n_fft, dtype=np.float32)
