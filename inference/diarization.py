@@ -110,3 +110,22 @@ def speaker_of(start_s: float, end_s: float, turns: list[dict]) -> str | None:
         return max(overlap, key=lambda name: overlap[name])
     middle = (start_s + end_s) / 2
     return min(turns, key=lambda t: min(abs(middle - t["start_s"]), abs(middle - t["end_s"])))["speaker"]
+
+
+def label_words(asr: dict, turns: list[dict], sample_rate_hz: int) -> dict:
+    """Join a transcription (``asr``: the whisper adapter's result with ``words``) and speaker turns.
+
+    Returns:
+        ``{"text", "language", "duration", "sample_rate", "segments": [{id, start, end, text,
+        start_sample, end_sample, speaker}], "words": [{word, start, end, start_sample,
+        end_sample, speaker}], "speaker_turns": turns}``; times in seconds, offsets in samples
+        at ``sample_rate_hz`` (end exclusive); ``speaker`` is the speaker whose turns overlap the
+        item most (:func:`speaker_of`; None without turns).
+    """
+    def placed(item: dict) -> dict:
+        return {**item, "start_sample": int(round(item["start"] * sample_rate_hz)),
+                "end_sample": int(round(item["end"] * sample_rate_hz)),
+                "speaker": speaker_of(item["start"], item["end"], turns)}
+    return {"text": asr["text"], "language": asr["language"], "duration": asr["duration"],
+            "sample_rate": sample_rate_hz, "segments": [placed(seg) for seg in asr["segments"]],
+            "words": [placed(word) for word in asr.get("words", [])], "speaker_turns": turns}

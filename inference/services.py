@@ -587,6 +587,35 @@ async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, option
                    round(sum(step.inference_ms for step in steps), 3), 0, "web", vad.audio_ms)
 
 
+async def transcribe_with_speakers(ctx: AsyncContext, asr_meta: dict, pipeline_meta: dict | None,
+                                   audio_input: AudioInput, options: dict,
+                                   request_timeout_ms: int | None) -> Outcome:
+    """Transcribe with word timestamps and, with a diarization pipeline, label words and segments
+    with speakers (``/v1/audio/transcriptions/details``).
+
+    The two steps run one after the other, each through its own slots (the transcription's slot is
+    given back before the diarization queues), so this never holds two models' slots while waiting.
+
+    Returns:
+        An :class:`Outcome` whose result is :func:`inference.diarization.label_words`'s; its times
+        add up both steps.
+
+    Raises:
+        As :func:`run` and :func:`diarize`.
+    """
+    asr = await run(ctx, asr_meta, audio_input, {**options, "word_timestamps": True}, request_timeout_ms)
+    steps = [asr]
+    turns: list[dict] = []
+    if pipeline_meta is not None:
+        diarized = await diarize(ctx, pipeline_meta, audio_input, {}, request_timeout_ms)
+        steps.append(diarized)
+        turns = diarized.result["speaker_turns"]
+    rate = int(specs.require_spec(asr_meta["family"])["sample_rate_hz"])
+    return Outcome(diarization.label_words(asr.result, turns, rate), sum(step.queue_ms for step in steps),
+                   sum(step.load_ms for step in steps), round(sum(step.inference_ms for step in steps), 3),
+                   asr.slot, asr.worker, asr.audio_ms)
+
+
 # -- speech synthesis (streamed) --------------------------------------------------------------------
 
 class SpeechStream:

@@ -39,6 +39,7 @@ MODELS = [
     {"id": "diar-b", "family": "diarization", "task": "diarization", "slots": 2, "load_options": PARTS},
     {"id": "diar-broken", "family": "diarization", "task": "diarization", "lazy": True,
      "load_options": {"vad_model": "emb", "embedding_model": "nowhere"}},
+    {"id": "whisper", "family": "whisper", "task": "asr", "lazy": True},
     *[{"id": f"emb{n}", "family": "speaker_embedding", "task": "speaker_embedding", "slots": n, "lazy": True}
       for n in SLOT_COUNTS],
     *[{"id": f"bp{n}", "family": "basic_pitch", "task": "music_transcription", "slots": n, "lazy": True}
@@ -382,4 +383,51 @@ def test_two_pipelines_sharing_two_models_finish_around_a_component_barrier(csta
     assert all(r.status_code == 200 for r in results), [r.text for r in results]
     assert all(_comparable(r.json()) | {"model": "diar"} == expected for r in results)
     for model in ("diar", "diar-b", "vad", "emb"):
+        cstack.wait_idle(model)
+
+
+def details(stack: Stack, data: bytes, **fields):
+    with stack.client() as client:
+        return client.post("/v1/audio/transcriptions/details", data={"model": "whisper", **fields},
+                           files={"file": ("talk.wav", data, "audio/wav")})
+
+
+def test_transcription_details_label_every_word_with_its_reader(cstack, speech):
+    samples, reference = conversation(speech)
+    resp = details(cstack, wav_bytes(samples, 16000), diarization_model="diar")
+    assert resp.status_code == 200, resp.text
+    payload = resp.json()
+    assert payload["sample_rate"] == 16000 and payload["diarization_model"] == "diar"
+    assert {t["speaker"] for t in payload["speaker_turns"]} == {"SPEAKER_00", "SPEAKER_01"}
+    words = payload["words"]
+    assert len(words) >= 20, payload["text"]
+    reader_of = {}
+    for word in words:
+        assert word["start_sample"] == round(word["start"] * 16000) and word["end_sample"] >= word["start_sample"]
+        middle = (word["start"] + word["end"]) / 2
+        # the reader of the nearest reference turn (Whisper may place a last word in the pause after it)
+        name = min(reference, key=lambda r: max(r[1] - middle, middle - r[2], 0))[0]
+        reader_of.setdefault(name, []).append(word["speaker"])
+    # Each reader's words carry one speaker name, and the two readers get different names.
+    majority = {name: max(set(labels), key=labels.count) for name, labels in reader_of.items()}
+    assert len(set(majority.values())) == 2
+    right = sum(label == majority[name] for name, labels in reader_of.items() for label in labels)
+    assert right / len(words) >= 0.9, reader_of
+    assert all(seg["speaker"] in majority.values() for seg in payload["segments"])
+    for model in ("whisper", "diar", "vad", "emb"):
+        cstack.wait_idle(model)
+
+
+def test_transcription_details_without_a_pipeline_and_bad_pipelines(cstack, speech):
+    data = wav_bytes(speech[1].samples, 16000)
+    plain = details(cstack, data)
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["speaker_turns"] == [] and all(w["speaker"] is None for w in plain.json()["words"])
+    assert plain.json()["text"]
+    for fields, status in (({"diarization_model": "nowhere"}, 404), ({"diarization_model": "emb"}, 400),
+                           ({"diarization_model": "diar-broken"}, 409), ({"stream": "true"}, 400)):
+        resp = details(cstack, data, **fields)
+        assert resp.status_code == status, (fields, resp.text)
+        assert resp.json()["error"]["param"] in ("diarization_model", "model", "stream")
+    for model in ("whisper", "diar-broken", "vad", "emb"):
         cstack.wait_idle(model)
