@@ -21,7 +21,7 @@ from inference import diarization, specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, InvalidInput, LoadContext
 
-from .helpers import MODEL_S, Stack, mclient, post, run, run_stack, wav_bytes
+from .helpers import MODEL_S, Stack, mclient, post, run, run_stack, until, wav_bytes
 
 MUSIC_RATE = 22050
 SLOT_COUNTS = [1, 2, 3, 4]
@@ -431,3 +431,30 @@ def test_transcription_details_without_a_pipeline_and_bad_pipelines(cstack, spee
         assert resp.json()["error"]["param"] in ("diarization_model", "model", "stream")
     for model in ("whisper", "diar-broken", "vad", "emb"):
         cstack.wait_idle(model)
+
+
+def test_a_manager_on_the_pipeline_waits_for_the_diarization_in_progress(cstack, speech):
+    """The pipeline's own lease is held for the whole request: an unload of the pipeline queued while a
+    diarization runs ends only after it answered, and a request queued after the unload is served."""
+    samples, _ = conversation(speech)
+    data = wav_bytes(samples, 16000)
+
+    async def scenario():
+        async with mclient(cstack, None, timeout=MODEL_S) as c:
+            await post(c, "diar1", data)  # warm: the pipeline and its components are loaded
+            first = asyncio.create_task(post(c, "diar1", data))
+            await until(lambda: cstack.counters("diar1")["leases"] == 1)
+            manager = cstack.manage_async("unload_model", "diar1")
+            await until(lambda: cstack.managers("diar1")["queued"] + cstack.managers("diar1")["held"] >= 1)
+            later = asyncio.create_task(post(c, "diar1", data))
+            while manager.poll() is None:
+                await asyncio.sleep(0.01)
+            first_done_when_manager_ended = first.done()
+            out = manager.stdout.read() if manager.stdout else ""
+            return first_done_when_manager_ended, (await first)[0], (await later)[0], manager.returncode, out
+    first_done, first, later, code, out = run(scenario())
+    assert code == 0, out
+    assert first_done, "the unload ended while the diarization still held the pipeline's slot"
+    assert first.status_code == 200 and later.status_code == 200, (first.text, later.text)
+    assert _comparable(first.json()) == _comparable(later.json())
+    cstack.wait_idle("diar1")
