@@ -214,6 +214,22 @@ def test_synthesised_notes_come_back_at_their_pitches_within_50_ms(transcriber, 
     assert all(abs(t - n["start_s"]) < 0.003 for (t, _), n in zip(sorted(ons), ordered, strict=True))
 
 
+def test_pitch_bends_follow_a_glide(transcriber):
+    """A tone at A4 gliding up two thirds of a semitone: the note's bends (thirds of a semitone) rise by about 2."""
+    t = np.arange(int(1.5 * MUSIC_RATE)) / MUSIC_RATE
+    semitones = np.clip((t - 0.3) / 1.0, 0, 1) * (2 / 3)
+    phase = 2 * np.pi * np.cumsum(440.0 * 2 ** (semitones / 12)) / MUSIC_RATE
+    tone = sum(np.sin(k * phase) / k for k in (1, 2, 3)) * 0.25 * np.minimum(1, t / 0.005) * np.exp(-0.5 * t)
+    pad = np.zeros(MUSIC_RATE // 2)
+    samples = np.concatenate([pad, tone, pad]).astype(np.float32)
+    options = {**specs.request_defaults("basic_pitch"), "include_pitch_bends": True}
+    notes = [n for n in transcriber.run(AudioRequest(samples, MUSIC_RATE, options))["notes"] if n["pitch_midi"] == 69]
+    assert len(notes) == 1, notes
+    bends = notes[0]["pitch_bends"]
+    rise = np.mean(bends[-10:]) - np.mean(bends[2:12])
+    assert 1.0 <= rise <= 3.0, bends
+
+
 def test_silence_has_no_notes_and_a_frequency_band_limits_the_pitches(transcriber):
     defaults = specs.request_defaults("basic_pitch")
     assert transcriber.run(AudioRequest(np.zeros(MUSIC_RATE * 3, np.float32), MUSIC_RATE, defaults))["notes"] == []
