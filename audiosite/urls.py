@@ -14,6 +14,7 @@ urlpatterns = [
     path("v1/tasks/unload_models", registry_apis.UnloadModelsApi.as_view()),
     path("v1/tasks/unload_all_models", registry_apis.UnloadAllModelsApi.as_view()),
     path("v1/audio/transcriptions", inference_apis.TranscriptionApi.as_view()),
+    path("v1/audio/transcriptions/details", inference_apis.TranscriptionDetailsApi.as_view()),
     path("v1/audio/speech", inference_apis.SpeechApi.as_view()),
     path("v1/audio/voices", inference_apis.VoicesApi.as_view()),
     path("v1/tasks/run", inference_apis.TaskRunApi.as_view()),

