@@ -215,6 +215,15 @@ def test_the_playground_transcribes_the_shipped_sample(ustack, browser):
     page = _page(browser, ustack)
     page.goto("/ui/playground")
     page.locator("#asr-model").select_option("whisper-tiny.en")
+    # A microphone recording (Chromium's fake device plays a tone): MediaRecorder -> WAV -> the same route.
+    page.get_by_role("button", name="Record from microphone").click()
+    playwright_api.expect(page.locator("#asr-status")).to_contain_text("recording")
+    page.wait_for_timeout(1500)
+    with page.expect_response("**/v1/audio/transcriptions") as answer:
+        page.get_by_role("button", name="Stop and transcribe").click()
+    assert answer.value.status == 200  # the server decodes only what the page made of it: a WAV file
+    assert answer.value.request.headers["content-type"].startswith("multipart/form-data")
+    playwright_api.expect(page.locator("#asr-status")).to_contain_text("done in", timeout=MODEL_S * 1000)
     page.get_by_label("Audio file").first.set_input_files(str(SAMPLE))
     page.get_by_role("button", name="Transcribe file").click()
     playwright_api.expect(page.locator("#asr-text")).to_contain_text(
@@ -224,8 +233,35 @@ def test_the_playground_transcribes_the_shipped_sample(ustack, browser):
                                                                       timeout=MODEL_S * 1000)
     assert page.locator("#vad-segments li").count() >= 1
     _shoot(page, "playground")
-    dashboard = _page(browser, ustack, "operator")
-    _open_dashboard(dashboard)
-    _shoot(dashboard, "dashboard")
     page.context.close()
-    dashboard.context.close()
+
+
+def test_queued_requests_show_live_and_the_dashboard_screenshot(ustack, browser, users):
+    """Three held requests on a two-slot model: the page shows 2 active and 1 queued, then 0 and 0."""
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    answers: list[int] = []
+
+    def request() -> None:
+        with ustack.client() as c:
+            answers.append(c.post("/v1/tasks/run", json=body("fx-ui", barrier="shot")).status_code)
+
+    senders = [threading.Thread(target=request) for _ in range(3)]
+    for sender in senders:
+        sender.start()
+    ustack.wait_arrived("shot", 2)
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("2", timeout=LIVE_S * 1000)
+    playwright_api.expect(_cell(page, "fx-ui", "queued_requests")).to_have_text("1", timeout=LIVE_S * 1000)
+    for _ in range(2):  # let them go one by one: steps on the timeline (and the screenshot shows them)
+        page.wait_for_timeout(2000)
+        ustack.release("shot")
+    page.wait_for_timeout(2000)
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("1", timeout=LIVE_S * 1000)
+    _shoot(page, "dashboard")
+    ustack.release("shot")
+    playwright_api.expect(_cell(page, "fx-ui", "queued_requests")).to_have_text("0", timeout=LIVE_S * 1000)
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("0", timeout=LIVE_S * 1000)
+    for sender in senders:
+        sender.join(MODEL_S)
+    assert answers == [200, 200, 200]
+    page.context.close()

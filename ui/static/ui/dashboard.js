@@ -4,7 +4,7 @@ import {submitAction} from "./forms.js";
 
 const tbody = document.querySelector("#models tbody");
 const template = document.getElementById("row-template");
-const HISTORY_MS = 60000;
+const HISTORY_MS = 30000;
 const history = new Map();  // model id -> [{t, active, queued, slots}]
 
 function describe(result) {
