@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .helpers import FIXTURE_ENV, MODEL_S, ROOT, body, events_of, run_stack
+from .helpers import FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, events_of, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -265,3 +266,61 @@ def test_queued_requests_show_live_and_the_dashboard_screenshot(ustack, browser,
         sender.join(MODEL_S)
     assert answers == [200, 200, 200]
     page.context.close()
+
+
+# -- configuration: "ui": false, "ui_anonymous": "none" (no browser needed) ----------------------------
+def _handshake(stack, path: str, origin: str | None = None, cookie: str | None = None) -> int:
+    """The HTTP status a WebSocket handshake to ``path`` gets (101 accepted; 403/404 refused)."""
+    host = stack.url.rsplit("//", 1)[1]
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}", "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version: 13"]
+    if origin:
+        lines.append(f"Origin: {origin}")
+    if cookie:
+        lines.append(f"Cookie: {cookie}")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    host_name, port = host.split(":")
+    with socket.create_connection((host_name, int(port)), timeout=QUICK_S) as sock:
+        sock.sendall(head)
+        answer = sock.recv(4096)
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_ui_off_answers_404_everywhere_and_health_says_so(tmp_path):
+    for stack in run_stack(tmp_path, [{"id": "fx", "family": "fixture"}], redis_db=8, name="uioff",
+                           extra_env=FIXTURE_ENV, extra_config={"ui": False}):
+        with stack.client(follow_redirects=False) as c:
+            assert c.get("/health").json()["ui"] is False
+            for path in ("/", "/ui/", "/ui/playground", "/ui/log", "/ui/sample.wav"):
+                assert c.get(path).status_code == 404, path
+            assert c.get("/v1/models/fx").status_code == 200  # the API is not the UI
+        assert _handshake(stack, "/ui/ws/status", origin=stack.url) == 403
+
+
+def test_ui_anonymous_none_sends_visitors_to_the_login_page(tmp_path):
+    """Legacy runtime too: the dashboard works without slot configuration (slots read 1)."""
+    for stack in run_stack(tmp_path, [{"id": "fx", "family": "fixture"}], redis_db=8, name="uianon",
+                           extra_env=FIXTURE_ENV, extra_config={"ui_anonymous": "none"}):
+        with stack.client(follow_redirects=False) as c:
+            for path in ("/ui/", "/ui/playground", "/ui/log", "/ui/models/fx"):
+                resp = c.get(path)
+                assert resp.status_code == 302 and resp.headers["location"].startswith("/ui/login/?next="), path
+            assert c.get("/ui/login/").status_code == 200
+            assert c.post("/ui/manage/fx/unload").status_code == 403  # no CSRF token, no session
+        assert _handshake(stack, "/ui/ws/status", origin=stack.url) == 403  # anonymous: refused
+        done = stack.manage("shell", "--no-imports", "-c", (
+            "from django.contrib.auth.models import User\n"
+            f"User.objects.create_user('watcher', password={PASSWORD!r})\n"))
+        assert done.returncode == 0, done.stderr
+        with stack.client(follow_redirects=False) as c:
+            login = c.get("/ui/login/")
+            token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', login.text).group(1)
+            resp = c.post("/ui/login/", data={"username": "watcher", "password": PASSWORD,
+                                              "csrfmiddlewaretoken": token}, headers={"Referer": stack.url})
+            assert resp.status_code == 302
+            page = c.get("/ui/")
+            assert page.status_code == 200 and 'id="initial-board"' in page.text
+            assert "Unload selected" not in page.text  # ui_management off: status only
+            cookie = "; ".join(f"{k}={v}" for k, v in c.cookies.items())
+        assert _handshake(stack, "/ui/ws/status", origin=stack.url, cookie=cookie) == 101
+        assert _handshake(stack, "/ui/ws/status", origin="http://evil.example", cookie=cookie) == 403
