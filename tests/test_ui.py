@@ -268,6 +268,40 @@ def test_queued_requests_show_live_and_the_dashboard_screenshot(ustack, browser,
     page.context.close()
 
 
+
+def test_register_unload_selected_and_unregister_from_the_page(ustack, browser, users):
+    """Register with the form (the row appears live), tick it and unload selected, unregister it
+    (the row goes away live); each step is in the audit log with the operator as actor. The
+    model's page shows its configuration, lifecycle events and request count."""
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    page.on("dialog", lambda dialog: dialog.accept())
+    form = page.locator("#register")
+    form.get_by_label("Id").fill("fx-new")
+    form.get_by_label("Family").select_option("fixture")
+    form.get_by_label("Slots").fill("2")
+    form.get_by_role("button", name="Register and load").click()
+    playwright_api.expect(form.locator("output.msg")).to_have_text("fx-new: loaded=true, reconfigured=false")
+    playwright_api.expect(_cell(page, "fx-new", "state")).to_have_text("ready", timeout=LIVE_S * 1000)
+    with ustack.client() as c:
+        assert c.post("/v1/tasks/run", json=body("fx-new")).status_code == 200
+    page.get_by_label("select fx-new").check()
+    page.get_by_role("button", name="Unload selected").click()
+    playwright_api.expect(page.locator("#bulk output.msg")).to_have_text("unloaded: fx-new")
+    playwright_api.expect(_cell(page, "fx-new", "state")).to_have_text("unloaded", timeout=LIVE_S * 1000)
+    detail = page.context.new_page()
+    detail.goto("/ui/models/fx-new")
+    playwright_api.expect(detail.locator("#config")).to_contain_text('"slots": 2')
+    playwright_api.expect(detail.get_by_text("1 request(s) served since registration")).to_be_visible()
+    playwright_api.expect(detail.locator("#log tbody tr").first).to_contain_text("unload")
+    detail.close()
+    page.get_by_role("button", name="Unregister fx-new").click()
+    playwright_api.expect(page.locator('tr[data-model="fx-new"]')).to_have_count(0, timeout=LIVE_S * 1000)
+    events = events_of(ustack, "fx-new")
+    assert ("register", "ok", "operator") in events and ("unload", "ok", "operator") in events
+    assert events[-1][0] == "unregister" and events[-1][2] == "operator"
+    page.context.close()
+
 # -- configuration: "ui": false, "ui_anonymous": "none" (no browser needed) ----------------------------
 def _handshake(stack, path: str, origin: str | None = None, cookie: str | None = None) -> int:
     """The HTTP status a WebSocket handshake to ``path`` gets (101 accepted; 403/404 refused)."""
