@@ -12,8 +12,8 @@ from inference.scheduler import Census, ModelState, ModelStatus
 
 from .models import LifecycleEvent, ModelRegistration
 
-__all__ = ["deployment_census", "lifecycle_events_recent", "model_board", "model_meta_all", "model_meta_get",
-           "model_request_stats", "model_status_list", "registration_first_load_published", "registration_get"]
+__all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board",
+           "model_meta_all", "model_meta_get", "model_request_stats", "model_status_list", "registration_first_load_published", "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
@@ -147,6 +147,13 @@ def lifecycle_events_recent(model_id: str | None = None, event: str | None = Non
     if event:
         rows = rows.filter(event=event)
     return list(rows[:limit])
+
+
+def lifecycle_event_facets() -> dict[str, list[str]]:
+    """The distinct ``models`` and ``events`` of the audit log, sorted (the log page's filter choices)."""
+    rows = LifecycleEvent.objects.order_by()
+    return {"models": sorted(rows.values_list("model_id", flat=True).distinct()),
+            "events": sorted(rows.values_list("event", flat=True).distinct())}
 
 
 def registration_first_load_published(model_id: str) -> bool:

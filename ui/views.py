@@ -39,6 +39,7 @@ from inference.runtime.context import async_context
 from registry import lifecycle
 from registry.permissions import MANAGEMENT_DISABLED, may_manage
 from registry.selectors import (
+    lifecycle_event_facets,
     lifecycle_events_recent,
     model_board,
     model_meta_all,
@@ -112,8 +113,7 @@ async def dashboard(request: HttpRequest) -> HttpResponse:
     ctx = await async_context()
     board = await model_board(ctx)
     return _page(request, "ui/dashboard.html", {
-        "models": board, "manage": manage, "families": _families(),
-        "board_json": board, "title": "Models"})
+        "manage": manage, "families": _families(), "board_json": board, "title": "Models"})
 
 
 @require_GET
@@ -147,17 +147,12 @@ async def lifecycle_log(request: HttpRequest) -> HttpResponse:
     model_id = request.GET.get("model", "").strip()
     event = request.GET.get("event", "").strip()
     rows = await sync_to_async(lifecycle_events_recent)(model_id or None, event or None, 500)
-    kinds = await sync_to_async(_event_kinds)()
+    kinds = await sync_to_async(lifecycle_event_facets)()
     ctx = await async_context()
     return _page(request, "ui/log.html", {
         "events": [event_json(e) for e in rows], "model_filter": model_id, "event_filter": event,
         "model_ids": sorted(set(await model_meta_all(ctx)) | set(kinds["models"])),
         "event_kinds": kinds["events"], "manage": manage, "title": "Lifecycle log"})
-
-
-def _event_kinds() -> dict[str, list[str]]:
-    rows = lifecycle_events_recent(None, None, 2000)
-    return {"models": sorted({r.model_id for r in rows}), "events": sorted({r.event for r in rows})}
 
 
 @require_GET
