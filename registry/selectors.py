@@ -12,8 +12,9 @@ from inference.scheduler import Census, ModelState, ModelStatus
 
 from .models import LifecycleEvent, ModelRegistration
 
-__all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board",
-           "model_meta_all", "model_meta_get", "model_request_stats", "model_status_list", "registration_first_load_published", "registration_get"]
+__all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board", "model_meta_all",
+           "model_meta_get", "model_request_stats", "model_status_list", "registration_first_load_published",
+           "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
