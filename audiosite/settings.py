@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import warnings
 from pathlib import Path
 
 import dj_database_url
@@ -275,6 +276,8 @@ STATIC_ROOT = VAR_DIR / "static"
 # WhiteNoise serves the files of the apps' static/ folders straight from the finders (scanned once at
 # start), so `serve` needs no collectstatic step; after `collectstatic` it serves STATIC_ROOT as well.
 WHITENOISE_USE_FINDERS = True
+# STATIC_ROOT exists only after a collectstatic; WhiteNoise would warn at every start without it.
+warnings.filterwarnings("ignore", message="No directory at: ", category=UserWarning)
 WHITENOISE_MAX_AGE = 3600
 
 # The browser UI (ui/): Django's session login.

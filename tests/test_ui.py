@@ -37,6 +37,7 @@ UI_MODELS = [
     {"id": "fx-gone", "family": "fixture"},
     {"id": "whisper-tiny.en", "family": "whisper", "slots": 1, "lazy": True},
     {"id": "silero-vad", "family": "silero_vad", "lazy": True},
+    {"id": "piper-joe", "family": "piper", "lazy": True},
 ]
 
 
@@ -212,7 +213,7 @@ def test_the_lifecycle_log_shows_new_rows_live(ustack, browser, users):
     page.context.close()
 
 
-def test_the_playground_transcribes_the_shipped_sample(ustack, browser):
+def test_the_playground_transcribes_finds_speech_and_speaks(ustack, browser):
     page = _page(browser, ustack)
     page.goto("/ui/playground")
     page.locator("#asr-model").select_option("whisper-tiny.en")
@@ -233,6 +234,14 @@ def test_the_playground_transcribes_the_shipped_sample(ustack, browser):
     playwright_api.expect(page.locator("#vad-status")).to_contain_text("segment(s) of speech",
                                                                       timeout=MODEL_S * 1000)
     assert page.locator("#vad-segments li").count() >= 1
+    playwright_api.expect(page.locator("#tts-voice option")).not_to_have_count(0)
+    page.get_by_role("button", name="Speak").click()
+    playwright_api.expect(page.locator("#tts-status")).to_have_text("ready", timeout=MODEL_S * 1000)
+    duration_s = page.evaluate("""() => new Promise((resolve) => {
+        const audio = document.getElementById('tts-audio');
+        if (audio.readyState >= 1) resolve(audio.duration); else audio.onloadedmetadata = () => resolve(audio.duration);
+    })""")
+    assert 1.0 < duration_s < 20.0  # the browser decoded the synthesized WAV: seconds of speech
     _shoot(page, "playground")
     page.context.close()
 
@@ -325,7 +334,7 @@ def test_ui_off_answers_404_everywhere_and_health_says_so(tmp_path):
                            extra_env=FIXTURE_ENV, extra_config={"ui": False}):
         with stack.client(follow_redirects=False) as c:
             assert c.get("/health").json()["ui"] is False
-            for path in ("/", "/ui/", "/ui/playground", "/ui/log", "/ui/sample.wav"):
+            for path in ("/", "/ui/", "/ui/playground", "/ui/log", "/ui/sample.wav", "/ui/login/"):
                 assert c.get(path).status_code == 404, path
             assert c.get("/v1/models/fx").status_code == 200  # the API is not the UI
         assert _handshake(stack, "/ui/ws/status", origin=stack.url) == 403

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.contrib.auth.views import redirect_to_login
+from django.contrib.auth.views import LoginView, redirect_to_login
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET, require_POST
@@ -95,6 +95,17 @@ def _page(request: HttpRequest, template: str, context: dict) -> HttpResponse:
     config = get_config()
     base = {"runtime": config.runtime, "ui_management": config.ui_management}
     return render(request, template, {**base, **context})
+
+
+class UiLoginView(LoginView):
+    """Django's login page in the UI's look (``/ui/login/``); 404 with the UI off."""
+
+    template_name = "ui/login.html"
+    extra_context = {"title": "Log in"}
+
+    def dispatch(self, request, *args, **kwargs):
+        _ui_on()
+        return super().dispatch(request, *args, **kwargs)
 
 
 async def root(request: HttpRequest) -> HttpResponse:
