@@ -14,7 +14,7 @@ started by its first subscriber, stopped with its last) listens to both:
   asks for 500 ms);
 - with no notice for :data:`RESYNC_S` it takes a snapshot anyway, because a
   worker whose liveness key expires changes what the snapshot says without
-  any script running (and ``last_used_at``-style ages keep moving);
+  any script running; a snapshot equal to the last one sent is not sent again;
 - an audit notice is forwarded as it is.
 
 Messages (JSON, to every subscriber): ``{"type": "status", "models": [...],
@@ -78,8 +78,12 @@ class StatusHub:
             queue.put_nowait(message)
 
     async def _status(self, ctx) -> None:
+        """Read the board and send it, unless it equals the last one sent (a quiet resync sends nothing)."""
         models = await model_board(ctx)
         census = await deployment_census(ctx)
+        latest = self._latest
+        if latest is not None and latest["models"] == models and latest["workers"] == census.live_workers:
+            return
         self._latest = {"type": "status", "models": models, "workers": census.live_workers,
                         "at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")}
         self._broadcast(self._latest)
