@@ -1,6 +1,6 @@
 """ASGI entry point: ``daphne audiosite.asgi:application``.
 
-HTTP goes to Django (DRF async views): the API through
+WebSocket: ``/ui/ws/status`` (``ui.routing``). HTTP goes to Django (DRF async views): the API through
 ``audiosite.handlers.ApiHandler`` (async-only middleware, no per-request
 thread), the admin through Django's own handler with the full
 ``MIDDLEWARE``. ``get_asgi_application()`` runs before anything that imports
@@ -18,15 +18,24 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "audiosite.settings")
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from audiosite.handlers import http_application  # noqa: E402
 from audiosite.serverconfig import get_config  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402
 from inference.runtime.startup import check_runtime  # noqa: E402
+from ui.routing import websocket_urlpatterns as ui_websocket_urlpatterns  # noqa: E402
 
 # R1.4: refuse to serve when the deployment records another runtime; R1.5: warn on parallel.
 check_runtime(sync_scheduler())
 settings.ALLOWED_HOSTS = get_config().allowed_host_names()
 
-application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})
+# WebSocket: the browser UI's status stream (ui/routing.py), with the session user (AuthMiddlewareStack)
+# and an Origin check against ALLOWED_HOSTS, so another site's page cannot open it with our cookies.
+websocket_urlpatterns = [*ui_websocket_urlpatterns]
+application = ProtocolTypeRouter({
+    "http": http_application(django_asgi_app),
+    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+})

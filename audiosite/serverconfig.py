@@ -6,7 +6,7 @@ per-family option blocks. Every problem is reported at once, each message
 naming the key and, for model entries, the model id.
 
 Keys documented in API.md that this version does not implement yet
-(the browser UI, CORS, a voice directory, spec overrides, live ingest)
+(CORS, a voice directory, spec overrides, live ingest)
 are refused with a message that says so, instead of being accepted and
 silently ignored.
 
@@ -32,7 +32,6 @@ from inference.backend import resolve_backend
 
 # Keys of API.md that later issues implement; refused until then.
 NOT_YET_SUPPORTED_TOP = {
-    "ui": "the management UI",
     "cors_origins": "CORS",
     "voice_dir": "speech synthesis voices",
     "model_spec_override": "spec overrides",
@@ -121,6 +120,11 @@ class ServerConfig(_Strict):
     max_decoded_bytes_in_flight: int = Field(default=DEFAULT_DECODE_BUDGET_BYTES, ge=0)
     """Decoded audio one web process may hold at once (``inference.runtime.decoding``); 0 = no limit."""
     media_roots: list[str] = Field(default_factory=list)
+    ui: bool = True
+    """The browser UI at ``/ui/`` (``/`` redirects there); false: both answer 404."""
+    ui_anonymous: Literal["status", "none"] = "status"
+    """What the UI shows a visitor who is not logged in: ``status`` (the live dashboard, read only)
+    or ``none`` (every UI page sends them to the login page, the status stream refuses them)."""
     ui_management: bool = False
     allowed_hosts: list[str] = Field(default_factory=list)
     max_loaded_models: int = Field(default=0, ge=0)

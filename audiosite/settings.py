@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import warnings
 from pathlib import Path
 
 import dj_database_url
@@ -190,6 +191,7 @@ INSTALLED_APPS = [
     "channels",
     "registry",
     "inference",
+    "ui",
 ]
 
 MIDDLEWARE = [
@@ -197,6 +199,8 @@ MIDDLEWARE = [
     # refused Host from CommonMiddleware, a CSRF failure) carry the headers too.
     "django.middleware.security.SecurityMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Static files (/static/: the UI's and the admin's) in production, without a separate web server.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -269,6 +273,17 @@ USE_I18N = False
 USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+# WhiteNoise serves the files of the apps' static/ folders straight from the finders (scanned once at
+# start), so `serve` needs no collectstatic step; after `collectstatic` it serves STATIC_ROOT as well.
+WHITENOISE_USE_FINDERS = True
+# STATIC_ROOT exists only after a collectstatic; WhiteNoise would warn at every start without it.
+warnings.filterwarnings("ignore", message="No directory at: ", category=UserWarning)
+WHITENOISE_MAX_AGE = 3600
+
+# The browser UI (ui/): Django's session login.
+LOGIN_URL = "/ui/login/"
+LOGIN_REDIRECT_URL = "/ui/"
+LOGOUT_REDIRECT_URL = "/ui/"
 
 # Uploads: Django must not refuse a body before our own size check answers
 # with the documented 413; ``max_request_body_bytes`` (server.json) is the cap.

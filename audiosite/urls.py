@@ -1,11 +1,14 @@
 """Routes of audiosite (see ../shared/spec/API.md)."""
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 from inference import apis as inference_apis
 from registry import apis as registry_apis
+from ui import views as ui_views
 
 urlpatterns = [
+    path("", ui_views.root),
+    path("ui/", include("ui.urls")),
     path("health", registry_apis.HealthApi.as_view()),
     path("v1/models", registry_apis.ModelListApi.as_view()),
     path("v1/models/load", registry_apis.ModelLoadApi.as_view()),

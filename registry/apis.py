@@ -48,7 +48,7 @@ class HealthApi(APIView):
         degraded = census.live_workers == 0
         return Response({"status": "degraded" if degraded else "ok", "runtime": get_config().runtime,
                          "backend": backend, "models": census.models, "workers": census.live_workers,
-                         "ui": False, "ui_management": management_enabled()},
+                         "ui": get_config().ui, "ui_management": management_enabled()},
                         status=503 if degraded else 200)
 
 

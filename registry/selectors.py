@@ -1,6 +1,7 @@
 """Reads: published registrations, the status snapshot (never reserves anything, R4.7), and database facts."""
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 
 from audiosite.serverconfig import get_config
@@ -9,10 +10,11 @@ from inference.runtime.published import meta_all as model_meta_all
 from inference.runtime.published import meta_get as model_meta_get
 from inference.scheduler import Census, ModelState, ModelStatus
 
-from .models import ModelRegistration
+from .models import LifecycleEvent, ModelRegistration
 
-__all__ = ["deployment_census", "model_meta_all", "model_meta_get", "model_status_list",
-           "registration_first_load_published"]
+__all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board", "model_meta_all",
+           "model_meta_get", "model_request_stats", "model_status_list", "registration_first_load_published",
+           "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
@@ -81,6 +83,78 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     snapshot = await ctx.scheduler.snapshot(list(metas))
     parallel = get_config().runtime == "parallel"
     return [_entry(meta, snapshot[mid], parallel, private) for mid, meta in metas.items()]
+
+
+async def model_board(ctx: AsyncContext) -> list[dict]:
+    """The UI's status board: every model's ``/v1/models`` entry plus what an operator watches, from
+    the same one atomic snapshot (R4.7); never the private fields.
+
+    Each entry is :func:`model_status_list`'s (without ``path``) with, on both runtimes:
+    ``slots`` (configured; 1 on legacy), ``active_slots``, ``queued_requests``,
+    ``max_parallel_slots`` (null while not loaded), ``queued_managers``, ``worker`` (Celery
+    hostname holding or loading the pool, else null) and ``last_used_at`` (ISO 8601 UTC end of
+    the last work, else null). Ordered by id.
+    """
+    metas = await model_meta_all(ctx)
+    ids = sorted(metas)
+    snapshot = await ctx.scheduler.snapshot(ids)
+    board = []
+    for model_id in ids:
+        status = snapshot[model_id]
+        entry = _entry(metas[model_id], status, False, False)
+        entry.update(
+            slots=metas[model_id].get("slots") or 1,
+            active_slots=status["active_leases"],
+            queued_requests=status["queued"],
+            max_parallel_slots=status["loaded_capacity"] or None,
+            queued_managers=status["queued_managers"],
+            worker=status["worker"] or None,
+            last_used_at=_utc(status["last_used_ms"]) if status["last_used_ms"] else None,
+        )
+        board.append(entry)
+    return board
+
+
+async def model_request_stats(ctx: AsyncContext, model_id: str) -> dict:
+    """Request count and slot hold times of one model (grant → release, ms; ``release.lua``).
+
+    Returns:
+        ``{"requests", "mean_held_ms", "recent": n, "p50_held_ms", "p95_held_ms", "max_held_ms"}``;
+        the percentiles are over the last (at most 200) requests, nearest-rank, None when there were none.
+    """
+    stats = await ctx.scheduler.request_stats(model_id)
+    recent = sorted(stats.recent_held_ms)
+
+    def rank(p: float) -> int | None:  # nearest-rank percentile
+        return recent[max(0, math.ceil(len(recent) * p / 100) - 1)] if recent else None
+
+    return {"requests": stats.requests,
+            "mean_held_ms": round(stats.held_ms_total / stats.requests, 1) if stats.requests else None,
+            "recent": len(recent), "p50_held_ms": rank(50), "p95_held_ms": rank(95),
+            "max_held_ms": recent[-1] if recent else None}
+
+
+def registration_get(model_id: str) -> ModelRegistration | None:
+    """The database row of ``model_id`` or None."""
+    return ModelRegistration.objects.filter(model_id=model_id).first()
+
+
+def lifecycle_events_recent(model_id: str | None = None, event: str | None = None,
+                            limit: int = 200) -> list[LifecycleEvent]:
+    """The newest audit rows first, optionally of one model and/or one event kind."""
+    rows = LifecycleEvent.objects.all()
+    if model_id:
+        rows = rows.filter(model_id=model_id)
+    if event:
+        rows = rows.filter(event=event)
+    return list(rows[:limit])
+
+
+def lifecycle_event_facets() -> dict[str, list[str]]:
+    """The distinct ``models`` and ``events`` of the audit log, sorted (the log page's filter choices)."""
+    rows = LifecycleEvent.objects.order_by()
+    return {"models": sorted(rows.values_list("model_id", flat=True).distinct()),
+            "events": sorted(rows.values_list("event", flat=True).distinct())}
 
 
 def registration_first_load_published(model_id: str) -> bool:

@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 status=0
 echo "lint: ruff check ."
 .venv/bin/ruff check . || status=1
-echo "lint: mypy audiosite inference registry"
-.venv/bin/mypy audiosite inference registry || status=1
+echo "lint: mypy audiosite inference registry ui"
+.venv/bin/mypy audiosite inference registry ui || status=1
 exit $status

@@ -149,6 +149,17 @@ def test_keys_of_later_features_are_refused_not_ignored():
     assert found == ["key 'cors_origins': CORS is not supported by this version of audiosite"]
 
 
+def test_the_ui_keys_have_their_defaults_and_refuse_other_values():
+    """Issue 12: ``ui`` (default true) turns the browser UI off; ``ui_anonymous`` is "status" or "none"."""
+    entry = [{"id": "v", "family": "silero_vad"}]
+    config = parse_config({"models": entry})
+    assert (config.ui, config.ui_anonymous) == (True, "status")
+    config = parse_config({"models": entry, "ui": False, "ui_anonymous": "none"})
+    assert (config.ui, config.ui_anonymous) == (False, "none")
+    found = problems_of({"models": entry, "ui": "no", "ui_anonymous": "everything"})
+    assert [p.split(":")[0] for p in found] == ["key 'ui'", "key 'ui_anonymous'"]
+
+
 def test_invalid_json_file_names_the_line(tmp_path):
     path = tmp_path / "server.json"
     path.write_text('{"models": [\n  {"id": "a",}\n]}')

@@ -368,3 +368,22 @@ def test_the_proxy_drops_stalled_clients_and_never_hands_them_to_daphne(stack, p
     assert 14 <= body_s <= 19, outcome
     assert body_reply == b"" or body_reply.startswith(b"HTTP/1.1 408"), body_reply
     assert marker not in stack.log_path.read_text(errors="replace")
+
+
+def test_the_proxy_passes_the_ui_status_websocket_through(stack, proxy):
+    """deploy/nginx/audiosite.conf upgrades /ui/ws/ (issue 12): the handshake reaches daphne (101) and the
+    first live status message comes back through nginx."""
+    port = int(proxy.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=QUICK_S) as sock:
+        sock.sendall(f"GET /ui/ws/status HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+                     f"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     f"Sec-WebSocket-Version: 13\r\nOrigin: http://127.0.0.1:{port}\r\n\r\n".encode())
+        data = b""
+        deadline = time.monotonic() + QUICK_S
+        while b'"type": "status"' not in data and time.monotonic() < deadline:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 101"), data[:200]
+    assert b'"type": "status"' in data and b'"id": "whisper"' in data

@@ -50,7 +50,7 @@ def test_health(stack):
         resp = c.get("/health")
     assert resp.status_code == 200
     assert resp.json() == {"status": "ok", "runtime": "legacy", "backend": "cpu", "models": 5, "workers": 1,
-                           "ui": False, "ui_management": False}
+                           "ui": True, "ui_management": False}
 
 
 def test_models_list_has_the_legacy_shape(stack):

@@ -15,7 +15,7 @@ from inference.runtime.startup import UNTESTED_RULES
 
 from .helpers import ROOT
 
-PACKAGES = ("audiosite", "inference", "registry")
+PACKAGES = ("audiosite", "inference", "registry", "ui")
 
 
 def _modules() -> dict[str, Path]:

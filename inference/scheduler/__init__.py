@@ -33,6 +33,7 @@ from .types import (
     ModelState,
     ModelStatus,
     ReapResult,
+    RequestStats,
     TicketStatus,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "ModelState",
     "ModelStatus",
     "ReapResult",
+    "RequestStats",
     "RuntimeMismatch",
     "Scheduler",
     "SchedulerError",

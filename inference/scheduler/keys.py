@@ -46,6 +46,28 @@ class Keys:
         """HASH ticket -> 'manager' for queued manager tickets."""
         return self.model(model_id) + ":kind"
 
+    def request_stats(self, model_id: str) -> str:
+        """HASH ``requests`` (request leases released) and ``held_ms`` (their summed hold time, ms)."""
+        return self.model(model_id) + ":stats"
+
+    def hold_times(self, model_id: str) -> str:
+        """LIST of the last request hold times in ms (grant → release), newest first (at most 200)."""
+        return self.model(model_id) + ":held"
+
+    @property
+    def changes(self) -> str:
+        """Pub/sub channel: every script that changes a model's snapshot publishes the model id here.
+
+        ``lua/lib.lua`` (``changed``) derives it from a model's base key (the text before
+        ``m:{``), so no script needs it as an argument. The UI's status stream listens.
+        """
+        return f"{self.prefix}changes"
+
+    @property
+    def audit_events(self) -> str:
+        """Pub/sub channel: each new lifecycle audit row, as JSON, once its transaction commits (``ui``)."""
+        return f"{self.prefix}audit"
+
     @property
     def seq(self) -> str:
         """Global FIFO sequence counter (INCR)."""

@@ -34,6 +34,7 @@ from .types import (
     ModelState,
     ModelStatus,
     ReapResult,
+    RequestStats,
     TicketStatus,
 )
 
@@ -584,6 +585,18 @@ class Scheduler:
             return LoadDecision(action, left_ms=int(reply[1]))
         return LoadDecision(action)
 
+    async def request_stats(self, model_id: str) -> RequestStats:
+        """The model's request count and slot hold times (``release.lua`` records them; read only).
+
+        Returns:
+            :class:`RequestStats` (hold times in ms, newest first).
+        """
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self.keys.request_stats(model_id))
+        pipe.lrange(self.keys.hold_times(model_id), 0, -1)
+        stats, held = await pipe.execute()
+        return RequestStats(int(stats.get("requests", 0)), int(stats.get("held_ms", 0)), [int(v) for v in held])
+
     def census(self):
         """Live workers, whether one is being started, and registered models, in one read (``census.lua``).
 
@@ -613,6 +626,7 @@ class Scheduler:
             model_id: {"state": ModelState(_text(row[0])), "active_leases": int(row[1]), "queued": int(row[2]),
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
                        "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
-                       "last_used_ms": int(row[8]), "retry_at_ms": int(row[9]), "retry_in_ms": int(row[10])}
+                       "last_used_ms": int(row[8]), "retry_at_ms": int(row[9]), "retry_in_ms": int(row[10]),
+                       "worker": _text(row[11])}
             for model_id, row in zip(model_ids, result, strict=True)
         }

@@ -197,7 +197,8 @@ class ModelStatus(TypedDict):
     work (0 = never). A ``ready`` model whose worker is dead reads ``unloaded``.
     ``retry_at_ms``: when a failed load's backoff ends (0 = no failed load,
     R6.7; ``state`` then reads ``failed``); ``retry_in_ms``: how long until
-    then (0 = a load may be tried now).
+    then (0 = a load may be tried now). ``worker``: the Celery hostname holding the
+    pool (ready) or running the load (loading), else ''.
     """
 
     state: str
@@ -211,3 +212,17 @@ class ModelStatus(TypedDict):
     last_used_ms: int
     retry_at_ms: int
     retry_in_ms: int
+    worker: str
+
+
+class RequestStats(NamedTuple):
+    """A model's request counts and slot hold times (``release.lua``: grant → release, Redis ms).
+
+    ``requests``: request leases released since the model was registered;
+    ``held_ms_total``: their summed hold time in ms; ``recent_held_ms``: the
+    last (at most 200) hold times in ms, newest first.
+    """
+
+    requests: int
+    held_ms_total: int
+    recent_held_ms: list[int]

@@ -40,6 +40,7 @@ if state == 'ready' then
   end
   redis.call('HSET', key, 'state', 'unloaded', 'error', 'worker lost')
   redis.call('HDEL', key, 'owner', 'boot')
+  changed(base)
   state = 'unloaded'
 end
 if state == 'loading' then
@@ -62,4 +63,5 @@ elseif ARGV[4] ~= '1' then
 end
 redis.call('HSET', key, 'state', 'loading', 'loader', token, 'loader_expires_ms', now + ttl_ms)
 redis.call('HDEL', key, 'loader_host', 'loader_boot', 'ended')
+changed(base)
 return {'load'}

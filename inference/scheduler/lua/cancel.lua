@@ -11,6 +11,7 @@ if redis.call('ZREM', base .. ':queue', ticket) == 1 then
   redis.call('HDEL', base .. ':chan', ticket)
   redis.call('HDEL', base .. ':kind', ticket)
   grant_pass(base, now_ms(), ttl_ms)
+  changed(base)
   return 'cancelled'
 end
 if redis.call('HEXISTS', base .. ':leases', ticket) == 1 or redis.call('HEXISTS', base .. ':mleases', ticket) == 1 then

@@ -57,4 +57,5 @@ local seq = redis.call('INCR', seq_key)
 redis.call('ZADD', base .. ':queue', seq, ticket)
 redis.call('HSET', base .. ':chan', ticket, chan)
 if is_manager then redis.call('HSET', base .. ':kind', ticket, 'manager') end
+changed(base)
 return {'queued', next_expiry(base), redis.call('ZCARD', base .. ':queue'), now}

@@ -24,6 +24,7 @@ for i = 1, n do
     redis.call('ZADD', base .. ':queue', redis.call('INCR', seq_key), ticket)
     redis.call('HSET', base .. ':chan', ticket, chan)
     redis.call('HSET', base .. ':kind', ticket, 'manager')
+    changed(base)
     out[i] = 0
   end
 end

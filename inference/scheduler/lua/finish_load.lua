@@ -32,4 +32,5 @@ for i = 1, #waiters, 2 do
   redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i])
 end
 redis.call('DEL', base .. ':loadwait')
+changed(base)
 return 'ok'

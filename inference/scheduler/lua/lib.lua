@@ -19,11 +19,26 @@
 --                           capacity, last_used_ms,
 --                           failures + retry_at_ms (failed loads, R6.7)
 --   base..':loadwait' HASH  token -> channel of a caller waiting for a load
+--   base..':stats'    HASH  requests (request leases released), held_ms (their summed hold time)
+--   base..':held'     LIST  the last HELD_KEEP request hold times in ms (grant -> release), newest first
+-- Change notices: every script that changes what a snapshot shows PUBLISHes the model id
+-- on '<prefix>changes' (Keys.changes; the prefix is the base key's text before 'm:{'),
+-- so a status page follows the scheduler without polling (ui/live.py debounces them).
 -- Lease id = ticket id. Clock: every script trusts redis.call('TIME') only
 -- (milliseconds below).
 
 -- Backoff after failed loads (R6.7): 1 s after the first, doubling, at most 60 s.
 local BACKOFF_FIRST_MS, BACKOFF_MAX_MS = 1000, 60000
+
+-- Request hold times kept per model for the UI's latency figures (release.lua).
+local HELD_KEEP = 200
+
+-- Tell status readers that the snapshot of the model at 'base' changed (see the header).
+-- One PUBLISH; with nobody subscribed it costs next to nothing.
+local function changed(base)
+  local prefix, model_id = string.match(base, '^(.*)m:{([^{}]*)}$')
+  if prefix then redis.call('PUBLISH', prefix .. 'changes', model_id) end
+end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -38,6 +53,7 @@ local function reap(base, now)
     redis.call('HDEL', base .. ':leases', lease)
     redis.call('HDEL', base .. ':mleases', lease)
   end
+  if #expired > 0 then changed(base) end
   return #expired
 end
 
@@ -48,6 +64,7 @@ end
 local function grant(base, ticket, now, ttl_ms, is_manager)
   redis.call('HSET', base .. (is_manager and ':mleases' or ':leases'), ticket, now)
   redis.call('ZADD', base .. ':expiry', now + ttl_ms, ticket)
+  changed(base)
 end
 
 -- Can a ticket of this kind be granted now (ignoring queue position)? R2.2:
@@ -158,4 +175,5 @@ local function end_load(base, ended, err, now)
     redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i])
   end
   redis.call('DEL', base .. ':loadwait')
+  changed(base)
 end

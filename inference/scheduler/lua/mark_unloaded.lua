@@ -5,4 +5,5 @@ local key = KEYS[1] .. ':load'
 if redis.call('HGET', key, 'state') ~= 'ready' or redis.call('HGET', key, 'boot') ~= ARGV[1] then return 0 end
 redis.call('HSET', key, 'state', 'unloaded', 'error', ARGV[2])
 redis.call('HDEL', key, 'owner', 'boot')
+changed(KEYS[1])
 return 1

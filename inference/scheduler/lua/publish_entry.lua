@@ -15,4 +15,5 @@ if reset == '1' then
   redis.call('HSET', base .. ':load', 'state', 'unloaded', 'error', '')
   redis.call('HDEL', base .. ':load', 'owner', 'boot', 'capacity', 'failures', 'retry_at_ms')  -- R6.7
 end
+changed(base)
 return 'ok'

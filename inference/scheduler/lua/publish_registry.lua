@@ -21,6 +21,7 @@ for i = 2, #ARGV, 3 do
     redis.call('HSET', base .. ':load', 'state', 'unloaded', 'error', 'configuration changed')
   end
   n = n + 1
+  changed(base)
 end
 redis.call('SET', runtime_key, ARGV[1])
 return n

@@ -7,6 +7,7 @@
 -- Returns 1 if still the loader, else 0. Clock: redis TIME.
 local key = KEYS[1] .. ':load'
 if redis.call('HGET', key, 'loader') ~= ARGV[1] or redis.call('HGET', key, 'state') ~= 'loading' then return 0 end
+if redis.call('HGET', key, 'loader_host') ~= ARGV[3] then changed(KEYS[1]) end  -- a worker took the load
 redis.call('HSET', key, 'loader_expires_ms', now_ms() + tonumber(ARGV[2]), 'loader_host', ARGV[3],
            'loader_boot', ARGV[4])
 return 1

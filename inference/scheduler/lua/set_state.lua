@@ -31,4 +31,5 @@ else
 end
 redis.call('HDEL', key, 'owner', 'boot', 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot',
            'capacity')
+changed(base)
 return 'ok'

@@ -4,7 +4,9 @@
 --   {state, active_request_leases, queued_requests, error, capacity (slots),
 --    manager_leases, queued_managers, loaded_capacity (the pool's advertised
 --    capacity while ready, else 0), last_used_ms (end of the last work; 0 = never),
---    retry_at_ms (a failed load's backoff end, 0 = none), retry_in_ms (0 = may load now)}
+--    retry_at_ms (a failed load's backoff end, 0 = none), retry_in_ms (0 = may load now),
+--    worker (the Celery hostname holding the pool while ready, or running the load while
+--    loading; '' otherwise)}
 -- where a 'ready' state whose owner is no longer alive, and a 'loading' state
 -- whose loading worker is gone (lib's loader_dead), read as 'unloaded' (R7.4), and
 -- 'unloaded' after a failed load (until a load succeeds or the entry changes)
@@ -27,12 +29,18 @@ for i = 1, #KEYS - 1 do
   local retry_at = tonumber(redis.call('HGET', key, 'retry_at_ms') or '0')
   if state == 'unloaded' and retry_at > 0 then state = 'failed' end
   local queued_managers = redis.call('HLEN', base .. ':kind')
-  local loaded_capacity = 0
-  if state == 'ready' then loaded_capacity = tonumber(redis.call('HGET', key, 'capacity') or '0') end
+  local loaded_capacity, worker = 0, ''
+  if state == 'ready' then
+    loaded_capacity = tonumber(redis.call('HGET', key, 'capacity') or '0')
+    worker = redis.call('HGET', key, 'owner') or ''
+  elseif state == 'loading' then
+    worker = redis.call('HGET', key, 'loader_host') or ''
+  end
   out[i] = {state, redis.call('HLEN', base .. ':leases'),
             redis.call('ZCARD', base .. ':queue') - queued_managers,
             redis.call('HGET', key, 'error') or '', capacity(base),
             redis.call('HLEN', base .. ':mleases'), queued_managers, loaded_capacity,
-            tonumber(redis.call('HGET', key, 'last_used_ms') or '0'), retry_at, math.max(0, retry_at - now)}
+            tonumber(redis.call('HGET', key, 'last_used_ms') or '0'), retry_at, math.max(0, retry_at - now),
+            worker}
 end
 return out

@@ -1,0 +1,369 @@
+"""The browser UI (issue 12) in a real browser: Playwright driving Debian's Chromium (``/usr/bin/chromium``)
+against a ``serve --parallel-jobs`` stack with ``ui_management`` on (Redis db 9, fixture family).
+
+Named actors: ``operator`` (a user with ``registry.manage_models`` and a password), ``viewer`` (a user
+without it), and an anonymous visitor (``ui_anonymous`` = ``status``, the default). Screenshots of the
+dashboard and the playground go to ``$AUDIOSITE_ARTIFACTS`` (default ``var/artifacts/ui``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .helpers import FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, events_of, run_stack
+
+pytestmark = pytest.mark.stack
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    pytest.skip("the browser tests need Debian's chromium (apt-get install chromium; .ci/run does it)",
+                allow_module_level=True)
+
+SAMPLE = ROOT / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
+ARTIFACTS = Path(os.environ.get("AUDIOSITE_ARTIFACTS", ROOT / "var" / "artifacts")) / "ui"
+LIVE_S = 10.0  # bound of a wait for a live update (the target is 500 ms; this only bounds a failure)
+PASSWORD = "a-long-test-password-1"
+
+UI_MODELS = [
+    {"id": "fx-ui", "family": "fixture", "slots": 2},
+    {"id": "fx-gone", "family": "fixture"},
+    {"id": "whisper-tiny.en", "family": "whisper", "slots": 1, "lazy": True},
+    {"id": "silero-vad", "family": "silero_vad", "lazy": True},
+    {"id": "piper-joe", "family": "piper", "lazy": True},
+]
+
+
+@pytest.fixture(scope="module")
+def ustack(tmp_path_factory):
+    yield from run_stack(tmp_path_factory.mktemp("ustack"), UI_MODELS, redis_db=9, name="ui", parallel=True,
+                         extra_env=FIXTURE_ENV, extra_config={"ui_management": True})
+
+
+@pytest.fixture(scope="module")
+def users(ustack) -> dict[str, str]:
+    """``operator`` (may manage) and ``viewer`` (may not), both with :data:`PASSWORD`."""
+    done = ustack.manage("shell", "--no-imports", "-c", (
+        "from django.contrib.auth.models import Permission, User\n"
+        "perm = Permission.objects.get(codename='manage_models')\n"
+        "for name, may in (('operator', True), ('viewer', False)):\n"
+        "    u, _ = User.objects.get_or_create(username=name)\n"
+        f"    u.set_password({PASSWORD!r}); u.save()\n"
+        "    if may: u.user_permissions.add(perm)\n"))
+    assert done.returncode == 0, done.stderr
+    return {"operator": PASSWORD, "viewer": PASSWORD}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                     args=["--no-sandbox", "--use-fake-ui-for-media-stream",
+                                           "--use-fake-device-for-media-stream"])
+        yield chromium
+        chromium.close()
+
+
+def _page(browser, stack, user: str | None = None):
+    context = browser.new_context(base_url=stack.url, viewport={"width": 1500, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(MODEL_S * 1000)
+    if user is not None:
+        page.goto("/ui/login/")
+        page.get_by_label("User name").fill(user)
+        page.get_by_label("Password").fill(PASSWORD)
+        page.get_by_role("button", name="Log in").click()
+        page.wait_for_url(re.compile(r"/ui/$"))
+    return page
+
+
+def _open_dashboard(page):
+    page.goto("/ui/")
+    playwright_api.expect(page.locator("#live-state")).to_have_text("live", timeout=LIVE_S * 1000)
+
+
+def _cell(page, model_id: str, field: str):
+    return page.locator(f'tr[data-model="{model_id}"] [data-field="{field}"]')
+
+
+def _shoot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_the_dashboard_lists_the_models_and_the_root_redirects(ustack, browser):
+    page = _page(browser, ustack)
+    page.goto("/")
+    assert page.url.endswith("/ui/")
+    playwright_api.expect(page.locator("#live-state")).to_have_text("live", timeout=LIVE_S * 1000)
+    rows = page.locator("#models tbody tr")
+    assert sorted(rows.evaluate_all("rows => rows.map(r => r.dataset.model)")) == sorted(m["id"] for m in UI_MODELS)
+    playwright_api.expect(_cell(page, "fx-ui", "state")).to_have_text("ready")
+    playwright_api.expect(_cell(page, "fx-ui", "slots")).to_have_text("2")
+    playwright_api.expect(_cell(page, "whisper-tiny.en", "state")).to_have_text("unloaded")
+    assert page.locator("form.act").count() == 0  # anonymous: status only
+    with ustack.client() as c:
+        health = c.get("/health").json()
+    assert health["ui"] is True and health["ui_management"] is True
+    page.context.close()
+
+
+def test_an_in_flight_request_shows_one_active_slot_then_none_without_a_reload(ustack, browser):
+    page = _page(browser, ustack)
+    _open_dashboard(page)
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("0")
+    page.evaluate("window.__loads = performance.getEntriesByType('navigation').length")
+    answers: list[httpx.Response] = []
+
+    def request() -> None:
+        with ustack.client() as c:
+            answers.append(c.post("/v1/tasks/run", json=body("fx-ui", barrier="ui-run")))
+
+    sender = threading.Thread(target=request)
+    sender.start()
+    ustack.wait_arrived("ui-run")
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("1", timeout=LIVE_S * 1000)
+    released_at = time.monotonic()
+    ustack.release("ui-run")
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("0", timeout=LIVE_S * 1000)
+    print(f"release -> page shows 0 active slots: {(time.monotonic() - released_at) * 1000:.0f} ms")
+    sender.join(MODEL_S)
+    assert [a.status_code for a in answers] == [200]
+    assert page.evaluate("performance.getEntriesByType('navigation').length") == 1  # never reloaded
+    page.context.close()
+
+
+def test_unload_from_the_page_changes_the_state_live_and_writes_an_audit_row(ustack, browser, users):
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    playwright_api.expect(_cell(page, "fx-gone", "state")).to_have_text("ready")
+    dialogs: list[str] = []
+
+    def accept(dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.accept()
+
+    page.on("dialog", accept)
+    page.get_by_role("button", name="Unload fx-gone").click()
+    playwright_api.expect(_cell(page, "fx-gone", "state")).to_have_text("unloaded", timeout=LIVE_S * 1000)
+    assert dialogs and "fx-gone" in dialogs[0]
+    row = page.locator('tr[data-model="fx-gone"]')
+    playwright_api.expect(row.locator("output.msg")).to_have_text("fx-gone: loaded=false")
+    assert ("unload", "ok", "operator") in events_of(ustack, "fx-gone")
+    page.context.close()
+
+
+def test_a_resize_to_an_unsupported_count_shows_the_400_and_keeps_the_old_count(ustack, browser, users):
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    row = page.locator('tr[data-model="whisper-tiny.en"]')
+    row.get_by_label("slots of whisper-tiny.en").fill("8")
+    row.get_by_role("button", name="Resize whisper-tiny.en").click()
+    message = row.locator("output.msg")
+    playwright_api.expect(message).to_contain_text("400 invalid_request_error")
+    playwright_api.expect(message).to_contain_text("capacity=4")
+    playwright_api.expect(_cell(page, "whisper-tiny.en", "slots")).to_have_text("1")
+    with ustack.client() as c:
+        assert c.get("/v1/models/whisper-tiny.en").json()["slots"] == 1
+    page.context.close()
+
+
+def test_a_user_without_the_permission_sees_no_controls_and_a_forged_post_gets_403(ustack, browser, users):
+    page = _page(browser, ustack, "viewer")
+    _open_dashboard(page)
+    playwright_api.expect(_cell(page, "fx-ui", "state")).to_have_text("ready")
+    assert page.locator("form.act").count() == 0
+    assert page.get_by_role("button", name=re.compile("Unload|Resize|Register")).count() == 0
+    forged = page.evaluate("""async () => {
+        const token = document.cookie.split('; ').find(c => c.startsWith('csrftoken=')).split('=')[1];
+        const form = new FormData();
+        form.append('csrfmiddlewaretoken', token);
+        const r = await fetch('/ui/manage/fx-ui/unload', {method: 'POST', body: form});
+        return [r.status, await r.json()];
+    }""")
+    assert forged[0] == 403 and forged[1]["error"]["type"] == "forbidden"
+    assert "manage_models" in forged[1]["error"]["message"]
+    with ustack.client() as c:  # and without the page's CSRF token, Django refuses before the view
+        assert c.post("/ui/manage/fx-ui/unload", data={}).status_code == 403
+        assert c.get("/v1/models/fx-ui").json()["state"] == "ready"
+    page.context.close()
+
+
+def test_the_lifecycle_log_shows_new_rows_live(ustack, browser, users):
+    page = _page(browser, ustack, "operator")
+    page.goto("/ui/log?model=fx-ui")
+    playwright_api.expect(page.locator("#live-state")).to_have_text("live", timeout=LIVE_S * 1000)
+    before = page.locator("#log tbody tr").count()
+    assert before == len(events_of(ustack, "fx-ui"))
+    done = ustack.manage("unload_model", "fx-ui")
+    assert done.returncode == 0, done.stderr
+    rows = events_of(ustack, "fx-ui")
+    assert len(rows) > before and rows[-1][:2] == ("unload", "ok")
+    # Every row written since the page loaded appears at the top, without a reload.
+    playwright_api.expect(page.locator("#log tbody tr")).to_have_count(len(rows), timeout=LIVE_S * 1000)
+    playwright_api.expect(page.locator("#log tbody tr").first).to_contain_text("unload")
+    assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+    page.context.close()
+
+
+def test_the_playground_transcribes_finds_speech_and_speaks(ustack, browser):
+    page = _page(browser, ustack)
+    page.goto("/ui/playground")
+    page.locator("#asr-model").select_option("whisper-tiny.en")
+    # A microphone recording (Chromium's fake device plays a tone): MediaRecorder -> WAV -> the same route.
+    page.get_by_role("button", name="Record from microphone").click()
+    playwright_api.expect(page.locator("#asr-status")).to_contain_text("recording")
+    page.wait_for_timeout(1500)
+    with page.expect_response("**/v1/audio/transcriptions") as answer:
+        page.get_by_role("button", name="Stop and transcribe").click()
+    assert answer.value.status == 200  # the server decodes only what the page made of it: a WAV file
+    assert answer.value.request.headers["content-type"].startswith("multipart/form-data")
+    playwright_api.expect(page.locator("#asr-status")).to_contain_text("done in", timeout=MODEL_S * 1000)
+    page.get_by_label("Audio file").first.set_input_files(str(SAMPLE))
+    page.get_by_role("button", name="Transcribe file").click()
+    playwright_api.expect(page.locator("#asr-text")).to_contain_text(
+        re.compile("concorde returned to its place amidst the tents", re.I), timeout=MODEL_S * 1000)
+    page.get_by_role("button", name="Use the shipped sample").click()
+    playwright_api.expect(page.locator("#vad-status")).to_contain_text("segment(s) of speech",
+                                                                      timeout=MODEL_S * 1000)
+    assert page.locator("#vad-segments li").count() >= 1
+    playwright_api.expect(page.locator("#tts-voice option")).not_to_have_count(0)
+    page.get_by_role("button", name="Speak").click()
+    playwright_api.expect(page.locator("#tts-status")).to_have_text("ready", timeout=MODEL_S * 1000)
+    duration_s = page.evaluate("""() => new Promise((resolve) => {
+        const audio = document.getElementById('tts-audio');
+        if (audio.readyState >= 1) resolve(audio.duration); else audio.onloadedmetadata = () => resolve(audio.duration);
+    })""")
+    assert 1.0 < duration_s < 20.0  # the browser decoded the synthesized WAV: seconds of speech
+    _shoot(page, "playground")
+    page.context.close()
+
+
+def test_queued_requests_show_live_and_the_dashboard_screenshot(ustack, browser, users):
+    """Three held requests on a two-slot model: the page shows 2 active and 1 queued, then 0 and 0."""
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    answers: list[int] = []
+
+    def request() -> None:
+        with ustack.client() as c:
+            answers.append(c.post("/v1/tasks/run", json=body("fx-ui", barrier="shot")).status_code)
+
+    senders = [threading.Thread(target=request) for _ in range(3)]
+    for sender in senders:
+        sender.start()
+    ustack.wait_arrived("shot", 2)
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("2", timeout=LIVE_S * 1000)
+    playwright_api.expect(_cell(page, "fx-ui", "queued_requests")).to_have_text("1", timeout=LIVE_S * 1000)
+    for _ in range(2):  # let them go one by one: steps on the timeline (and the screenshot shows them)
+        page.wait_for_timeout(2000)
+        ustack.release("shot")
+    page.wait_for_timeout(2000)
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("1", timeout=LIVE_S * 1000)
+    _shoot(page, "dashboard")
+    ustack.release("shot")
+    playwright_api.expect(_cell(page, "fx-ui", "queued_requests")).to_have_text("0", timeout=LIVE_S * 1000)
+    playwright_api.expect(_cell(page, "fx-ui", "active_slots")).to_have_text("0", timeout=LIVE_S * 1000)
+    for sender in senders:
+        sender.join(MODEL_S)
+    assert answers == [200, 200, 200]
+    page.context.close()
+
+
+
+def test_register_unload_selected_and_unregister_from_the_page(ustack, browser, users):
+    """Register with the form (the row appears live), tick it and unload selected, unregister it
+    (the row goes away live); each step is in the audit log with the operator as actor. The
+    model's page shows its configuration, lifecycle events and request count."""
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    page.on("dialog", lambda dialog: dialog.accept())
+    form = page.locator("#register")
+    form.get_by_label("Id").fill("fx-new")
+    form.get_by_label("Family").select_option("fixture")
+    form.get_by_label("Slots").fill("2")
+    form.get_by_role("button", name="Register and load").click()
+    playwright_api.expect(form.locator("output.msg")).to_have_text("fx-new: loaded=true, reconfigured=false")
+    playwright_api.expect(_cell(page, "fx-new", "state")).to_have_text("ready", timeout=LIVE_S * 1000)
+    with ustack.client() as c:
+        assert c.post("/v1/tasks/run", json=body("fx-new")).status_code == 200
+    page.get_by_label("select fx-new").check()
+    page.get_by_role("button", name="Unload selected").click()
+    playwright_api.expect(page.locator("#bulk output.msg")).to_have_text("unloaded: fx-new")
+    playwright_api.expect(_cell(page, "fx-new", "state")).to_have_text("unloaded", timeout=LIVE_S * 1000)
+    detail = page.context.new_page()
+    detail.goto("/ui/models/fx-new")
+    playwright_api.expect(detail.locator("#config")).to_contain_text('"slots": 2')
+    playwright_api.expect(detail.get_by_text("1 request(s) served since registration")).to_be_visible()
+    playwright_api.expect(detail.locator("#log tbody tr").first).to_contain_text("unload")
+    detail.close()
+    page.get_by_role("button", name="Unregister fx-new").click()
+    playwright_api.expect(page.locator('tr[data-model="fx-new"]')).to_have_count(0, timeout=LIVE_S * 1000)
+    events = events_of(ustack, "fx-new")
+    assert ("register", "ok", "operator") in events and ("unload", "ok", "operator") in events
+    assert events[-1][0] == "unregister" and events[-1][2] == "operator"
+    page.context.close()
+
+# -- configuration: "ui": false, "ui_anonymous": "none" (no browser needed) ----------------------------
+def _handshake(stack, path: str, origin: str | None = None, cookie: str | None = None) -> int:
+    """The HTTP status a WebSocket handshake to ``path`` gets (101 accepted; 403/404 refused)."""
+    host = stack.url.rsplit("//", 1)[1]
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}", "Upgrade: websocket", "Connection: Upgrade",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Sec-WebSocket-Version: 13"]
+    if origin:
+        lines.append(f"Origin: {origin}")
+    if cookie:
+        lines.append(f"Cookie: {cookie}")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode()
+    host_name, port = host.split(":")
+    with socket.create_connection((host_name, int(port)), timeout=QUICK_S) as sock:
+        sock.sendall(head)
+        answer = sock.recv(4096)
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_ui_off_answers_404_everywhere_and_health_says_so(tmp_path):
+    for stack in run_stack(tmp_path, [{"id": "fx", "family": "fixture"}], redis_db=8, name="uioff",
+                           extra_env=FIXTURE_ENV, extra_config={"ui": False}):
+        with stack.client(follow_redirects=False) as c:
+            assert c.get("/health").json()["ui"] is False
+            for path in ("/", "/ui/", "/ui/playground", "/ui/log", "/ui/sample.wav", "/ui/login/"):
+                assert c.get(path).status_code == 404, path
+            assert c.get("/v1/models/fx").status_code == 200  # the API is not the UI
+        assert _handshake(stack, "/ui/ws/status", origin=stack.url) == 403
+
+
+def test_ui_anonymous_none_sends_visitors_to_the_login_page(tmp_path):
+    """Legacy runtime too: the dashboard works without slot configuration (slots read 1)."""
+    for stack in run_stack(tmp_path, [{"id": "fx", "family": "fixture"}], redis_db=8, name="uianon",
+                           extra_env=FIXTURE_ENV, extra_config={"ui_anonymous": "none"}):
+        with stack.client(follow_redirects=False) as c:
+            for path in ("/ui/", "/ui/playground", "/ui/log", "/ui/models/fx"):
+                resp = c.get(path)
+                assert resp.status_code == 302 and resp.headers["location"].startswith("/ui/login/?next="), path
+            assert c.get("/ui/login/").status_code == 200
+            assert c.post("/ui/manage/fx/unload").status_code == 403  # no CSRF token, no session
+        assert _handshake(stack, "/ui/ws/status", origin=stack.url) == 403  # anonymous: refused
+        done = stack.manage("shell", "--no-imports", "-c", (
+            "from django.contrib.auth.models import User\n"
+            f"User.objects.create_user('watcher', password={PASSWORD!r})\n"))
+        assert done.returncode == 0, done.stderr
+        with stack.client(follow_redirects=False) as c:
+            login = c.get("/ui/login/")
+            token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', login.text).group(1)
+            resp = c.post("/ui/login/", data={"username": "watcher", "password": PASSWORD,
+                                              "csrfmiddlewaretoken": token}, headers={"Referer": stack.url})
+            assert resp.status_code == 302
+            page = c.get("/ui/")
+            assert page.status_code == 200 and 'id="initial-board"' in page.text
+            assert "Unload selected" not in page.text  # ui_management off: status only
+            cookie = "; ".join(f"{k}={v}" for k, v in c.cookies.items())
+        assert _handshake(stack, "/ui/ws/status", origin=stack.url, cookie=cookie) == 101
+        assert _handshake(stack, "/ui/ws/status", origin="http://evil.example", cookie=cookie) == 403

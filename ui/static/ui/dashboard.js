@@ -1,0 +1,160 @@
+// The dashboard: rows from the live status, management forms, and a small timeline per model.
+import {connectStatus, shortTime} from "./live.js";
+import {submitAction} from "./forms.js";
+
+const tbody = document.querySelector("#models tbody");
+const template = document.getElementById("row-template");
+const HISTORY_MS = 30000;
+const history = new Map();  // model id -> [{t, active, queued, slots}]
+
+function describe(result) {
+  if (!result) return "done";
+  if ("unloaded" in result) {
+    return `unloaded: ${result.unloaded.join(", ") || "none"}` +
+      (result.not_found.length ? `; not found: ${result.not_found.join(", ")}` : "") +
+      (result.skipped.length ? `; skipped: ${result.skipped.join(", ")}` : "");
+  }
+  if ("deleted" in result) return `${result.id} unregistered`;
+  if ("reconfigured" in result) return `${result.id}: loaded=${result.loaded}, reconfigured=${result.reconfigured}`;
+  return `${result.id}: loaded=${result.loaded}`;
+}
+
+function rowOf(id) {
+  return tbody.querySelector(`tr[data-model="${CSS.escape(id)}"]`);
+}
+
+function newRow(model) {
+  const row = template.content.firstElementChild.cloneNode(true);
+  row.dataset.model = model.id;
+  const link = row.querySelector('[data-field="link"]');
+  link.textContent = model.id;
+  link.href = `/ui/models/${encodeURIComponent(model.id)}`;
+  const select = row.querySelector('[data-field="select"]');
+  if (select) { select.value = model.id; select.setAttribute("aria-label", `select ${model.id}`); }
+  row.querySelector('[data-field="timeline"]').setAttribute("aria-label", `queue and slot timeline of ${model.id}`);
+  for (const form of row.querySelectorAll("form.act")) {
+    form.action = `/ui/manage/${encodeURIComponent(model.id)}/${form.dataset.action}`;
+    if (form.dataset.confirm) form.dataset.confirm = form.dataset.confirm.replace("{id}", model.id);
+    for (const button of form.querySelectorAll("button")) {
+      button.setAttribute("aria-label", `${button.textContent} ${model.id}`);
+    }
+  }
+  const slotsInput = row.querySelector('input[name="slots"]');
+  if (slotsInput) { slotsInput.value = model.slots; slotsInput.setAttribute("aria-label", `slots of ${model.id}`); }
+  return row;
+}
+
+function setField(row, name, value) {
+  const cell = row.querySelector(`[data-field="${name}"]`);
+  if (!cell) return;
+  const text = value === null || value === undefined ? "" : String(value);
+  if (cell.textContent !== text) cell.textContent = text;
+}
+
+function render(models) {
+  const seen = new Set();
+  const now = Date.now();
+  for (const model of models) {
+    seen.add(model.id);
+    let row = rowOf(model.id);
+    if (!row) {
+      row = newRow(model);
+      const after = [...tbody.children].find((r) => r.dataset.model > model.id);
+      tbody.insertBefore(row, after || null);
+    }
+    row.dataset.state = model.state;
+    setField(row, "state", model.state);
+    row.querySelector('[data-field="state"]').className = `state ${model.state}`;
+    for (const name of ["family", "task", "slots", "active_slots", "queued_requests", "worker", "last_error"]) {
+      setField(row, name, model[name]);
+    }
+    setField(row, "max_parallel_slots", model.max_parallel_slots ?? "–");
+    setField(row, "last_used_at", shortTime(model.last_used_at));
+    row.querySelector('[data-field="last_used_at"]').title = model.last_used_at || "never";
+    const points = history.get(model.id) || [];
+    points.push({t: now, active: model.active_slots, queued: model.queued_requests, slots: model.slots});
+    history.set(model.id, points);
+  }
+  for (const row of [...tbody.children]) {
+    if (!seen.has(row.dataset.model)) { history.delete(row.dataset.model); row.remove(); }
+  }
+}
+
+function drawTimeline(canvas, points, now) {
+  const ctx = canvas.getContext("2d");
+  const w = canvas.width, h = canvas.height;
+  ctx.clearRect(0, 0, w, h);
+  if (!points.length) return;
+  const top = Math.max(1, ...points.map((p) => Math.max(p.slots, p.active + p.queued)));
+  const x = (t) => w - ((now - t) / HISTORY_MS) * w;
+  const y = (v) => h - 1 - (v / top) * (h - 4);
+  const series = (value, color, fill) => {
+    ctx.beginPath();
+    ctx.moveTo(Math.max(0, x(points[0].t)), h);
+    let last = 0;
+    for (const p of points) {
+      const px = Math.max(0, x(p.t));
+      ctx.lineTo(px, y(last));
+      last = value(p);
+      ctx.lineTo(px, y(last));
+    }
+    ctx.lineTo(w, y(last));
+    ctx.lineTo(w, h);
+    ctx.closePath();
+    ctx.fillStyle = fill;
+    ctx.fill();
+    ctx.strokeStyle = color;
+    ctx.stroke();
+  };
+  series((p) => p.active + p.queued, "#b45309", "rgba(245, 158, 11, 0.35)");
+  series((p) => p.active, "#1d4ed8", "rgba(59, 130, 246, 0.45)");
+  ctx.setLineDash([3, 3]);
+  ctx.strokeStyle = "#555";
+  ctx.beginPath();
+  const slots = points[points.length - 1].slots;
+  ctx.moveTo(0, y(slots));
+  ctx.lineTo(w, y(slots));
+  ctx.stroke();
+  ctx.setLineDash([]);
+}
+
+function redrawTimelines() {
+  const now = Date.now();
+  for (const row of tbody.children) {
+    const points = history.get(row.dataset.model) || [];
+    while (points.length > 1 && points[1].t < now - HISTORY_MS) points.shift();
+    drawTimeline(row.querySelector("canvas.timeline"), points, now);
+  }
+}
+
+document.addEventListener("submit", (event) => {
+  const form = event.target;
+  if (!form.classList.contains("act")) return;
+  event.preventDefault();
+  submitAction(form, event.submitter, describe);
+});
+
+const families = document.getElementById("families");
+if (families) {
+  const data = JSON.parse(families.textContent);
+  const family = document.getElementById("reg-family");
+  const task = document.getElementById("reg-task");
+  const fill = () => {
+    const spec = data[family.value];
+    task.replaceChildren(...spec.tasks.map((t) => new Option(t, t)));
+    document.getElementById("reg-load").value = JSON.stringify(spec.defaults.load_options);
+    document.getElementById("reg-session").value = JSON.stringify(spec.defaults.session_options);
+    document.getElementById("reg-request").value = JSON.stringify(spec.defaults.default_request_options);
+  };
+  family.addEventListener("change", fill);
+  fill();
+}
+
+render(JSON.parse(document.getElementById("initial-board").textContent));
+connectStatus((message) => {
+  if (message.type !== "status") return;
+  document.getElementById("workers").textContent = message.workers;
+  render(message.models);
+});
+setInterval(redrawTimelines, 500);
+redrawTimelines();

@@ -1,0 +1,23 @@
+"""Routes of the browser UI, mounted at ``/ui/`` by ``audiosite.urls`` (the WebSocket is in ``ui.routing``)."""
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from . import views
+
+app_name = "ui"
+
+urlpatterns = [
+    path("", views.dashboard, name="dashboard"),
+    path("models/<str:model_id>", views.model_detail, name="model"),
+    path("log", views.lifecycle_log, name="log"),
+    path("playground", views.playground, name="playground"),
+    path("sample.wav", views.sample, name="sample"),
+    path("login/", views.UiLoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("manage/register", views.register, name="register"),
+    path("manage/unload", views.bulk_unload, name="bulk_unload"),
+    path("manage/<str:model_id>/slots", views.resize, name="resize"),
+    path("manage/<str:model_id>/load", views.load, name="load"),
+    path("manage/<str:model_id>/unload", views.unload, name="unload"),
+    path("manage/<str:model_id>/unregister", views.unregister, name="unregister"),
+]

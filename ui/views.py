@@ -1,0 +1,345 @@
+"""Pages and form actions of the browser UI (``/ui/``). Views translate HTTP ↔ services only.
+
+Pages: the dashboard (live status, management controls), one page per model
+(configuration, lifecycle events, request counts and slot hold times), the
+lifecycle log and the playground. Who sees what (README, "The browser UI"):
+
+- ``ui`` off: every UI route answers 404 (``/`` too).
+- not logged in: with ``ui_anonymous`` = ``status`` the dashboard and the
+  playground, read only; with ``none`` the login page. The model pages and the
+  lifecycle log (actors, paths, error details) need a login in either case.
+- logged in without ``registry.manage_models``, or ``ui_management`` off: status only.
+- ``ui_management`` on and the permission: the management controls too.
+
+Form actions (POST, CSRF-protected by Django's middleware) call the same
+services as the management API (``registry.lifecycle``) and answer JSON: the
+service's result, or the API's error body with the API's status (400 with
+``capacity=N``, 404, 503 …), shown by the page next to the control. Without
+``ui_management`` or the permission they answer 403 whatever the form says.
+Actions are async views: a manager waits for older requests (a barrier) without
+holding a thread.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.contrib.auth.views import LoginView, redirect_to_login
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.shortcuts import render
+from django.views.decorators.http import require_GET, require_POST
+
+from audiosite.errors import ApplicationError, Forbidden, InvalidRequest
+from audiosite.serverconfig import get_config
+from audiosite.validation import validated
+from inference import specs
+from inference.runtime.context import async_context
+from registry import lifecycle
+from registry.permissions import MANAGEMENT_DISABLED, may_manage
+from registry.selectors import (
+    lifecycle_event_facets,
+    lifecycle_events_recent,
+    model_board,
+    model_meta_all,
+    model_meta_get,
+    model_request_stats,
+    registration_get,
+)
+from registry.serializers import ModelLoadInputSerializer
+
+from .signals import event_json
+
+#: Keys of a published registration that a management body may carry (``source`` is the server's own).
+_BODY_KEYS = ("id", "family", "task", "mode", "path", "lazy", "slots", "busy_timeout_ms", "load_options",
+              "session_options", "default_request_options", "voice_presets", "default_voice_preset")
+
+
+def _ui_on() -> None:
+    if not get_config().ui:
+        raise Http404("the browser UI is turned off (\"ui\": false)")
+
+
+async def _viewer(request: HttpRequest) -> tuple[Any, bool]:
+    """The request's user (resolved on the loop, so templates never query) and whether they may manage."""
+    user = await request.auser()
+    request.user = user  # the auth context processor then reads the resolved user, not a lazy query
+    manage = get_config().ui_management and await sync_to_async(may_manage)(user)
+    return user, manage
+
+
+def _anonymous_refused(request: HttpRequest, user, login_always: bool = False) -> HttpResponse | None:
+    """The login redirect for a visitor who may not see this page anonymously, else None."""
+    if user.is_authenticated:
+        return None
+    if login_always or get_config().ui_anonymous == "none":
+        return redirect_to_login(request.get_full_path())
+    return None
+
+
+def _families() -> dict[str, dict]:
+    """Per family: its tasks and the option defaults its spec declares (shown in the register form)."""
+    out = {}
+    for name, spec in sorted(specs.all_specs().items()):
+        blocks = {}
+        for block in ("load_options", "session_options"):
+            props = spec.get(block, {}).get("properties", {})
+            blocks[block] = {key: prop["default"] for key, prop in props.items() if "default" in prop}
+        blocks["default_request_options"] = specs.request_defaults(name)
+        out[name] = {"tasks": spec["tasks"], "defaults": blocks, "description": spec.get("description", "")}
+    return out
+
+
+def _page(request: HttpRequest, template: str, context: dict) -> HttpResponse:
+    config = get_config()
+    base = {"runtime": config.runtime, "ui_management": config.ui_management}
+    return render(request, template, {**base, **context})
+
+
+class UiLoginView(LoginView):
+    """Django's login page in the UI's look (``/ui/login/``); 404 with the UI off."""
+
+    template_name = "ui/login.html"
+    extra_context = {"title": "Log in"}
+
+    def dispatch(self, request, *args, **kwargs):
+        _ui_on()
+        return super().dispatch(request, *args, **kwargs)
+
+
+async def root(request: HttpRequest) -> HttpResponse:
+    """``/``: to the dashboard (404 with the UI off)."""
+    _ui_on()
+    return HttpResponseRedirect("/ui/")
+
+
+@require_GET
+async def dashboard(request: HttpRequest) -> HttpResponse:
+    """``/ui/``: every model's live status; management controls for a permitted user."""
+    _ui_on()
+    user, manage = await _viewer(request)
+    if refused := _anonymous_refused(request, user):
+        return refused
+    ctx = await async_context()
+    board = await model_board(ctx)
+    return _page(request, "ui/dashboard.html", {
+        "manage": manage, "families": _families(), "board_json": board, "title": "Models"})
+
+
+@require_GET
+async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
+    """``/ui/models/<id>``: configuration, recent lifecycle events, request counts and hold times."""
+    _ui_on()
+    user, manage = await _viewer(request)
+    if refused := _anonymous_refused(request, user, login_always=True):
+        return refused
+    ctx = await async_context()
+    meta = await model_meta_get(ctx, model_id)
+    if meta is None:
+        raise Http404(f"model {model_id!r} is not registered")
+    board = [m for m in await model_board(ctx) if m["id"] == model_id]
+    stats = await model_request_stats(ctx, model_id)
+    row = await sync_to_async(registration_get)(model_id)
+    events = [event_json(e) for e in await sync_to_async(lifecycle_events_recent)(model_id, None, 50)]
+    return _page(request, "ui/model.html", {
+        "model": board[0] if board else None, "model_id": model_id, "manage": manage,
+        "config_json": json.dumps({k: meta.get(k) for k in _BODY_KEYS}, indent=2), "registration": row,
+        "stats": stats, "events": events, "title": model_id})
+
+
+@require_GET
+async def lifecycle_log(request: HttpRequest) -> HttpResponse:
+    """``/ui/log``: the audit rows, newest first, filtered by ``model`` and ``event``; new rows arrive live."""
+    _ui_on()
+    user, manage = await _viewer(request)
+    if refused := _anonymous_refused(request, user, login_always=True):
+        return refused
+    model_id = request.GET.get("model", "").strip()
+    event = request.GET.get("event", "").strip()
+    rows = await sync_to_async(lifecycle_events_recent)(model_id or None, event or None, 500)
+    kinds = await sync_to_async(lifecycle_event_facets)()
+    ctx = await async_context()
+    return _page(request, "ui/log.html", {
+        "events": [event_json(e) for e in rows], "model_filter": model_id, "event_filter": event,
+        "model_ids": sorted(set(await model_meta_all(ctx)) | set(kinds["models"])),
+        "event_kinds": kinds["events"], "manage": manage, "title": "Lifecycle log"})
+
+
+@require_GET
+async def playground(request: HttpRequest) -> HttpResponse:
+    """``/ui/playground``: try each task (transcribe, voice activity, speech) against the public API."""
+    _ui_on()
+    user, manage = await _viewer(request)
+    if refused := _anonymous_refused(request, user):
+        return refused
+    ctx = await async_context()
+    board = await model_board(ctx)
+    by_task: dict[str, list[str]] = {}
+    for entry in board:
+        by_task.setdefault(entry["task"], []).append(entry["id"])
+    return _page(request, "ui/playground.html", {"by_task": by_task, "manage": manage, "title": "Playground"})
+
+
+SAMPLE_WAV = Path(__file__).resolve().parent.parent / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
+
+
+@require_GET
+async def sample(request: HttpRequest) -> FileResponse:
+    """``/ui/sample.wav``: the shipped LibriSpeech sample (CC BY 4.0, ``samples/README.md``) for the playground."""
+    _ui_on()
+    return FileResponse(open(SAMPLE_WAV, "rb"), content_type="audio/wav", filename=SAMPLE_WAV.name)
+
+
+# -- form actions -------------------------------------------------------------------------------
+def _error(exc: ApplicationError) -> JsonResponse:
+    return JsonResponse(exc.body(), status=exc.status, headers=exc.headers())
+
+
+async def _manager(request: HttpRequest) -> str:
+    """The acting user's name, or Forbidden (403) when management is off or the user lacks the permission."""
+    if not get_config().ui_management:
+        raise Forbidden(MANAGEMENT_DISABLED, code="management_disabled")
+    user = await request.auser()
+    if not user.is_authenticated:
+        raise Forbidden("log in with a user holding registry.manage_models to manage models",
+                        code="permission_denied")
+    if not await sync_to_async(may_manage)(user):
+        raise Forbidden(f"user {user.get_username()!r} lacks the registry.manage_models permission",
+                        code="permission_denied")
+    return user.get_username()
+
+
+def _body_of(meta: dict) -> dict:
+    """The management body that re-registers a published entry as it is (None values left out)."""
+    body = {key: meta.get(key) for key in _BODY_KEYS}
+    return {key: value for key, value in body.items() if value not in (None, {}, "")}
+
+
+async def _current_body(ctx, model_id: str) -> dict:
+    meta = await model_meta_get(ctx, model_id)
+    if meta is None:
+        raise InvalidRequest(f"model {model_id!r} is not registered", param="id")
+    return _body_of(meta)
+
+
+def _int_field(request: HttpRequest, name: str) -> int | None:
+    raw = request.POST.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.lstrip("-").isdigit() or len(raw) > 12:
+        raise InvalidRequest(f"key '{name}': {raw!r} is not an integer", param=name)
+    return int(raw)
+
+
+def _json_field(request: HttpRequest, name: str) -> dict:
+    raw = request.POST.get(name, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise InvalidRequest(f"key '{name}': not valid JSON ({exc})", param=name) from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"key '{name}': a JSON object is required", param=name)
+    return value
+
+
+def _register_body(request: HttpRequest) -> dict:
+    """The management body of the register form: the fields the user filled in, as the API takes them."""
+    body: dict[str, Any] = {"id": request.POST.get("id", "").strip(), "family": request.POST.get("family", "").strip()}
+    if task := request.POST.get("task", "").strip():
+        body["task"] = task
+    slots = _int_field(request, "slots")
+    if slots is not None:
+        body["slots"] = slots
+    timeout = _int_field(request, "busy_timeout_ms")
+    if timeout is not None:
+        body["busy_timeout_ms"] = timeout
+    if request.POST.get("lazy"):
+        body["lazy"] = True
+    for block in ("load_options", "session_options", "default_request_options"):
+        if value := _json_field(request, block):
+            body[block] = value
+    return validated(ModelLoadInputSerializer(data=body))
+
+
+async def _act(request: HttpRequest, action) -> JsonResponse:
+    try:
+        actor = await _manager(request)
+        ctx = await async_context()
+        return JsonResponse({"ok": True, "result": await action(ctx, actor)})
+    except ApplicationError as exc:
+        return _error(exc)
+
+
+@require_POST
+async def register(request: HttpRequest) -> JsonResponse:
+    """Register a new model (``POST /v1/models/load`` with a new id)."""
+    _ui_on()
+
+    async def action(ctx, actor):
+        return await lifecycle.model_register_or_reconfigure(ctx, _register_body(request), actor)
+    return await _act(request, action)
+
+
+@require_POST
+async def resize(request: HttpRequest, model_id: str) -> JsonResponse:
+    """Reconfigure the slot count: the current entry with ``slots`` replaced (R4.4; 400 leaves it as it was)."""
+    _ui_on()
+
+    async def action(ctx, actor):
+        body = await _current_body(ctx, model_id)
+        slots = _int_field(request, "slots")
+        if slots is None:
+            raise InvalidRequest("key 'slots': a slot count is required", param="slots")
+        body["slots"] = slots
+        return await lifecycle.model_register_or_reconfigure(ctx, body, actor)
+    return await _act(request, action)
+
+
+@require_POST
+async def load(request: HttpRequest, model_id: str) -> JsonResponse:
+    """Load: the current entry sent again (``POST /v1/models/load``; a lazy entry stays unloaded)."""
+    _ui_on()
+
+    async def action(ctx, actor):
+        return await lifecycle.model_register_or_reconfigure(ctx, await _current_body(ctx, model_id), actor)
+    return await _act(request, action)
+
+
+@require_POST
+async def unload(request: HttpRequest, model_id: str) -> JsonResponse:
+    """Unload one model (``POST /v1/models/unload``)."""
+    _ui_on()
+
+    async def action(ctx, actor):
+        outcome = await lifecycle.model_unload(ctx, model_id, actor)
+        return {"id": outcome["id"], "loaded": outcome["loaded"]}
+    return await _act(request, action)
+
+
+@require_POST
+async def unregister(request: HttpRequest, model_id: str) -> JsonResponse:
+    """Unregister (``DELETE /v1/models/{id}``)."""
+    _ui_on()
+
+    async def action(ctx, actor):
+        return await lifecycle.model_unregister(ctx, model_id, actor)
+    return await _act(request, action)
+
+
+@require_POST
+async def bulk_unload(request: HttpRequest) -> JsonResponse:
+    """Unload the ticked models (``model_ids``), or every model with ``all`` (the bulk unload routes, R5)."""
+    _ui_on()
+
+    async def action(ctx, actor):
+        if request.POST.get("all"):
+            return await lifecycle.models_bulk_unload(ctx, None, actor)
+        ids = [i for i in request.POST.getlist("model_ids") if i]
+        if not ids:
+            raise InvalidRequest("tick at least one model", param="model_ids")
+        return await lifecycle.models_bulk_unload(ctx, ids, actor)
+    return await _act(request, action)
+
