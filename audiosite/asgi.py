@@ -1,5 +1,7 @@
 """ASGI entry point: ``daphne audiosite.asgi:application``.
 
+WebSocket upgrades go to the Channels consumers of ``inference.consumers``
+(``/v1/realtime``; any other path is closed cleanly with code 4404).
 HTTP goes to Django (DRF async views): the API through
 ``audiosite.handlers.ApiHandler`` (async-only middleware, no per-request
 thread), the admin through Django's own handler with the full
@@ -18,10 +20,12 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "audiosite.settings")
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import re_path  # noqa: E402
 
 from audiosite.handlers import http_application  # noqa: E402
 from audiosite.serverconfig import get_config  # noqa: E402
+from inference.consumers import NoRouteConsumer, RealtimeConsumer  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402
 from inference.runtime.startup import check_runtime  # noqa: E402
 
@@ -29,4 +33,10 @@ from inference.runtime.startup import check_runtime  # noqa: E402
 check_runtime(sync_scheduler())
 settings.ALLOWED_HOSTS = get_config().allowed_host_names()
 
-application = ProtocolTypeRouter({"http": http_application(django_asgi_app)})
+# WebSocket routes (Channels strips the leading slash); every other path gets a clean close (4404).
+websocket_routes = URLRouter([
+    re_path(r"^v1/realtime/?$", RealtimeConsumer.as_asgi()),
+    re_path(r"", NoRouteConsumer.as_asgi()),
+])
+
+application = ProtocolTypeRouter({"http": http_application(django_asgi_app), "websocket": websocket_routes})

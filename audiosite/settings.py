@@ -262,6 +262,15 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_url("REDIS_URL", None, ("redis", "rediss", "unix"))
 
+# The Channels layer lives on the deployment's Redis (the embedded one too: its unix-socket URL with
+# the password, which redis-py's from_url reads); without Redis (management commands) an in-memory layer.
+# No socket timeout: redis-py 8 defaults to 5 s, and a consumer's receive blocks in BZPOPMIN for up to
+# channels-redis's brpop_timeout (5 s), which then failed as a "Timeout reading" and closed the socket 1011.
+CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                              "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": None}],
+                                         "prefix": "as:asgi"}}
+                  if REDIS_URL else {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
 AUTH_PASSWORD_VALIDATORS: list[dict] = []
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -736,3 +736,69 @@ async def transcription_open(ctx: AsyncContext, meta: dict, audio_input: AudioIn
     finally:
         if prepared:
             prepared[0].release_samples()  # its budget reservation, if the samples never reached Redis
+
+
+# -- one decode of a live transcription turn (inference.realtime) -----------------------------------
+
+async def decode_held(ctx: AsyncContext, model_id: str, lease: Lease, samples, sample_rate_hz: int, options: dict,
+                      timeout_ms: int) -> dict:
+    """Transcribe ``samples`` (float32 ``(n,)`` at ``sample_rate_hz``) on ``model_id``'s pool under a
+    request ``lease`` that the caller holds and renews across several runs (a live turn, R8.3); the
+    worker neither renews nor releases it (a ``held`` run, ``inference.runtime.rpc.run_on_worker``).
+
+    The model is loaded first if needed (a turn after an unload reloads it); a pool lost before the
+    worker took the run is loaded once more. The caller must not release the lease while this runs:
+    cancelled, it still waits for the worker's reply (the decode finishes: at most one decode
+    step, R8.2), then re-raises.
+
+    Args:
+        timeout_ms: the turn's effective busy timeout, bounding a cold load's wait for room.
+
+    Returns:
+        The adapter's result (``text``, ``segments``, ``language``, ``duration``).
+
+    Raises:
+        ServerBusy: the worker was lost (``worker_lost``), or could not load (``no_worker``, ``residency_full``).
+        ModelLoadFailed: the model could not be loaded.
+        InvalidRequest: the adapter refused the options (e.g. a language the checkpoint lacks).
+        ApplicationError: the adapter failed on valid input (a bug).
+    """
+    run_input = rpc.RunInput(samples, sample_rate_hz, options)
+    task = asyncio.ensure_future(_decode_held(ctx, model_id, lease, run_input, timeout_ms))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        try:
+            await task
+        except Exception:
+            pass
+        raise
+
+
+async def _decode_held(ctx: AsyncContext, model_id: str, lease: Lease, run_input: rpc.RunInput,
+                       timeout_ms: int) -> dict:
+    try:
+        for _attempt in range(2):
+            left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
+            placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+            reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, rpc.Handover(),
+                                            held=True)
+            if reply is None:
+                await ctx.scheduler.mark_unloaded(model_id, placement.boot, "worker lost")
+                raise ServerBusy(f"model {model_id!r}: its worker stopped responding; retry", code="worker_lost")
+            if reply.get("kind") == rpc.RunFailure.NOT_LOADED:
+                await ctx.scheduler.mark_unloaded(model_id, placement.boot, "pool lost")
+                continue
+            break
+        else:
+            raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+        if not reply["ok"]:
+            if reply["kind"] == rpc.RunFailure.INVALID_INPUT:
+                raise InvalidRequest(reply["message"], param=reply.get("param"))
+            if reply["kind"] == rpc.RunFailure.ERROR:
+                raise ApplicationError(f"model {model_id!r} failed: {reply['message']}")
+            raise ServerBusy(f"model {model_id!r} could not serve the turn: {reply['message']}", code=reply["kind"])
+        return reply["result"]
+    finally:
+        run_input.release_samples()
+        await rpc.drop_input(ctx, run_input)
