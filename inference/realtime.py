@@ -306,7 +306,9 @@ class LiveSession:
         await self.close()
 
     async def _watch_limits(self) -> None:
-        """Close the session after ``idle_timeout_ms`` without a client event, or ``total_timeout_ms`` in all."""
+        """Close the session after ``idle_timeout_ms`` without a client event while no turn is being
+        transcribed (the server still owes the client events then; the idle clock restarts when the
+        last turn ends), or after ``total_timeout_ms`` in all."""
         while not self._closed:
             now = time.monotonic()
             idle_at = self._last_event + self.limits.idle_timeout_ms / 1000
@@ -316,6 +318,9 @@ class LiveSession:
                                            f"({self.limits.total_timeout_ms} ms, live_ingest.total_timeout_ms)",
                                            "session_expired"), 1000)
                 return
+            if now >= idle_at and self._turns:
+                await asyncio.sleep(min(0.5, max(0.0, total_at - now)) + 0.01)
+                continue
             if now >= idle_at:
                 await self.end(ClientError(f"no client event for {self.limits.idle_timeout_ms} ms "
                                            "(live_ingest.idle_timeout_ms)", "idle_timeout"), 1000)
@@ -440,8 +445,12 @@ class LiveSession:
         self._speaking = turn
         self._turns.add(turn)
         turn.task = asyncio.ensure_future(self._transcribe(turn, self.settings))
-        turn.task.add_done_callback(lambda _t: self._turns.discard(turn))
+        turn.task.add_done_callback(lambda _t: self._turn_done(turn))
         return turn
+
+    def _turn_done(self, turn: Turn) -> None:
+        self._turns.discard(turn)
+        self._last_event = max(self._last_event, time.monotonic())  # the idle clock starts again now
 
     async def _commit_turn(self, turn: Turn, end: int) -> None:
         turn.end = end
@@ -640,8 +649,8 @@ class LiveSession:
                 t0 = time.monotonic()
                 result = await services.decode_held(self.ctx, settings.model or "", lease, audio, MODEL_RATE_HZ,
                                                     {**options, "beam_size": 1}, timeout_ms)
-                log.info("DBG partial %.0f ms audio in %.0f ms: %s", length / 16, (time.monotonic() - t0) * 1000,
-                         result["text"])
+                log.debug("partial decode of %d ms of audio took %.0f ms: %r", length * 1000 // MODEL_RATE_HZ,
+                          (time.monotonic() - t0) * 1000, result["text"])
                 current = result["text"].split()
                 if previous is not None:
                     agreed = stable_prefix(previous, current)
