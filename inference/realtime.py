@@ -27,7 +27,8 @@ A turn that cannot get its slot within the model's busy timeout ends with
 ``conversation.item.input_audio_transcription.failed`` (``server_busy``) and the session goes on.
 
 Partial transcripts: while a server-VAD turn is still being spoken, the growing turn is decoded
-again every :data:`PARTIAL_STEP_MS` of new audio (greedy, beam 1); the words on which two
+again every :data:`PARTIAL_STEP_MS` of new audio (greedy, beam 1), except while the VAD hears
+silence (the turn may be ending: the final decode should not wait behind a partial); the words on which two
 consecutive decodes agree (case and punctuation aside) and that were not sent yet go out as a
 ``…input_audio_transcription.delta``. The final decode (the model's default beam) gives the
 rest: aligned on the words already sent, the words after them form the last delta. The deltas
@@ -215,6 +216,7 @@ class Turn:
         self.audio: np.ndarray | None = None
         self.grew = asyncio.Event()
         self.committed = asyncio.Event()
+        self.pausing = False  # server VAD hears silence now: the turn may be about to end
         self.task: asyncio.Task | None = None
 
 
@@ -416,6 +418,7 @@ class LiveSession:
                                      "audio_end_ms": hi // per_ms})
                     await self._commit_turn(turn, hi)
         if self._speaking is not None:
+            self._speaking.pausing = self._silence_from is not None
             self._speaking.grew.set()
         else:
             self._buffer.keep_last(vad.prefix_padding_ms * per_ms + window)
@@ -643,7 +646,8 @@ class LiveSession:
         step = PARTIAL_STEP_MS * MODEL_RATE_HZ // 1000
         while not turn.committed.is_set():
             length = self._buffer.end - turn.start
-            if length >= PARTIAL_MIN_MS * MODEL_RATE_HZ // 1000 and length - decoded_len >= step:
+            if (length >= PARTIAL_MIN_MS * MODEL_RATE_HZ // 1000 and length - decoded_len >= step
+                    and not turn.pausing):
                 audio = self._buffer.slice(turn.start, self._buffer.end)
                 decoded_len = length
                 t0 = time.monotonic()
