@@ -116,6 +116,22 @@ def test_the_official_sdk_iterates_the_stream_and_json_bodies_stream_too(live, s
     live.wait_idle("whisper")
 
 
+def test_an_sse_client_leaving_mid_stream_frees_the_slot_after_its_segment(live, speech):
+    """R8.3: the stream holds its slot while it is read; a client that leaves after the first event
+    makes the worker stop after its current segment, and the lease comes back."""
+    gap = np.zeros(speech[0].rate, dtype=np.float32)
+    many = wav_bytes(np.concatenate([np.concatenate([u.samples, gap]) for u in speech * 6]), speech[0].rate)
+    with httpx.Client(base_url=live.url, timeout=MODEL_S) as client:
+        with httpx_sse.connect_sse(client, "POST", "/v1/audio/transcriptions", files={"file": ("m.wav", many)},
+                                   data={"model": "whisper", "stream": "true", "language": "en"}) as source:
+            first = json.loads(next(source.iter_sse()).data)
+            assert first["type"] == "transcript.text.delta"
+            assert live.counters("whisper")["leases"] == 1, "held while the stream is read"
+        left = time.monotonic()
+    live.wait_idle("whisper", timeout_s=15)
+    assert time.monotonic() - left < 10
+
+
 @pytest.mark.parametrize(("fields", "param"), [({"language": "de"}, "language"), ({"model": "vad"}, "model"),
                                               ({"stream": "maybe"}, "stream")])
 def test_a_stream_refused_before_its_headers_is_a_plain_4xx_and_holds_nothing(live, speech, fields, param):

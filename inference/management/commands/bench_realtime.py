@@ -110,7 +110,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--url", required=True, help="a running server, e.g. http://127.0.0.1:8080")
-        parser.add_argument("--model", default="whisper-tiny-en")
+        parser.add_argument("--model", default="whisper-tiny.en")
         parser.add_argument("--file", default=None, help="a speech file (default: the longest fixture)")
         parser.add_argument("--turns", type=int, default=3, help="turns per session")
         parser.add_argument("--max-sessions", type=int, default=6)
