@@ -99,10 +99,13 @@ async def _session(url: str, model: str, speech: list[str], quiet: list[str], tu
         reader.cancel()
         if len(done) < turns:
             raise CommandError(f"only {len(done)} of {turns} turns completed within 120 s")
-        return [{"end_to_done_s": done[i] - ends[i],
-                 "first_delta_s": None if first_delta[i] is None else first_delta[i] - starts[i],
-                 "delta_before_end": first_delta[i] is not None and first_delta[i] < ends[i]}
-                for i in range(turns)]
+        out = []
+        for i in range(turns):
+            delta_at = first_delta[i]
+            out.append({"end_to_done_s": done[i] - ends[i],
+                        "first_delta_s": None if delta_at is None else delta_at - starts[i],
+                        "delta_before_end": delta_at is not None and delta_at < ends[i]})
+        return out
 
 
 class Command(BaseCommand):
