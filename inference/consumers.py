@@ -10,8 +10,10 @@ import logging
 from urllib.parse import parse_qs
 
 from channels.generic.websocket import AsyncWebsocketConsumer
+from channels_redis.core import RedisChannelLayer
 
 from audiosite.serverconfig import get_config
+from audiosite.settings import channel_layer_config
 from inference import realtime
 from inference.runtime.context import async_context
 
@@ -23,6 +25,7 @@ LIVE_GROUP = "live.sessions"
 server goes away)."""
 
 CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
 CLOSE_TOO_BIG = 1009
 CLOSE_NOT_FOUND = 4404
 """Close code (application range) of a WebSocket upgrade on a path that has no WebSocket route."""
@@ -103,3 +106,15 @@ class NoRouteConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
         await self.accept()
         await self.close(code=CLOSE_NOT_FOUND, reason="no WebSocket route here; see /v1/realtime")
+
+
+async def close_live_sessions(redis_url: str, code: int = CLOSE_GOING_AWAY,
+                              reason: str = "the server is shutting down") -> None:
+    """Ask every open realtime session of the deployment on ``redis_url`` to end: each sends a final
+    ``error`` event (``session_closed``) and closes with ``code`` (CONTRACT R8.4: WebSocket clients
+    get a close frame with a code). Called by ``serve`` before it stops the web server."""
+    layer = RedisChannelLayer(**channel_layer_config(redis_url))
+    try:
+        await layer.group_send(LIVE_GROUP, {"type": "live.close", "code": code, "reason": reason})
+    finally:
+        await layer.close_pools()

@@ -469,3 +469,23 @@ def test_idle_sessions_close_with_a_final_event_and_unknown_paths_close_cleanly(
     assert heard.of("error")[-1]["error"]["code"] == "idle_timeout" and close_code == 1000
     assert IDLE_MS / 1000 - 0.5 <= lasted_s <= IDLE_MS / 1000 + 5
     assert "Traceback" not in live.log_tail(400)
+
+
+def test_stopping_the_server_closes_live_sessions_with_a_final_event_and_1001(tmp_path):
+    """R8.4: WebSocket clients get a close frame with a code when the server stops (a stack of its own)."""
+    stacks = run_stack(tmp_path, [{"id": "whisper", "family": "whisper", "task": "asr", "lazy": True}], redis_db=10,
+                       name="livestop", parallel=True)
+    stack = next(stacks)
+
+    async def scenario():
+        async with websockets.connect(ws_url(stack)) as ws:
+            heard = Listener(ws)
+            await heard.wait_for("session.created")
+            stopping = asyncio.ensure_future(asyncio.to_thread(next, stacks, None))
+            await within(heard.task, QUICK_S)
+            await within(stopping, MODEL_S)
+            return heard, ws.close_code
+
+    heard, close_code = run(scenario())
+    assert close_code == 1001
+    assert heard.of("error")[-1]["error"]["code"] == "session_closed"
