@@ -33,7 +33,8 @@ CLOSE_NOT_FOUND = 4404
 
 class RealtimeConsumer(AsyncWebsocketConsumer):
     """``ws /v1/realtime?intent=transcription``: OpenAI's realtime transcription protocol
-    (``inference.realtime.LiveSession``). ``intent`` may be omitted; any other intent is refused
+    (``inference.realtime.LiveSession``). ``model`` in the query (the beta SDK always sends one)
+    is the session's model when it names a registered ASR model. ``intent`` may be omitted; any other intent is refused
     with an ``error`` event and close code 1008. Frames larger than ``live_ingest.max_chunk_bytes``
     get an ``error`` event and close code 1009; binary frames and bad JSON get an ``error`` event
     and the session goes on."""
@@ -46,7 +47,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         intent = (query.get("intent") or ["transcription"])[0]
         ctx = await async_context()
         self.session = realtime.LiveSession(ctx, self.send_event, self.close_with, get_config().live_ingest,
-                                            await realtime.default_model(ctx))
+                                            await realtime.default_model(ctx, (query.get("model") or [None])[0]))
         if intent != "transcription":
             await self.session.end(realtime.ClientError(
                 f"intent {intent!r} is not served; this server offers ?intent=transcription", "invalid_value",

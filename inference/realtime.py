@@ -682,9 +682,12 @@ class LiveSession:
                          "usage": {"type": "duration", "seconds": round(turn.audio.size / MODEL_RATE_HZ, 3)}})
 
 
-async def default_model(ctx: AsyncContext) -> str | None:
-    """The ASR model a session uses until ``session.update`` names one: the first registered model
-    of task ``asr`` by id, or None when there is none."""
+async def default_model(ctx: AsyncContext, asked: str | None = None) -> str | None:
+    """The ASR model a session uses until ``session.update`` names one: ``asked`` (the connection
+    URL's ``model``) when it is a registered ASR model, else the first registered model of task
+    ``asr`` by id, or None when there is none."""
     metas = await published.meta_all(ctx)
+    if asked is not None and metas.get(asked, {}).get("task") == "asr":
+        return asked
     asr = sorted(model_id for model_id, meta in metas.items() if meta.get("task") == "asr")
     return asr[0] if asr else None

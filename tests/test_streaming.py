@@ -287,6 +287,28 @@ def test_the_official_sdk_realtime_client_commits_16_khz_audio_sent_faster_than_
     live.wait_idle("whisper", timeout_s=10)
 
 
+def test_the_sdk_beta_realtime_client_speaks_the_beta_transcription_session_events(live, speech):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    utt = speech[1]
+    with client.beta.realtime.connect(model="whisper1", extra_query={"intent": "transcription"}) as conn:
+        created = conn.recv()
+        assert created.type == "session.created"
+        conn.transcription_session.update(session={"input_audio_format": "pcm16", "turn_detection": None,
+                                                   "input_audio_transcription": {"language": "en"}})
+        updated = conn.recv()
+        assert updated.type == "transcription_session.updated"
+        for chunk in pcm_chunks(utt.samples, 24000):
+            conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+        conn.input_audio_buffer.commit()
+        for event in conn:
+            if event.type == COMPLETED:
+                transcript = event.transcript
+                break
+    assert updated.session.input_audio_transcription.model == "whisper1", "the URL's model is the session's"
+    assert wer(utt.text, transcript) <= 0.25, transcript
+    live.wait_idle("whisper1", timeout_s=10)
+
+
 def test_two_concurrent_sessions_on_a_two_slot_model_both_complete(live, speech):
     peak = []
 
