@@ -1,7 +1,7 @@
 """``python manage.py bench_realtime --url URL``: live transcription over the realtime WebSocket.
 
-Each session streams a speech file (default: the longest of ``../shared/fixtures/speech``, padded
-with silence) in 20 ms appends of 24 kHz PCM at real-time pace, with OpenAI's default server VAD,
+Each session streams a speech file (default: the ``../shared/fixtures/speech`` files joined into
+one utterance of about 5 s, see :func:`_speech`), between 0.75 s of silence, in 20 ms appends of 24 kHz PCM at real-time pace, with OpenAI's default server VAD,
 ``--turns`` times. Measured per turn (issue 11, item 6):
 
 - end of turn → completed: from the moment the turn's last speech chunk was sent to its
@@ -37,12 +37,18 @@ FIXTURES = Path(settings.BASE_DIR).parent / "shared" / "fixtures" / "speech"
 
 
 def _speech(path: str | None) -> np.ndarray:
-    """float32 mono samples at 16 kHz of ``path`` (default: the longest fixture)."""
-    files = [Path(path)] if path else sorted(FIXTURES.glob("*.wav"), key=lambda p: soundfile.info(p).duration)[-1:]
-    if not files or not files[0].exists():
+    """float32 mono samples at 16 kHz of ``path``; default: the speech fixtures one after the other as
+    one utterance (each but the first without its first 0.25 s, so that the pauses between them
+    stay under the VAD's 500 ms and the turn is not split): about 5 s."""
+    files = [Path(path)] if path else sorted(FIXTURES.glob("*.wav"))
+    if not files or not all(f.exists() for f in files):
         raise CommandError(f"no speech file (looked for {path or FIXTURES})")
-    samples, rate = soundfile.read(files[0], dtype="float32", always_2d=True)
-    return soxr.resample(samples.mean(axis=1), rate, 16000).astype(np.float32)
+    parts = []
+    for index, file in enumerate(files):
+        samples, rate = soundfile.read(file, dtype="float32", always_2d=True)
+        mono = soxr.resample(samples.mean(axis=1), rate, 16000).astype(np.float32)
+        parts.append(mono if index == 0 else mono[4000:])
+    return np.concatenate(parts)
 
 
 def _chunks(samples: np.ndarray) -> list[str]:
@@ -114,7 +120,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--url", required=True, help="a running server, e.g. http://127.0.0.1:8080")
         parser.add_argument("--model", default="whisper-tiny.en")
-        parser.add_argument("--file", default=None, help="a speech file (default: the longest fixture)")
+        parser.add_argument("--file", default=None, help="a speech file (default: the fixtures as one utterance)")
         parser.add_argument("--turns", type=int, default=3, help="turns per session")
         parser.add_argument("--max-sessions", type=int, default=6)
 
