@@ -293,7 +293,9 @@ def test_the_official_sdk_realtime_client_commits_16_khz_audio_sent_faster_than_
 
 
 def test_the_sdk_beta_realtime_client_speaks_the_beta_transcription_session_events(live, speech):
-    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    # The beta client always uses wss:// unless websocket_base_url says otherwise.
+    client = openai.OpenAI(base_url=f"{live.url}/v1", websocket_base_url=ws_url(live, "/v1"), api_key="unused",
+                           max_retries=0)
     utt = speech[1]
     with client.beta.realtime.connect(model="whisper1", extra_query={"intent": "transcription"}) as conn:
         created = conn.recv()
