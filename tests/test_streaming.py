@@ -36,12 +36,13 @@ MODELS = [
     {"id": "vad", "family": "silero_vad", "task": "vad"},
 ]
 IDLE_MS = 8000
+BUFFER_BYTES = 1024 * 1024  # live_ingest.max_body_bytes of the stack: about 21 s of 24 kHz s16le
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> Stack:
     yield from run_stack(tmp_path_factory.mktemp("live"), MODELS, redis_db=11, name="live", parallel=True,
-                         extra_config={"live_ingest": {"idle_timeout_ms": IDLE_MS}})
+                         extra_config={"live_ingest": {"idle_timeout_ms": IDLE_MS, "max_body_bytes": BUFFER_BYTES}})
 
 
 def sdk(stack: Stack) -> openai.OpenAI:
@@ -411,6 +412,22 @@ def test_malformed_events_get_error_events_and_the_session_goes_on(live, speech)
     with live.client() as client:
         assert client.get("/health").status_code == 200
     live.wait_idle("whisper", timeout_s=10)
+
+
+def test_an_input_buffer_over_max_body_bytes_ends_the_session_with_1009(live):
+    async def scenario():
+        async with websockets.connect(ws_url(live)) as ws:
+            heard = Listener(ws)
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"turn_detection": None}}}}))
+            await heard.wait_for("session.updated")
+            for _ in range(3):  # 3 × 400 KB of silence, never committed: over 1 MiB at the third
+                await ws.send(append(bytes(400 * 1024)))
+            await within(heard.task, QUICK_S)
+            return heard, ws.close_code
+
+    heard, close_code = run(scenario())
+    assert heard.of("error")[-1]["error"]["code"] == "buffer_too_large" and close_code == 1009
 
 
 def test_a_busy_model_fails_the_turn_with_server_busy_and_the_session_goes_on(live, speech):
