@@ -589,7 +589,7 @@ class TranscriptionStream(_HeldStream):
                 yield delta
 
 
-async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Lease, keep_alive,
+async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Lease,
                        prepare, start) -> tuple[rpc.WorkerStream, list[bytes], dict, float]:
     """Start a streamed run under ``lease`` (its keep-alive entered): check the model did not change
     while the request waited, ``await prepare(current_meta)`` (e.g. decode the input), load the model,
@@ -657,7 +657,7 @@ async def _opened(ctx: AsyncContext, meta: dict, request_timeout_ms: int | None,
     keep_alive = ctx.scheduler.keep_alive(model_id, lease.lease_id)
     await keep_alive.__aenter__()
     try:
-        stream, first, current, load_ms = await _stream_open(ctx, meta, timeout_ms, lease, keep_alive, prepare, start)
+        stream, first, current, load_ms = await _stream_open(ctx, meta, timeout_ms, lease, prepare, start)
         return make(lease, keep_alive, stream, first, current, load_ms)
     except BaseException:
         async def give_back() -> None:
