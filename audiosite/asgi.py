@@ -1,6 +1,8 @@
 """ASGI entry point: ``daphne audiosite.asgi:application``.
 
-WebSocket: ``/ui/ws/status`` (``ui.routing``). HTTP goes to Django (DRF async views): the API through
+WebSocket upgrades go to the Channels consumers: ``/v1/realtime`` (``inference.consumers``) and
+``/ui/ws/status`` (``ui.routing``); any other path is closed cleanly with code 4404.
+HTTP goes to Django (DRF async views): the API through
 ``audiosite.handlers.ApiHandler`` (async-only middleware, no per-request
 thread), the admin through Django's own handler with the full
 ``MIDDLEWARE``. ``get_asgi_application()`` runs before anything that imports
@@ -18,12 +20,12 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "audiosite.settings")
 django_asgi_app = get_asgi_application()
 
-from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import re_path  # noqa: E402
 
 from audiosite.handlers import http_application  # noqa: E402
 from audiosite.serverconfig import get_config  # noqa: E402
+from inference.consumers import NoRouteConsumer, RealtimeConsumer  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402
 from inference.runtime.startup import check_runtime  # noqa: E402
 from ui.routing import websocket_urlpatterns as ui_websocket_urlpatterns  # noqa: E402
@@ -32,10 +34,13 @@ from ui.routing import websocket_urlpatterns as ui_websocket_urlpatterns  # noqa
 check_runtime(sync_scheduler())
 settings.ALLOWED_HOSTS = get_config().allowed_host_names()
 
-# WebSocket: the browser UI's status stream (ui/routing.py), with the session user (AuthMiddlewareStack)
-# and an Origin check against ALLOWED_HOSTS, so another site's page cannot open it with our cookies.
-websocket_urlpatterns = [*ui_websocket_urlpatterns]
-application = ProtocolTypeRouter({
-    "http": http_application(django_asgi_app),
-    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-})
+# WebSocket routes (Channels strips the leading slash); every other path gets a clean close (4404).
+# The UI's routes carry their own session and Origin checks (ui/routing.py); the realtime API
+# route has none, as the HTTP inference routes (API clients send no Origin).
+websocket_routes = URLRouter([
+    re_path(r"^v1/realtime/?$", RealtimeConsumer.as_asgi()),
+    *ui_websocket_urlpatterns,
+    re_path(r"", NoRouteConsumer.as_asgi()),
+])
+
+application = ProtocolTypeRouter({"http": http_application(django_asgi_app), "websocket": websocket_routes})

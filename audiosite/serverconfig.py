@@ -6,7 +6,7 @@ per-family option blocks. Every problem is reported at once, each message
 naming the key and, for model entries, the model id.
 
 Keys documented in API.md that this version does not implement yet
-(CORS, a voice directory, spec overrides, live ingest)
+(the browser UI, CORS, a voice directory, spec overrides, live ingest)
 are refused with a message that says so, instead of being accepted and
 silently ignored.
 
@@ -35,7 +35,6 @@ NOT_YET_SUPPORTED_TOP = {
     "cors_origins": "CORS",
     "voice_dir": "speech synthesis voices",
     "model_spec_override": "spec overrides",
-    "live_ingest": "live streaming",
 }
 NOT_YET_SUPPORTED_MODEL: dict[str, str] = {}
 
@@ -99,6 +98,24 @@ class ModelConfig(_Strict):
     default_voice_preset: str | None = None
 
 
+class LiveIngest(_Strict):
+    """Limits of a live (WebSocket) transcription session (``live_ingest``; API.md).
+
+    ``idle_timeout_ms``: no client event for this long ends the session (default 30 s);
+    ``total_timeout_ms``: a session lasts at most this long (default 10 min); both close it with
+    a final ``error`` event and code 1000. ``max_chunk_bytes``: the largest WebSocket message
+    accepted (default 1 MiB, about 16 s of 24 kHz PCM in base64); ``max_body_bytes``: the most
+    uncommitted audio (s16le bytes at the client's rate) the input buffer holds (default 16 MiB,
+    about 5.8 min at 24 kHz, OpenAI's 15 MiB per event rounded up); past either the session ends
+    with a final ``error`` event and code 1009 (message too big).
+    """
+
+    idle_timeout_ms: int = Field(default=30000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    total_timeout_ms: int = Field(default=600000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_chunk_bytes: int = Field(default=1024 * 1024, ge=1024)
+
+
 class ServerConfig(_Strict):
     """The whole server configuration with API.md defaults (times in ms, sizes in bytes)."""
 
@@ -130,6 +147,7 @@ class ServerConfig(_Strict):
     max_loaded_models: int = Field(default=0, ge=0)
     idle_unload_ms: int = Field(default=0, ge=0)
     min_free_memory_mb: int = Field(default=0, ge=0)
+    live_ingest: LiveIngest = Field(default_factory=LiveIngest)
     models: list[ModelConfig] = Field(default_factory=list)
     runtime: Literal["legacy", "parallel"] = "legacy"
     """Not a key of the file: chosen by ``--parallel-jobs`` / ``AUDIOSITE_PARALLEL_JOBS`` and

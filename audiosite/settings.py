@@ -266,6 +266,20 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_url("REDIS_URL", None, ("redis", "rediss", "unix"))
 
+# The Channels layer lives on the deployment's Redis (the embedded one too: its unix-socket URL with
+# the password, which redis-py's from_url reads); without Redis (management commands) an in-memory layer.
+# No socket timeout: redis-py 8 defaults to 5 s, and a consumer's receive blocks in BZPOPMIN for up to
+# channels-redis's brpop_timeout (5 s), which then failed as a "Timeout reading" and closed the socket 1011.
+def channel_layer_config(redis_url: str) -> dict:
+    """The ``CONFIG`` of the Channels Redis layer on ``redis_url`` (also used by ``serve`` to reach
+    the web processes' consumers at shutdown)."""
+    return {"hosts": [{"address": redis_url, "socket_timeout": None}], "prefix": "as:asgi"}
+
+
+CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                              "CONFIG": channel_layer_config(REDIS_URL)}
+                  if REDIS_URL else {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
 AUTH_PASSWORD_VALIDATORS: list[dict] = []
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -19,13 +19,20 @@ Same command line as ``daphne``, with daphne's request class replaced by
   ``Content-Length`` over the limit is answered 413 as soon as the headers
   are in, and a body without one (chunked) is answered 413 as soon as it
   passes the limit; what the client sends after that is read and dropped.
+
+WebSockets: the protocol class is :class:`CloseCodeWebSocketProtocol` (it can close with 1009 and
+the other server codes of RFC 6455), and daphne's message size limit is set above
+``live_ingest.max_chunk_bytes`` (:func:`websocket_limit_bytes`) so that the consumer, not daphne,
+answers an oversized message.
 """
 from __future__ import annotations
 
 import io
 import json
+import sys
 
 import daphne.http_protocol
+import daphne.ws_protocol
 from daphne.cli import CommandLineInterface
 
 from audiosite.errors import PayloadTooLarge
@@ -119,10 +126,47 @@ class BoundedWebRequest(daphne.http_protocol.WebRequest):
         super().connectionLost(reason)
 
 
+SERVER_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011, 1013})
+"""RFC 6455 close codes (section 7.4.1) a server sends besides 1000: going away, policy violation,
+message too big, internal error, try again later. autobahn's public ``sendClose`` refuses them
+(it admits only 1000 and 3000-4999); they go out through its frame-level ``sendCloseFrame``."""
+
+
+class CloseCodeWebSocketProtocol(daphne.ws_protocol.WebSocketProtocol):
+    """daphne's WebSocket protocol, able to close with the protocol codes of :data:`SERVER_CLOSE_CODES`
+    (``live_ingest`` limits close with 1009; daphne would raise on it and drop the socket with 1011)."""
+
+    def serverClose(self, code=None):
+        if code in SERVER_CLOSE_CODES:
+            self.sendCloseFrame(code=code, isReply=False)
+            return
+        super().serverClose(code)
+
+
+WS_FRAME_HEADROOM = 16
+"""daphne drops (without a close frame) a WebSocket message over its own size limit before the
+application sees it. Its limit is set to this many times ``live_ingest.max_chunk_bytes`` (at least
+16 MiB), so a message over ``max_chunk_bytes`` reaches the consumer, which answers it with an
+``error`` event and close code 1009; only a message past daphne's limit is cut off unanswered."""
+
+
+def websocket_limit_bytes() -> int:
+    """daphne's WebSocket message and frame size limit (see :data:`WS_FRAME_HEADROOM`), in bytes."""
+    return max(16 * 1024 * 1024, WS_FRAME_HEADROOM * get_config().live_ingest.max_chunk_bytes)
+
+
 def main() -> None:
-    """Install :class:`BoundedWebRequest` as daphne's request class, then run daphne's own command line."""
+    """Install :class:`BoundedWebRequest` as daphne's request class and :class:`CloseCodeWebSocketProtocol`
+    as its WebSocket protocol, set daphne's WebSocket size limits (unless given), then run daphne's
+    own command line."""
     daphne.http_protocol.WebRequest = BoundedWebRequest  # read by daphne's HTTPFactory.buildProtocol
-    CommandLineInterface.entrypoint()
+    daphne.ws_protocol.WebSocketFactory.protocol = CloseCodeWebSocketProtocol  # built per WebSocket connection
+    argv = sys.argv[1:]
+    limit = str(websocket_limit_bytes())
+    for flag in ("--websocket-max-message-size", "--websocket-max-frame-size"):
+        if flag not in argv:
+            argv = [flag, limit, *argv]
+    CommandLineInterface().run(argv)
 
 
 if __name__ == "__main__":

@@ -143,18 +143,41 @@ def subtitles(segments: list[dict], kind: str) -> str:
     return body if kind == "srt" else "WEBVTT\n\n" + body
 
 
+class IgnoreAccept(BaseContentNegotiation):
+    """Content negotiation that never refuses: the SDK sends ``Accept: application/octet-stream`` for
+    every speech request (also for sse), and SSE clients send ``Accept: text/event-stream``, so the
+    body's type follows the request's fields only (API.md) and errors are always JSON."""
+
+    def select_parser(self, request, parsers):
+        return DefaultContentNegotiation().select_parser(request, parsers)
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
 class TranscriptionApi(APIView):
     """``POST /v1/audio/transcriptions`` (OpenAI-compatible; input: :class:`TranscriptionInputSerializer`).
 
     Responds ``{"text", "timing"}`` (json), plain text (text, srt, vtt), or
     verbose_json with ``task, language, duration, segments`` (s) and ``words``.
 
+    With ``stream=true`` (form field or JSON): ``text/event-stream`` of one
+    ``transcript.text.delta`` event per decoded segment as the worker decodes
+    it, then ``transcript.text.done`` with the whole ``text`` (equal to the
+    concatenated deltas and to the non-streamed text) and ``usage``
+    ``{"type": "duration", "seconds"}``; ``response_format`` does not change
+    the events. A failure after the headers is an ``error`` event, then the
+    stream ends; no ``[DONE]`` line. The slot is held until the stream ends
+    or the client leaves (R8.3).
+
     Raises:
-        InvalidRequest: bad input, a model of another task, ``stream=true``, options the model refuses (400).
+        InvalidRequest: bad input, a model of another task, options the model refuses (400).
         NotFound: unknown model (404). PayloadTooLarge (413), UnsupportedMedia (415): see
             ``inference.services.inspect_audio`` and ``decode_audio``.
         ServerBusy: from the runtime (503), ``decode_budget`` included.
     """
+
+    content_negotiation_class = IgnoreAccept  # SSE clients send Accept: text/event-stream
 
     async def post(self, request):
         started = time.monotonic()
@@ -165,13 +188,17 @@ class TranscriptionApi(APIView):
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         response_format = data["response_format"]
-        if data["stream"]:
-            raise InvalidRequest("stream=true needs a model in mode 'streaming'; this model is offline", param="stream")
         options = data["options"]
         _check_options(meta["family"], options, TranscriptionInputSerializer.option_param)
         timeout_ms = data["busy_timeout_ms"]
         param, source = data["source"]
         raw = _read_local(source, param) if isinstance(source, str) else source.read()
+        if data["stream"]:
+            stream = await services.transcription_open(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
+            del raw
+            response = StreamingHttpResponse(_transcription_events(stream), content_type="text/event-stream")
+            response["Cache-Control"] = "no-cache"
+            return response
         outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
         result = outcome.result
         timing = _timing(started, outcome)
@@ -305,21 +332,29 @@ async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text:
         await stream.aclose()
 
 
-def _sse_delta(chunk: bytes) -> bytes:
-    event = {"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")}
+def sse_event(event: dict) -> bytes:
+    """One server-sent event carrying ``event`` as JSON on its ``data:`` line."""
     return f"data: {json.dumps(event)}\n\n".encode()
 
 
-class IgnoreAccept(BaseContentNegotiation):
-    """Content negotiation that never refuses: the SDK sends ``Accept: application/octet-stream`` for
-    every speech request (also for sse), so the body's type follows ``response_format`` and
-    ``stream_format`` only (API.md) and errors are always JSON."""
+async def _transcription_events(stream: services.TranscriptionStream):
+    """The SSE body of a streamed transcription; the lease is released when the last event was handed
+    out or the client left (R8.3). A failure after the headers becomes an ``error`` event (R7.3)."""
+    try:
+        async for delta in stream.deltas():
+            yield sse_event({"type": "transcript.text.delta", "delta": delta})
+        final = stream.final or {}
+        yield sse_event({"type": "transcript.text.done", "text": final.get("text", ""),
+                         "usage": {"type": "duration", "seconds": round(stream.audio_ms / 1000, 3)}})
+    except ApplicationError as exc:
+        yield sse_event({"type": "error", "error": exc.body()["error"]})
+    finally:
+        await stream.aclose()
 
-    def select_parser(self, request, parsers):
-        return DefaultContentNegotiation().select_parser(request, parsers)
 
-    def select_renderer(self, request, renderers, format_suffix=None):
-        return renderers[0], renderers[0].media_type
+def _sse_delta(chunk: bytes) -> bytes:
+    event = {"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode("ascii")}
+    return f"data: {json.dumps(event)}\n\n".encode()
 
 
 class SpeechApi(APIView):

@@ -180,7 +180,6 @@ BAD_INPUTS = [
     ("bad response_format", lambda c, s: transcribe(c, s[0].wav, response_format="xml"), 400),
     ("bad temperature", lambda c, s: transcribe(c, s[0].wav, temperature="hot"), 400),
     ("unsupported language", lambda c, s: transcribe(c, s[0].wav, language="de"), 400),
-    ("stream on offline model", lambda c, s: transcribe(c, s[0].wav, stream="true"), 400),
     ("vad model on transcriptions", lambda c, s: transcribe(c, s[0].wav, model="vad"), 400),
     ("malformed JSON", lambda c, s: c.post("/v1/tasks/run", content=b"{nope",
                                            headers={"content-type": "application/json"}), 400),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,8 @@ import numpy as np
 import psutil
 import pytest
 import soundfile
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
 
 from audiosite.supervision import RestartBackoff
 
@@ -92,7 +95,27 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
             speakers = [w["speaker"] for w in details.json()["words"]]
             assert len(set(speakers)) == 2 and speakers[0] != speakers[-1], speakers
 
+        # A realtime transcription session on the embedded default: its Channels layer lives on the
+        # embedded Redis (unix socket and password); Ctrl-C closes the session with 1001 (R8.4).
+        live = ws_connect(f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription", open_timeout=30)
+        assert json.loads(live.recv(timeout=30))["type"] == "session.created"
+        live.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None,
+            "transcription": {"model": "whisper-tiny.en", "language": "en"}}}}}))
+        pcm, pcm_rate = soundfile.read(sample, dtype="int16")
+        assert pcm_rate == 16000
+        live.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm.tobytes()).decode()}))
+        live.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        while (event := json.loads(live.recv(timeout=60)))["type"] != \
+                "conversation.item.input_audio_transcription.completed":
+            assert event["type"] != "error", event
+        assert "returned to its place amidst the tents" in event["transcript"].lower()
+
         proc.send_signal(signal.SIGINT)
+        with pytest.raises(ConnectionClosed):
+            while True:
+                last = json.loads(live.recv(timeout=30))
+        assert live.close_code == 1001 and last["error"]["code"] == "session_closed"
         assert proc.wait(timeout=60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [p.cmdline() for p in alive]

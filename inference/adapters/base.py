@@ -112,6 +112,22 @@ class Adapter(Protocol):
         """Free the shared weights (after every session was closed)."""
 
 
+def joined_text(segments: list[dict]) -> str:
+    """The transcript of ``segments`` (dicts with ``text``, already stripped): the non-empty texts
+    joined by one space. A streamed transcription's deltas concatenate to exactly this (see
+    :func:`segment_delta`)."""
+    return " ".join(s["text"] for s in segments if s["text"])
+
+
+def segment_delta(text_so_far: str, text: str) -> str:
+    """The delta a streamed transcription sends for a segment of (stripped) ``text`` after the
+    transcript ``text_so_far``: the text, after one space unless nothing came before; empty for an
+    empty segment. Appending every delta builds :func:`joined_text` of the segments."""
+    if not text:
+        return ""
+    return text if not text_so_far else " " + text
+
+
 def spec_capacity(spec: dict, backend: str) -> int:
     """The spec's advertised capacity for ``backend`` (1 when not listed)."""
     return int(spec.get("capacity", {}).get(backend, 1))

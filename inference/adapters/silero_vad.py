@@ -106,6 +106,55 @@ class VadSession:
         """Nothing to free: state lives only inside :meth:`run`."""
 
 
+class VadStream:
+    """Speech probabilities of an audio stream fed in pieces of any size (live transcription).
+
+    Carries the recurrent state and the 64-sample context across windows, so
+    feeding a signal in pieces gives the same probabilities as
+    :meth:`VadSession.probabilities` on the whole (for every complete window).
+    Samples that do not fill a window wait for the next :meth:`feed`.
+
+    Args:
+        shared: the loaded weights (:meth:`SileroVadAdapter.load`, or :func:`open_shared`).
+    """
+
+    def __init__(self, shared: Shared):
+        self.shared = shared
+        self._state = np.zeros((2, 1, 128), dtype=np.float32)
+        self._context = np.zeros(CONTEXT_SAMPLES, dtype=np.float32)
+        self._pending = np.zeros(0, dtype=np.float32)
+        self._rate = np.array(shared.sample_rate_hz, dtype=np.int64)
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        """Append float32 ``(n,)`` samples at 16 kHz; return the probabilities of the windows they
+        completed, float32 ``(k,)`` in [0, 1], one per 512 samples (32 ms), in order."""
+        pending = np.concatenate([self._pending, np.asarray(samples, dtype=np.float32)])
+        n_windows = len(pending) // WINDOW_SAMPLES
+        probs = np.empty(n_windows, dtype=np.float32)
+        for i in range(n_windows):
+            window = pending[i * WINDOW_SAMPLES: (i + 1) * WINDOW_SAMPLES]
+            frame = np.concatenate([self._context, window])[None, :]
+            out, self._state = self.shared.session.run(None, {"input": frame, "state": self._state,
+                                                              "sr": self._rate})
+            probs[i] = out[0, 0]
+            self._context = window[-CONTEXT_SAMPLES:]
+        self._pending = pending[n_windows * WINDOW_SAMPLES:]
+        return probs
+
+
+def open_shared(checkpoint: str, sample_rate_hz: int = 16000) -> Shared:
+    """Open the Silero graph at ``checkpoint`` on the CPU with one thread (for a :class:`VadStream`
+    outside a worker's pool: a live session's server VAD, about 0.1 ms per 32 ms window).
+
+    Raises:
+        onnxruntime errors on a bad file.
+    """
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    return Shared(ort.InferenceSession(checkpoint, options, providers=["CPUExecutionProvider"]), sample_rate_hz)
+
+
 def segment(probs: np.ndarray, *, n_samples: int, sample_rate_hz: int, threshold: float,
             min_speech_ms: int, min_silence_ms: int, pad_ms: int) -> list[dict]:
     """Turn per-window probabilities into speech segments (see module docstring).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import tokenizers  # noqa: E402
 from faster_whisper import WhisperModel  # noqa: E402
 
-from .base import AudioRequest, InvalidInput, LoadContext, spec_capacity  # noqa: E402
+from .base import AudioRequest, InvalidInput, LoadContext, joined_text, spec_capacity  # noqa: E402
 
 _tokenizers: dict[tuple[str, int, int], tokenizers.Tokenizer] = {}
 _tokenizers_lock = threading.Lock()
@@ -53,6 +54,19 @@ def shared_tokenizer(checkpoint: Path) -> tokenizers.Tokenizer | None:
         return tokenizer
 
 
+class SegmentStream:
+    """Segments of one transcription, decoded as they are iterated (dicts ``{"id", "start", "end",
+    "text"[, "words"]}``, times in s), with the detected ``language`` and the audio's ``duration_s``."""
+
+    def __init__(self, segments: Iterator[dict], language: str, duration_s: float):
+        self._segments = segments
+        self.language = language
+        self.duration_s = duration_s
+
+    def __iter__(self) -> Iterator[dict]:
+        return self._segments
+
+
 class WhisperSession:
     """One slot over a shared ``WhisperModel``."""
 
@@ -74,6 +88,22 @@ class WhisperSession:
         Raises:
             InvalidInput: a language the checkpoint cannot transcribe.
         """
+        stream = self.stream(request)
+        segments, words = [], []
+        for seg in stream:
+            words.extend(seg.pop("words", []))
+            segments.append(seg)
+        result = {"text": joined_text(segments), "language": stream.language, "duration": stream.duration_s,
+                  "segments": segments}
+        if request.options.get("word_timestamps"):
+            result["words"] = words
+        return result
+
+    def stream(self, request: AudioRequest) -> SegmentStream:
+        """Transcribe lazily: iterate the returned :class:`SegmentStream` for one segment dict
+        ``{"id", "start", "end" (s), "text"[, "words"]}`` at a time, each decoded only when asked for
+        (faster-whisper decodes 30 s windows on demand). Options and errors as :meth:`run`; an
+        unsupported language raises here, before any segment."""
         opts = request.options
         language = opts.get("language") or None
         if language is not None:
@@ -81,9 +111,9 @@ class WhisperSession:
             if not self.model.model.is_multilingual and language != "en":
                 raise InvalidInput(f"this checkpoint is English-only; language {language!r} is not supported",
                                    param="language")
+        duration_s = len(request.samples) / request.sample_rate_hz
         if len(request.samples) == 0 or not request.samples.any():
-            return {"text": "", "language": language or "en", "duration": len(request.samples) / request.sample_rate_hz,
-                    "segments": [], **({"words": []} if opts.get("word_timestamps") else {})}
+            return SegmentStream(iter(()), language or "en", duration_s)
         segments, info = self.model.transcribe(
             request.samples,
             language=language,
@@ -94,21 +124,17 @@ class WhisperSession:
             vad_filter=False,
             condition_on_previous_text=False,
         )
-        out_segments, words = [], []
-        for seg in segments:
-            out_segments.append({"id": seg.id, "start": round(seg.start, 3), "end": round(seg.end, 3),
-                                 "text": seg.text.strip()})
-            for word in seg.words or []:
-                words.append({"word": word.word.strip(), "start": round(word.start, 3), "end": round(word.end, 3)})
-        result = {
-            "text": " ".join(s["text"] for s in out_segments).strip(),
-            "language": info.language,
-            "duration": round(info.duration, 6),
-            "segments": out_segments,
-        }
-        if opts.get("word_timestamps"):
-            result["words"] = words
-        return result
+        with_words = bool(opts.get("word_timestamps"))
+
+        def dicts():
+            for seg in segments:
+                out = {"id": seg.id, "start": round(seg.start, 3), "end": round(seg.end, 3), "text": seg.text.strip()}
+                if with_words:
+                    out["words"] = [{"word": w.word.strip(), "start": round(w.start, 3), "end": round(w.end, 3)}
+                                    for w in seg.words or []]
+                yield out
+
+        return SegmentStream(dicts(), info.language, round(info.duration, 6))
 
     def close(self) -> None:
         """Nothing private to free."""

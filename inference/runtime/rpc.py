@@ -433,8 +433,34 @@ async def drop_input(ctx: AsyncContext, run_input: RunInput) -> None:
         await ctx.redis.delete(KEYS.input(run_input.request_id))
 
 
+async def stage_run(ctx: AsyncContext, run_input: RunInput, placement: Placement, header: str) -> None:
+    """Send ``run_input``'s samples to ``Keys.input(request_id)`` (TTL ``INPUT_TTL_MS``) and push the run
+    ``header`` on ``placement``'s run queue, in one round trip; then ``run_input`` forgets its samples.
+
+    Samples already sent by an earlier dispatch (which the worker never took, ``not_loaded``) are
+    not sent again: their TTL is refreshed. Large inputs are sent from the array's own memory by a
+    blocking client in a thread (``BLOCKING_SEND_MIN_BYTES``).
+    """
+    input_key = KEYS.input(run_input.request_id)
+    samples = run_input.samples
+    if samples is not None and samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
+        await asyncio.get_running_loop().run_in_executor(
+            _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), placement, header)
+    else:
+        async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
+            if samples is not None:
+                pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
+            else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
+                pipe.pexpire(input_key, INPUT_TTL_MS)
+            queue_header(pipe, placement, header)
+            await pipe.execute()
+    del samples
+    run_input.staged = True
+    run_input.release_samples()
+
+
 async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placement: Placement,
-                        run_input: RunInput, handover: Handover) -> dict | None:
+                        run_input: RunInput, handover: Handover, held: bool = False) -> dict | None:
     """Hand one run to the owning worker and await its reply; None when the worker died meanwhile.
 
     One round trip hands it over: the samples go to ``Keys.input`` (TTL
@@ -451,6 +477,9 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
     Args:
         handover: set to sent once the header is on the worker's queue (the
             worker then releases the lease).
+        held: the caller keeps renewing and releases the lease itself (one decode of a live
+            transcription turn, whose lease spans several runs); the worker neither renews nor
+            releases it, and ``handover`` means only that the input is the worker's.
 
     Returns:
         The worker's reply (see ``inference.worker.work.run_request``), or None.
@@ -458,29 +487,12 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
     request_id = run_input.request_id
     header = json.dumps({"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
                          "boot": placement.boot, "channel": ctx.listener.channel,
-                         "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options})
-    input_key = KEYS.input(request_id)
+                         "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options,
+                         "held": held})
     wake = ctx.listener.expect(f"done:{request_id}")
 
-    async def push() -> None:
-        samples = run_input.samples
-        if samples is not None and samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
-            await asyncio.get_running_loop().run_in_executor(
-                _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), placement, header)
-        else:
-            async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
-                if samples is not None:
-                    pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
-                else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
-                    pipe.pexpire(input_key, INPUT_TTL_MS)
-                queue_header(pipe, placement, header)
-                await pipe.execute()
-        del samples
-        run_input.staged = True
-        run_input.release_samples()
-
     try:
-        send = asyncio.ensure_future(push())
+        send = asyncio.ensure_future(stage_run(ctx, run_input, placement, header))
         try:
             await asyncio.shield(send)
         except asyncio.CancelledError:
@@ -544,8 +556,8 @@ class WorkerStream:
     async def frames(self) -> list[bytes]:
         """The PCM frames available now, waiting for at least one; empty once the end frame was read.
 
-        Each returned item is s16le mono PCM (the ``a`` type byte removed). The
-        end frame sets :attr:`final` and ends the stream.
+        Each returned item is a frame without its type byte: s16le mono PCM (``a``, speech) or
+        JSON (``j``, a transcription segment). The end frame sets :attr:`final` and ends the stream.
 
         Raises:
             ServerBusy: (code ``worker_lost``) the worker stopped beating before the end frame.
@@ -591,6 +603,23 @@ class WorkerStream:
             return False
         return True
 
-    async def discard(self) -> None:
-        """Delete what is left of the stream in Redis (frames, stop flag)."""
-        await self.ctx.redis.delete(self._key, KEYS.stop(self.request_id))
+    async def start_transcription(self, lease_id: str, run_input: RunInput) -> None:
+        """Send ``run_input``'s samples and push the header ``{"stream": "transcription", "model_id",
+        "request_id", "lease_id", "boot", "channel", "sample_rate_hz", "options"}`` (one round trip,
+        see :func:`stage_run`); the worker answers with ``j`` frames of JSON per segment
+        (``inference.worker.work.stream_transcription``). The stream's ``request_id`` is the input's."""
+        self.request_id = run_input.request_id
+        self._key = KEYS.chunks(self.request_id)
+        self._wake_key = f"chunk:{self.request_id}"
+        header = json.dumps({"stream": "transcription", "model_id": self.model_id, "request_id": self.request_id,
+                             "lease_id": lease_id, "boot": self.placement.boot, "channel": self.ctx.listener.channel,
+                             "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options})
+        await stage_run(self.ctx, run_input, self.placement, header)
+
+    async def discard(self, keep_input: bool = False) -> None:
+        """Delete what is left of the stream in Redis (frames, stop flag, and an input never taken
+        unless ``keep_input``: a run the worker refused ``not_loaded`` is sent again)."""
+        keys = [self._key, KEYS.stop(self.request_id)]
+        if not keep_input:
+            keys.append(KEYS.input(self.request_id))
+        await self.ctx.redis.delete(*keys)

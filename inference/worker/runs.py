@@ -135,24 +135,30 @@ def serve_run(worker: WorkerState, header: dict) -> None:
     sender's channel: ``work.run_request``'s payload, or ``not_loaded`` when
     this worker holds no pool of the model (the sender keeps the lease). A
     speech stream (``header["stream"]``, from ``inference.runtime.rpc.stream_on_worker``)
-    answers with frames instead (``work.stream_speech``).
+    answers with frames instead (``work.stream_speech``), and so does a streamed transcription
+    (``header["stream"] == "transcription"``, ``work.stream_transcription``). A ``held`` run is one
+    decode of a live transcription turn whose lease the sender keeps (``work.run_request``).
     """
     model_id, request_id = header["model_id"], header["request_id"]
     pool = worker.get(model_id)
     if pool is None or header["boot"] != worker.boot:
         refuse(header)
         return
+    if header.get("stream") == "transcription":
+        work.stream_transcription(worker, pool, header)
+        return
     if header.get("stream"):
         work.stream_speech(worker, pool, header)
         return
-    lease_id = header["lease_id"]
+    lease_id, held = header["lease_id"], bool(header.get("held"))
     replied = False
     try:
         payload = work.run_request(worker, pool, model_id, request_id, lease_id,
-                                   int(header["sample_rate_hz"]), header["options"])
+                                   int(header["sample_rate_hz"]), header["options"], held=held)
+        # A held run's lease stays with its sender (a live turn spans several runs).
         work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
-                   release=(model_id, lease_id), inline=True)
+                   release=None if held else (model_id, lease_id), inline=True)
         replied = True
     finally:
-        if not replied:  # the lease goes back on every path (R2.5 would reclaim it only after the TTL)
+        if not replied and not held:  # the lease goes back on every path (R2.5 would reclaim it only after the TTL)
             sync_scheduler().release(model_id, lease_id)

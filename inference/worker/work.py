@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from inference import audio, specs
-from inference.adapters.base import AudioRequest, InvalidInput, TextRequest
+from inference.adapters.base import AudioRequest, InvalidInput, TextRequest, segment_delta
 from inference.adapters.fixture_barrier import make_barrier
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
 from inference.runtime.rpc import RunFailure
@@ -127,20 +127,25 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
 
 
 def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str, lease_id: str,
-                sample_rate_hz: int, options: dict) -> dict:
-    """Serve one request on ``pool`` under ``lease_id``, renewing it meanwhile. The caller releases the
-    lease (``reply(..., release=...)`` gives it back in the reply's round trip).
+                sample_rate_hz: int, options: dict, held: bool = False) -> dict:
+    """Serve one request on ``pool`` under ``lease_id``, renewing it meanwhile (unless ``held``). The
+    caller releases the lease (``reply(..., release=...)`` gives it back in the reply's round trip).
 
     Args:
         request_id: its samples wait in ``Keys.input(request_id)`` (float32, see ``inference.audio.to_bytes``).
         sample_rate_hz: their rate.
         options: the request's validated options, overlaid on the pool's defaults.
+        held: the sender keeps (renews and releases) the lease itself: one decode of a live
+            transcription turn, whose lease spans several runs (``inference.realtime``). The
+            worker then neither renews nor releases it.
 
     Returns:
         ``{"ok": true, "result", "slot", "inference_ms", "worker"}`` or
         ``{"ok": false, "kind": "invalid_input"|"expired"|"error", "message"[, "param"]}``.
     """
     try:
+        if held:
+            return _run(worker, pool, request_id, sample_rate_hz, options)
         with sync_scheduler().keep_alive(model_id, lease_id):
             return _run(worker, pool, request_id, sample_rate_hz, options)
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
@@ -209,9 +214,7 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
                 pcm = np.round(np.clip(sentence.samples, -1.0, 1.0) * 32767).astype("<i2")
                 push_frame(channel, request_id, b"a" + pcm.tobytes())
                 sentences, phonemes, samples = sentences + 1, phonemes + sentence.phonemes, samples + pcm.size
-                with client.pipeline(transaction=False) as pipe:
-                    left, web_alive = pipe.exists(stop_key).exists(web_live_key).execute()
-                stopped = bool(left) or not web_alive
+                stopped = _stopped(client, stop_key, web_live_key)
                 if stopped:
                     break
             final = {"ok": True, "slot": slot, "inference_ms": round((time.monotonic() - started) * 1000, 3),
@@ -221,6 +224,63 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
         final = {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("speech stream of %s failed", header["model_id"])
+        final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
+    push_frame(channel, request_id, end_frame(final))
+
+
+def _stopped(client, stop_key: str, web_live_key: str) -> bool:
+    """True when the web process asked a stream to stop (``Keys.stop``) or its liveness key is gone."""
+    with client.pipeline(transaction=False) as pipe:
+        left, web_alive = pipe.exists(stop_key).exists(web_live_key).execute()
+    return bool(left) or not web_alive
+
+
+def stream_transcription(worker: WorkerState, pool: Pool, header: dict) -> None:
+    """Transcribe the input of ``header`` segment by segment, pushing each segment as soon as it is decoded.
+
+    Input: float32 samples in ``Keys.input(request_id)`` at ``header["sample_rate_hz"]``.
+    Frames (``Keys.chunks``): ``j`` + ``{"delta", "segment"}`` per segment (``delta`` is the text
+    to append to the transcript so far, see ``inference.adapters.base.segment_delta``), then
+    one end frame ``e`` + ``{"ok": true, "text", "language", "duration" (s), "segments" (count),
+    "slot", "inference_ms", "worker", "stopped"}`` or a failure ``{"ok": false, "kind",
+    "message"[, "param"]}`` (kinds as :func:`run_request`).
+
+    The lease stays with the web process (held for the whole stream, R8.3), as for
+    :func:`stream_speech`; after every segment the run stops early when the web asked it to or died.
+    """
+    request_id, channel = header["request_id"], header["channel"]
+    stop_key, web_live_key = KEYS.stop(request_id), Keys.process_live(channel)
+    client = sync_redis_bytes()
+    final: dict
+    try:
+        raw = client.getdel(KEYS.input(request_id))
+        if raw is None:
+            final = {"ok": False, "kind": RunFailure.EXPIRED, "message": "the request's input expired before it ran"}
+        else:
+            request = AudioRequest(audio.from_bytes(raw), int(header["sample_rate_hz"]),
+                                   {**pool.request_defaults, **header["options"]})
+            del raw
+            with pool.slot() as slot:
+                started = time.monotonic()
+                stream = pool.sessions[slot].stream(request)
+                text, count, stopped = "", 0, False
+                for segment in stream:
+                    segment.pop("words", None)
+                    delta = segment_delta(text, segment["text"])
+                    text += delta
+                    count += 1
+                    push_frame(channel, request_id, b"j" + json.dumps({"delta": delta, "segment": segment}).encode())
+                    stopped = _stopped(client, stop_key, web_live_key)
+                    if stopped:
+                        break
+                final = {"ok": True, "text": text, "language": stream.language, "duration": stream.duration_s,
+                         "segments": count, "slot": slot,
+                         "inference_ms": round((time.monotonic() - started) * 1000, 3),
+                         "worker": worker.hostname, "stopped": stopped}
+    except InvalidInput as exc:
+        final = {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
+    except Exception as exc:  # a bug in an adapter: report it, keep the worker
+        log.exception("transcription stream of %s failed", header["model_id"])
         final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
     push_frame(channel, request_id, end_frame(final))
 

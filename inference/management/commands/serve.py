@@ -6,7 +6,8 @@ syncs the registry, starts one Celery GPU worker per ``--workers`` (with ``MALLO
 set, see ``WORKER_MALLOC_ARENA_MAX``) and daphne,
 waits until ``/health`` answers ``ok`` (daphne up and a worker alive), loads
 the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT) or
-SIGTERM stops daphne first, then the workers (Celery warm shutdown, so
+SIGTERM stops daphne first (after asking its realtime WebSocket sessions to
+close with code 1001), then the workers (Celery warm shutdown, so
 running work finishes), then Redis.
 
 While it serves, a worker that exits is restarted with backoff
@@ -26,6 +27,7 @@ in a 0700 folder with a password and without ``CONFIG``/``MODULE``/``DEBUG``
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -52,6 +54,7 @@ from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redacted
 from audiosite.serverconfig import ConfigError, load_config, slot_count
 from audiosite.settings import env_json
 from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
+from inference.consumers import close_live_sessions
 from inference.runtime.context import KEYS
 from inference.worker.memory import arenas_bounded
 from registry import services as records
@@ -59,6 +62,8 @@ from registry import services as records
 STARTUP_TIMEOUT_S = 120
 REDIS_STARTUP_TIMEOUT_S = 10
 SUPERVISOR_REDIS_TIMEOUT_S = 2  # serve's own Redis calls never block its loop for longer
+LIVE_CLOSE_TIMEOUT_S = 2.0  # at shutdown, how long serve tries to reach the realtime sessions
+LIVE_CLOSE_GRACE_S = 0.5  # then how long daphne gets to send their close frames before its SIGTERM
 # Files created by serve and its children: owner only (folders 0700, files 0600).
 PRIVATE_UMASK = 0o077
 # glibc malloc arenas of the worker (docs/operations.md, "Worker memory"): with one arena,
@@ -353,11 +358,18 @@ class Command(BaseCommand):
         raise CommandError(f"the web server did not answer {url} within {STARTUP_TIMEOUT_S} s")
 
     def _stop_all(self, timeout_s: float) -> None:
-        """Stop the children in order: daphne, the workers (warm shutdown), one-shots, then Redis."""
+        """Stop the children in order: daphne (after asking its realtime sessions to close with 1001),
+        the workers (warm shutdown), one-shots, then Redis."""
         workers = []
         if self.workers is not None:
             self.workers.close()  # no restart from now on; stop announcing one
             workers = self.workers.running()
+        if settings.REDIS_URL and any(name == "web" and proc.poll() is None for name, proc in self.children):
+            try:  # WebSocket clients get a close frame with a code (R8.4) before daphne stops
+                asyncio.run(asyncio.wait_for(close_live_sessions(settings.REDIS_URL), LIVE_CLOSE_TIMEOUT_S))
+                time.sleep(LIVE_CLOSE_GRACE_S)
+            except Exception as exc:  # the web server is stopped anyway
+                self.stderr.write(f"could not close the live sessions: {type(exc).__name__}: {exc}")
         order = [c for c in self.children if c[0] == "web"] + workers + \
                 [c for c in self.children if c[0] not in ("web", "redis")] + \
                 [c for c in self.children if c[0] == "redis"]

@@ -1,0 +1,121 @@
+"""WebSocket consumers (Channels): the realtime transcription socket, and a clean refusal elsewhere.
+
+Consumers only translate frames to and from ``inference.realtime`` (which decides): text frames
+are JSON client events, server events go out as JSON text frames. Routed in ``audiosite.asgi``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from urllib.parse import parse_qs
+
+from channels.generic.websocket import AsyncWebsocketConsumer
+from channels_redis.core import RedisChannelLayer
+
+from audiosite.serverconfig import get_config
+from audiosite.settings import channel_layer_config
+from inference import realtime
+from inference.runtime.context import async_context
+
+log = logging.getLogger(__name__)
+
+LIVE_GROUP = "live.sessions"
+"""Channels group every open realtime session joins (on the deployment's Redis layer): a
+``live.close`` message sent to it closes them all with the given code (e.g. 1001 when the
+server goes away)."""
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_TOO_BIG = 1009
+CLOSE_NOT_FOUND = 4404
+"""Close code (application range) of a WebSocket upgrade on a path that has no WebSocket route."""
+
+
+class RealtimeConsumer(AsyncWebsocketConsumer):
+    """``ws /v1/realtime?intent=transcription``: OpenAI's realtime transcription protocol
+    (``inference.realtime.LiveSession``). ``model`` in the query (the beta SDK always sends one)
+    is the session's model when it names a registered ASR model. ``intent`` may be omitted; any other intent is refused
+    with an ``error`` event and close code 1008. Frames larger than ``live_ingest.max_chunk_bytes``
+    get an ``error`` event and close code 1009; binary frames and bad JSON get an ``error`` event
+    and the session goes on."""
+
+    session: realtime.LiveSession | None = None
+
+    async def connect(self) -> None:
+        await self.accept()
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
+        intent = (query.get("intent") or ["transcription"])[0]
+        ctx = await async_context()
+        self.session = realtime.LiveSession(ctx, self.send_event, self.close_with, get_config().live_ingest,
+                                            await realtime.default_model(ctx, (query.get("model") or [None])[0]))
+        if intent != "transcription":
+            await self.session.end(realtime.ClientError(
+                f"intent {intent!r} is not served; this server offers ?intent=transcription", "invalid_value",
+                param="intent"), 1008)
+            return
+        if self.channel_layer is not None:
+            await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
+        await self.session.start()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        session = self.session
+        if session is None:
+            return
+        size = len(bytes_data) if bytes_data is not None else len((text_data or "").encode("utf-8", "replace"))
+        limit = session.limits.max_chunk_bytes
+        if size > limit:
+            await session.end(realtime.ClientError(
+                f"a frame of {size} bytes exceeds live_ingest.max_chunk_bytes ({limit}); send audio in smaller "
+                "appends", "frame_too_large"), CLOSE_TOO_BIG)
+            return
+        if bytes_data is not None:
+            await session.error(realtime.ClientError("binary frames are not supported: send JSON text events",
+                                                     "invalid_event"), None)
+            return
+        try:
+            event = json.loads(text_data or "")
+        except (json.JSONDecodeError, RecursionError):
+            await session.error(realtime.ClientError("the frame is not valid JSON", "invalid_json"), None)
+            return
+        await session.handle(event)
+
+    async def disconnect(self, code: int) -> None:
+        if self.channel_layer is not None:
+            await self.channel_layer.group_discard(LIVE_GROUP, self.channel_name)
+        if self.session is not None:
+            await self.session.close()
+
+    async def send_event(self, event: dict) -> None:
+        """Send one server event as a JSON text frame."""
+        await self.send(text_data=json.dumps(event))
+
+    async def close_with(self, code: int) -> None:
+        """Close the socket with ``code`` (after the session's final event)."""
+        await self.close(code=code)
+
+    async def live_close(self, message: dict) -> None:
+        """Group message ``{"type": "live.close", "code": int, "reason": str}``: end this session."""
+        if self.session is not None:
+            await self.session.end(realtime.ClientError(message.get("reason") or "the server closed the session",
+                                                        "session_closed"), int(message.get("code", 1001)))
+
+
+class NoRouteConsumer(AsyncWebsocketConsumer):
+    """Any other WebSocket path: accepted, then closed at once with code 4404 and a reason naming
+    the WebSocket routes (no traceback, no 500)."""
+
+    async def connect(self) -> None:
+        await self.accept()
+        await self.close(code=CLOSE_NOT_FOUND, reason="no WebSocket route here; see /v1/realtime")
+
+
+async def close_live_sessions(redis_url: str, code: int = CLOSE_GOING_AWAY,
+                              reason: str = "the server is shutting down") -> None:
+    """Ask every open realtime session of the deployment on ``redis_url`` to end: each sends a final
+    ``error`` event (``session_closed``) and closes with ``code`` (CONTRACT R8.4: WebSocket clients
+    get a close frame with a code). Called by ``serve`` before it stops the web server."""
+    layer = RedisChannelLayer(**channel_layer_config(redis_url))
+    try:
+        await layer.group_send(LIVE_GROUP, {"type": "live.close", "code": code, "reason": reason})
+    finally:
+        await layer.close_pools()

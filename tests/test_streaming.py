@@ -1,0 +1,537 @@
+"""Streamed and live transcription end to end (issue 11): ``stream=true`` server-sent events on
+``POST /v1/audio/transcriptions``, read by the official SDK and by httpx-sse; and the realtime
+transcription WebSocket ``/v1/realtime?intent=transcription``, spoken to by the official SDK's
+realtime client and by a raw ``websockets`` client that streams the speech fixtures in 20 ms
+chunks, at real-time pace and faster.
+
+One parallel-runtime stack (PostgreSQL, Redis db 11, daphne + one Celery worker) serves Whisper
+tiny.en with 2 slots, a 1-slot Whisper with a short busy timeout, and Silero VAD; its
+``live_ingest`` idle timeout is 8 s (so the idle test is short).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+
+import httpx
+import httpx_sse
+import jiwer
+import numpy as np
+import openai
+import pytest
+import soundfile
+import soxr
+import websockets
+
+from .helpers import MODEL_S, QUICK_S, Stack, run, run_stack, until, wav_bytes, within, words
+
+pytestmark = pytest.mark.stack
+
+MODELS = [
+    {"id": "whisper", "family": "whisper", "task": "asr", "slots": 2},
+    {"id": "whisper1", "family": "whisper", "task": "asr", "slots": 1, "busy_timeout_ms": 300},
+    {"id": "vad", "family": "silero_vad", "task": "vad"},
+]
+IDLE_MS = 8000
+BUFFER_BYTES = 1024 * 1024  # live_ingest.max_body_bytes of the stack: about 21 s of 24 kHz s16le
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory) -> Stack:
+    yield from run_stack(tmp_path_factory.mktemp("live"), MODELS, redis_db=11, name="live", parallel=True,
+                         extra_config={"live_ingest": {"idle_timeout_ms": IDLE_MS, "max_body_bytes": BUFFER_BYTES}})
+
+
+def sdk(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=MODEL_S)
+
+
+def two_utterances(speech) -> bytes:
+    """Both fixtures one after the other with 1 s of silence between: more than one segment."""
+    rate = speech[0].rate
+    gap = np.zeros(rate, dtype=np.float32)
+    return wav_bytes(np.concatenate([speech[0].samples, gap, speech[1].samples]), rate)
+
+
+def sse_events(stack: Stack, wav: bytes, **fields) -> list[dict]:
+    with httpx.Client(base_url=stack.url, timeout=MODEL_S) as client:
+        with httpx_sse.connect_sse(client, "POST", "/v1/audio/transcriptions",
+                                   files={"file": ("a.wav", wav)},
+                                   data={"model": "whisper", "stream": "true", "language": "en", **fields}) as source:
+            assert source.response.status_code == 200
+            assert source.response.headers["content-type"].startswith("text/event-stream")
+            return [json.loads(event.data) for event in source.iter_sse()]
+
+
+def test_sse_deltas_concatenate_to_the_done_text_which_equals_the_plain_text(live, speech):
+    wav = two_utterances(speech)
+    plain = sdk(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en").text
+    events = sse_events(live, wav)
+    deltas = [e["delta"] for e in events if e["type"] == "transcript.text.delta"]
+    done = events[-1]
+    assert done["type"] == "transcript.text.done"
+    assert [e["type"] for e in events[:-1]] == ["transcript.text.delta"] * len(deltas)
+    assert len(deltas) >= 2, events
+    assert "".join(deltas) == done["text"] == plain and done["text"]
+    assert done["usage"]["type"] == "duration"
+    assert abs(done["usage"]["seconds"] - len(wav_samples(wav)) / speech[0].rate) < 0.01
+    assert wer(" ".join(u.text for u in speech), done["text"]) <= 0.15, done["text"]
+    live.wait_idle("whisper")
+
+
+CONTRACTIONS = {"i'm": "i am", "it's": "it is", "don't": "do not", "can't": "cannot", "we're": "we are",
+                "you're": "you are", "that's": "that is", "he's": "he is", "she's": "she is"}
+
+
+def wer(reference: str, hypothesis: str) -> float:
+    """Word error rate after lower-casing, dropping punctuation and expanding common contractions (the
+    LibriSpeech references spell them out)."""
+    def norm(text: str) -> str:
+        return " ".join(CONTRACTIONS.get(w, w) for w in words(text.replace("\u2019", "'")).split())
+    return jiwer.wer(norm(reference), norm(hypothesis))
+
+
+def wav_samples(wav: bytes) -> np.ndarray:
+    samples, _rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    return samples
+
+
+def test_the_official_sdk_iterates_the_stream_and_json_bodies_stream_too(live, speech):
+    wav = speech[1].wav
+    plain = sdk(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en").text
+    stream = sdk(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en",
+                                                   stream=True)
+    events = list(stream)
+    assert [type(e).__name__ for e in events][-1] == "TranscriptionTextDoneEvent"
+    assert "".join(e.delta for e in events[:-1]) == events[-1].text == plain
+    assert events[-1].usage.seconds > 0
+    with httpx.Client(base_url=live.url, timeout=MODEL_S) as client:
+        with httpx_sse.connect_sse(client, "POST", "/v1/audio/transcriptions",
+                                   json={"model": "whisper", "stream": True, "language": "en",
+                                         "audio": str(live.media_root / f"{speech[1].name}.wav")}) as source:
+            as_json = [json.loads(event.data) for event in source.iter_sse()]
+    assert as_json[-1] == {"type": "transcript.text.done", "text": plain, "usage": as_json[-1]["usage"]}
+    live.wait_idle("whisper")
+
+
+def test_an_sse_client_leaving_mid_stream_frees_the_slot_after_its_segment(live, speech):
+    """R8.3: the stream holds its slot while it is read; a client that leaves after the first event
+    makes the worker stop after its current segment, and the lease comes back."""
+    gap = np.zeros(speech[0].rate, dtype=np.float32)
+    many = wav_bytes(np.concatenate([np.concatenate([u.samples, gap]) for u in speech * 6]), speech[0].rate)
+    with httpx.Client(base_url=live.url, timeout=MODEL_S) as client:
+        with httpx_sse.connect_sse(client, "POST", "/v1/audio/transcriptions", files={"file": ("m.wav", many)},
+                                   data={"model": "whisper", "stream": "true", "language": "en"}) as source:
+            first = json.loads(next(source.iter_sse()).data)
+            assert first["type"] == "transcript.text.delta"
+            assert live.counters("whisper")["leases"] == 1, "held while the stream is read"
+        left = time.monotonic()
+    live.wait_idle("whisper", timeout_s=15)
+    assert time.monotonic() - left < 10
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"language": "de"}, "language"), ({"model": "vad"}, "model"),
+                                              ({"stream": "maybe"}, "stream")])
+def test_a_stream_refused_before_its_headers_is_a_plain_4xx_and_holds_nothing(live, speech, fields, param):
+    with httpx.Client(base_url=live.url, timeout=MODEL_S) as client:
+        answer = client.post("/v1/audio/transcriptions", files={"file": ("a.wav", speech[0].wav)},
+                             data={"model": "whisper", "stream": "true", **fields})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    live.wait_idle("whisper", timeout_s=10)
+
+
+# -- the realtime transcription WebSocket ---------------------------------------------------------------
+CHUNK_MS = 20
+DELTA = "conversation.item.input_audio_transcription.delta"
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+FAILED = "conversation.item.input_audio_transcription.failed"
+
+
+def ws_url(stack: Stack, path: str = "/v1/realtime?intent=transcription") -> str:
+    return stack.url.replace("http://", "ws://") + path
+
+
+def pcm_chunks(samples: np.ndarray, rate_hz: int, source_rate_hz: int = 16000) -> list[bytes]:
+    """``samples`` (float32 at ``source_rate_hz``) as s16le PCM at ``rate_hz`` in 20 ms chunks."""
+    if rate_hz != source_rate_hz:
+        samples = soxr.resample(samples, source_rate_hz, rate_hz)
+    pcm = (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
+    step = rate_hz * CHUNK_MS // 1000 * 2
+    return [pcm[i:i + step] for i in range(0, len(pcm), step)]
+
+
+def append(chunk: bytes, event_id: str | None = None) -> str:
+    event = {"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}
+    if event_id:
+        event["event_id"] = event_id
+    return json.dumps(event)
+
+
+class Listener:
+    """Reads a socket's server events into ``events`` as ``(monotonic time, event)``."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.events: list[tuple[float, dict]] = []
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.ws:
+                self.events.append((time.monotonic(), json.loads(message)))
+        except websockets.ConnectionClosed:  # a close code other than 1000 (e.g. 1009): read close_code
+            pass
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for _t, e in self.events if e["type"] == kind]
+
+    async def wait_for(self, kind: str, count: int = 1, timeout_s: float = MODEL_S) -> list[dict]:
+        async def enough():
+            while len(self.of(kind)) < count:
+                if self.task.done():
+                    raise AssertionError(f"socket ended before {count} {kind}: {self.events}")
+                await asyncio.sleep(0.01)
+        await within(enough(), timeout_s)
+        return self.of(kind)
+
+
+async def speak(ws, samples: np.ndarray, rate_hz: int = 24000, pace: float | None = 1.0) -> float:
+    """Stream ``samples`` (16 kHz float32) in 20 ms appends; at ``pace`` × real time (None = as fast as
+    the socket takes them). Returns the monotonic time the last chunk was sent."""
+    started = time.monotonic()
+    for index, chunk in enumerate(pcm_chunks(samples, rate_hz)):
+        await ws.send(append(chunk))
+        if pace:
+            await asyncio.sleep(max(0.0, started + (index + 1) * CHUNK_MS / 1000 / pace - time.monotonic()))
+    return time.monotonic()
+
+
+def silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(seconds * 16000), dtype=np.float32)
+
+
+def turn_text(listener: Listener, item_id: str) -> tuple[str, str]:
+    """(concatenated deltas, completed transcript) of one item."""
+    deltas = "".join(e["delta"] for e in listener.of(DELTA) if e["item_id"] == item_id)
+    done = [e["transcript"] for e in listener.of(COMPLETED) if e["item_id"] == item_id]
+    return deltas, done[0]
+
+
+def one_long_utterance(speech) -> np.ndarray:
+    """Both fixtures as one utterance of about 5 s: the second's leading 0.25 s of silence is cut, so the
+    pause between the sentences (about 0.25 s) stays under the VAD's 500 ms and the turn is not split."""
+    return np.concatenate([speech[0].samples, speech[1].samples[speech[1].rate // 4:]])
+
+
+def test_server_vad_turns_at_real_time_pace_give_partials_early_and_accurate_transcripts(live, speech):
+    """Raw ``websockets`` client, 24 kHz, OpenAI's default server VAD, 20 ms chunks at real-time pace:
+    a turn of about 5 s (both sentences), then a turn of 2 s."""
+    turns = [(one_long_utterance(speech), f"{speech[0].text} {speech[1].text}"), (speech[1].samples, speech[1].text)]
+
+    async def scenario():
+        async with websockets.connect(ws_url(live)) as ws:
+            heard = Listener(ws)
+            created = (await heard.wait_for("session.created"))[0]
+            assert created["session"]["type"] == "transcription"
+            assert created["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 500
+            await ws.send(json.dumps({"type": "session.update", "event_id": "u1", "session": {
+                "type": "transcription",
+                "audio": {"input": {"transcription": {"model": "whisper", "language": "en"}}}}}))
+            await heard.wait_for("session.updated")
+            speech_end = []
+            for samples, _text in turns:
+                await speak(ws, silence(0.6))
+                speech_end.append(await speak(ws, samples))
+                await speak(ws, silence(1.0))
+            await heard.wait_for(COMPLETED, len(turns))
+            return heard, speech_end
+
+    heard, speech_end = run(scenario())
+    started = heard.of("input_audio_buffer.speech_started")
+    stopped = heard.of("input_audio_buffer.speech_stopped")
+    committed = heard.of("input_audio_buffer.committed")
+    assert len(started) == len(stopped) == len(committed) == len(turns), heard.events
+    assert [c["item_id"] for c in committed] == [e["item_id"] for e in started]
+    assert committed[1]["previous_item_id"] == committed[0]["item_id"]
+    for turn, (_samples, reference) in zip(committed, turns, strict=True):
+        deltas, transcript = turn_text(heard, turn["item_id"])
+        assert deltas == transcript and transcript, (deltas, transcript)
+        assert wer(reference, transcript) <= 0.15, (reference, transcript)
+    first_delta_at = min(t for t, e in heard.events if e["type"] == DELTA and e["item_id"] == committed[0]["item_id"])
+    assert first_delta_at < speech_end[0], "a partial arrives while the 5 s turn is still spoken"
+    live.wait_idle("whisper", timeout_s=10)
+
+
+def test_the_official_sdk_realtime_client_commits_16_khz_audio_sent_faster_than_real_time(live, speech):
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        assert conn.recv().type == "session.created"
+        conn.session.update(session={"type": "transcription", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None,
+            "transcription": {"model": "whisper", "language": "en"}}}})
+        assert conn.recv().type == "session.updated"
+        transcripts = []
+        for utt in speech:
+            for chunk in pcm_chunks(utt.samples, 16000):
+                conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+            conn.input_audio_buffer.commit()
+            deltas = []
+            for event in conn:
+                if event.type == DELTA:
+                    deltas.append(event.delta)
+                if event.type == COMPLETED:
+                    assert "".join(deltas) == event.transcript
+                    assert event.usage.seconds == pytest.approx(len(utt.samples) / utt.rate, abs=0.05)
+                    transcripts.append(event.transcript)
+                    break
+                assert event.type in (DELTA, "input_audio_buffer.committed"), event
+    assert wer(" ".join(u.text for u in speech), " ".join(transcripts)) <= 0.15, transcripts
+    live.wait_idle("whisper", timeout_s=10)
+
+
+def test_the_sdk_beta_realtime_client_speaks_the_beta_transcription_session_events(live, speech):
+    # The beta client always uses wss:// unless websocket_base_url says otherwise.
+    client = openai.OpenAI(base_url=f"{live.url}/v1", websocket_base_url=ws_url(live, "/v1"), api_key="unused",
+                           max_retries=0)
+    utt = speech[1]
+    with client.beta.realtime.connect(model="whisper1", extra_query={"intent": "transcription"}) as conn:
+        created = conn.recv()
+        assert created.type == "session.created"
+        conn.transcription_session.update(session={"input_audio_format": "pcm16", "turn_detection": None,
+                                                   "input_audio_transcription": {"language": "en"}})
+        updated = conn.recv()
+        assert updated.type == "transcription_session.updated"
+        for chunk in pcm_chunks(utt.samples, 24000):
+            conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+        conn.input_audio_buffer.commit()
+        for event in conn:
+            if event.type == COMPLETED:
+                transcript = event.transcript
+                break
+    assert updated.session.input_audio_transcription.model == "whisper1", "the URL's model is the session's"
+    assert wer(utt.text, transcript) <= 0.25, transcript
+    live.wait_idle("whisper1", timeout_s=10)
+
+
+def test_two_concurrent_sessions_on_a_two_slot_model_both_complete(live, speech):
+    peak = []
+
+    async def one(utt):
+        async with websockets.connect(ws_url(live)) as ws:
+            heard = Listener(ws)
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"transcription": {"model": "whisper", "language": "en"}}}}}))
+            await speak(ws, np.concatenate([silence(0.3), utt.samples, silence(0.8)]), pace=4.0)
+            return (await heard.wait_for(COMPLETED))[0]["transcript"]
+
+    async def watch(stop):
+        while not stop.is_set():
+            peak.append(live.counters("whisper")["leases"])
+            await asyncio.sleep(0.02)
+
+    async def scenario():
+        stop = asyncio.Event()
+        watcher = asyncio.ensure_future(watch(stop))
+        results = await asyncio.gather(one(speech[0]), one(speech[1]))
+        stop.set()
+        await watcher
+        return results
+
+    results = run(scenario())
+    for utt, transcript in zip(speech, results, strict=True):
+        assert wer(utt.text, transcript) <= 0.25, transcript
+    assert max(peak) == 2, "both sessions held a slot at once"
+    live.wait_idle("whisper", timeout_s=10)
+
+
+def test_a_client_dropping_mid_turn_frees_the_slot_within_a_decode_step(live, speech):
+    utt = max(speech, key=lambda u: len(u.samples))
+
+    async def scenario():
+        ws = await websockets.connect(ws_url(live))
+        heard = Listener(ws)
+        await speak(ws, np.concatenate([silence(0.3), utt.samples[: len(utt.samples) * 2 // 3]]))
+        await heard.wait_for("input_audio_buffer.speech_started")
+        await until(lambda: live.counters("whisper")["leases"] == 1, 5)
+        ws.transport.abort()  # no close frame: the client just vanishes
+        dropped = time.monotonic()
+        await until(lambda: live.counters("whisper") == {"leases": 0, "queued": 0}, 10)
+        return time.monotonic() - dropped
+
+    freed_after_s = run(scenario())
+    assert freed_after_s < 3.0, freed_after_s
+
+
+def test_malformed_events_get_error_events_and_the_session_goes_on(live, speech):
+    async def scenario():
+        async with websockets.connect(ws_url(live), max_size=None) as ws:
+            heard = Listener(ws)
+            await heard.wait_for("session.created")
+            await ws.send("{not json")
+            await ws.send(json.dumps({"type": "response.create", "event_id": "e-unknown"}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "@@not base64@@",
+                                      "event_id": "e-b64"}))
+            await ws.send(append(b"\x01\x02\x03", "e-odd"))
+            await ws.send(json.dumps({"type": "session.update", "event_id": "e-model", "session": {
+                "type": "transcription", "audio": {"input": {"transcription": {"model": "nobody"}}}}}))
+            await ws.send(json.dumps({"type": "transcription_session.update", "event_id": "e-vad", "session": {
+                "turn_detection": {"type": "server_vad", "threshold": 3}}}))
+            await ws.send(json.dumps({"type": "session.update", "event_id": "e-lang", "session": {
+                "type": "transcription", "audio": {"input": {"transcription": {"model": "whisper",
+                                                                              "language": 7}}}}}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit", "event_id": "e-empty"}))
+            await ws.send(b"\x00\x01")
+            errors = await heard.wait_for("error", 9)
+            # The session still works: a beta-spelled update to manual commits, then one turn.
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {
+                "input_audio_format": "pcm16", "input_audio_transcription": {"model": "whisper", "language": "en"},
+                "turn_detection": None}}))
+            await heard.wait_for("transcription_session.updated")
+            await speak(ws, speech[1].samples, pace=None)
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            done = (await heard.wait_for(COMPLETED))[0]
+            await ws.send("x" * (10 * 1024 * 1024))  # 10 MB: over max_chunk_bytes
+            await within(heard.task, QUICK_S)
+            return errors, done, heard, ws.close_code
+
+    errors, done, heard, close_code = run(scenario())
+    by_event = {e["error"]["event_id"]: e["error"] for e in errors}
+    assert {"e-unknown", "e-b64", "e-odd", "e-model", "e-vad", "e-lang", "e-empty"} <= set(by_event), errors
+    assert by_event["e-model"]["code"] == "model_not_found"
+    assert by_event["e-odd"]["code"] == "invalid_audio" and by_event["e-b64"]["code"] == "invalid_audio"
+    assert by_event["e-empty"]["code"] == "input_audio_buffer_commit_empty"
+    assert {e["code"] for e in by_event.values() if e} >= {"unknown_event_type", "invalid_value"}
+    assert [e["error"]["code"] for e in errors[:1]] == ["invalid_json"]
+    assert all(e["error"]["type"] == "invalid_request_error" for e in errors)
+    assert wer(speech[1].text, done["transcript"]) <= 0.25
+    assert heard.of("error")[-1]["error"]["code"] == "frame_too_large" and close_code == 1009
+    with live.client() as client:
+        assert client.get("/health").status_code == 200
+    live.wait_idle("whisper", timeout_s=10)
+
+
+def test_an_input_buffer_over_max_body_bytes_ends_the_session_with_1009(live):
+    async def scenario():
+        async with websockets.connect(ws_url(live)) as ws:
+            heard = Listener(ws)
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"turn_detection": None}}}}))
+            await heard.wait_for("session.updated")
+            for _ in range(3):  # 3 × 400 KB of silence, never committed: over 1 MiB at the third
+                await ws.send(append(bytes(400 * 1024)))
+            await within(heard.task, QUICK_S)
+            return heard, ws.close_code
+
+    heard, close_code = run(scenario())
+    assert heard.of("error")[-1]["error"]["code"] == "buffer_too_large" and close_code == 1009
+
+
+def test_a_busy_model_fails_the_turn_with_server_busy_and_the_session_goes_on(live, speech):
+    long_wav = wav_bytes(np.tile(speech[0].samples, 8), speech[0].rate)
+
+    def hold_the_slot():
+        with live.client() as client:
+            return client.post("/v1/audio/transcriptions", files={"file": ("l.wav", long_wav)},
+                               data={"model": "whisper1", "language": "en", "busy_timeout_ms": "0"})
+
+    async def scenario():
+        async with websockets.connect(ws_url(live)) as ws:
+            heard = Listener(ws)
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"transcription": {"model": "whisper1", "language": "en"}, "turn_detection": None}}}}))
+            await heard.wait_for("session.updated")
+            await speak(ws, speech[1].samples, pace=None)
+            holder = asyncio.ensure_future(asyncio.to_thread(hold_the_slot))
+            await until(lambda: live.counters("whisper1")["leases"] == 1, 30)
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            failed = (await heard.wait_for(FAILED))[0]
+            assert (await holder).status_code == 200
+            await speak(ws, speech[1].samples, pace=None)
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            done = (await heard.wait_for(COMPLETED))[0]
+            return failed, done
+
+    failed, done = run(scenario())
+    assert failed["error"]["type"] == "server_busy" and failed["error"]["code"] == "queue_timeout", failed
+    assert wer(speech[1].text, done["transcript"]) <= 0.25
+    live.wait_idle("whisper1", timeout_s=10)
+
+
+def test_a_session_and_an_http_burst_share_one_fifo_and_an_unload_waits_for_the_turn(live, speech):
+    """The turn's lease is one of the model's two slots; HTTP requests queue beside it (exact counters);
+    an unload queued meanwhile is a barrier: it waits for the running turn, and the next turn reloads."""
+    utt = max(speech, key=lambda u: len(u.samples))
+
+    async def scenario():
+        async with websockets.connect(ws_url(live)) as ws, httpx.AsyncClient(base_url=live.url,
+                                                                            timeout=MODEL_S) as client:
+            heard = Listener(ws)
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"transcription": {"model": "whisper", "language": "en"}}}}}))
+            await speak(ws, np.concatenate([silence(0.3), utt.samples[:16000]]), pace=None)
+            await heard.wait_for("input_audio_buffer.speech_started")
+            await until(lambda: live.counters("whisper")["leases"] == 1, 5)
+            burst = [asyncio.ensure_future(client.post("/v1/audio/transcriptions", files={"file": ("a.wav", utt.wav)},
+                                                       data={"model": "whisper", "language": "en"}))
+                     for _ in range(4)]
+            await until(lambda: live.counters("whisper")["leases"] == 2, 10)
+            counts = live.counters("whisper")
+            assert counts["leases"] == 2 and counts["queued"] <= 3, counts
+            unload = live.manage_async("unload_model", "whisper")
+            await until(lambda: live.managers("whisper")["queued"] + live.managers("whisper")["held"] >= 1, 10)
+            await speak(ws, np.concatenate([utt.samples[16000:], silence(0.8)]), pace=None)
+            first = (await heard.wait_for(COMPLETED))[0]
+            answers = await asyncio.gather(*burst)
+            assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+            assert await asyncio.to_thread(unload.wait, 60) == 0
+            await speak(ws, np.concatenate([silence(0.3), utt.samples, silence(0.8)]), pace=None)
+            second = (await heard.wait_for(COMPLETED, 2))[1]
+            return first, second
+
+    first, second = run(scenario())
+    assert wer(utt.text, first["transcript"]) <= 0.25
+    assert wer(utt.text, second["transcript"]) <= 0.25
+    live.wait_idle("whisper", timeout_s=10)
+
+
+def test_idle_sessions_close_with_a_final_event_and_unknown_paths_close_cleanly(live):
+    async def scenario():
+        async with websockets.connect(ws_url(live, "/v1/nothing-here")) as ws:
+            with pytest.raises(websockets.ConnectionClosed):
+                await within(ws.recv(), QUICK_S)
+            refused = ws.close_code
+        async with websockets.connect(ws_url(live)) as ws:
+            heard = Listener(ws)
+            opened = time.monotonic()
+            await within(heard.task, IDLE_MS / 1000 + QUICK_S)
+            return refused, heard, ws.close_code, time.monotonic() - opened
+
+    refused, heard, close_code, lasted_s = run(scenario())
+    assert refused == 4404
+    assert heard.of("error")[-1]["error"]["code"] == "idle_timeout" and close_code == 1000
+    assert IDLE_MS / 1000 - 0.5 <= lasted_s <= IDLE_MS / 1000 + 5
+    assert "Traceback" not in live.log_tail(400)
+
+
+def test_stopping_the_server_closes_live_sessions_with_a_final_event_and_1001(tmp_path):
+    """R8.4: WebSocket clients get a close frame with a code when the server stops (a stack of its own)."""
+    stacks = run_stack(tmp_path, [{"id": "whisper", "family": "whisper", "task": "asr", "lazy": True}], redis_db=10,
+                       name="livestop", parallel=True)
+    stack = next(stacks)
+
+    async def scenario():
+        async with websockets.connect(ws_url(stack)) as ws:
+            heard = Listener(ws)
+            await heard.wait_for("session.created")
+            stopping = asyncio.ensure_future(asyncio.to_thread(next, stacks, None))
+            await within(heard.task, QUICK_S)
+            await within(stopping, MODEL_S)
+            return heard, ws.close_code
+
+    heard, close_code = run(scenario())
+    assert close_code == 1001
+    assert heard.of("error")[-1]["error"]["code"] == "session_closed"
