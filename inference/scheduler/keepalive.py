@@ -121,7 +121,8 @@ class _ThreadRenewer:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="keep-alive renewer", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0][2] is keep_alive:  # due before everything else: the renewer must wake earlier
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:
