@@ -7,6 +7,7 @@ from registry import apis as registry_apis
 
 urlpatterns = [
     path("health", registry_apis.HealthApi.as_view()),
+    path("metrics", registry_apis.MetricsApi.as_view()),
     path("v1/models", registry_apis.ModelListApi.as_view()),
     path("v1/models/load", registry_apis.ModelLoadApi.as_view()),
     path("v1/models/unload", registry_apis.ModelUnloadApi.as_view()),

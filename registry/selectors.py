@@ -5,13 +5,14 @@ from datetime import UTC, datetime
 
 from audiosite.serverconfig import get_config
 from inference.runtime.context import AsyncContext
+from inference.runtime.metrics import ModelGauges
 from inference.runtime.published import meta_all as model_meta_all
 from inference.runtime.published import meta_get as model_meta_get
 from inference.scheduler import Census, ModelState, ModelStatus
 
 from .models import ModelRegistration
 
-__all__ = ["deployment_census", "model_meta_all", "model_meta_get", "model_status_list",
+__all__ = ["deployment_census", "model_gauges", "model_meta_all", "model_meta_get", "model_status_list",
            "registration_first_load_published"]
 
 
@@ -81,6 +82,21 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     snapshot = await ctx.scheduler.snapshot(list(metas))
     parallel = get_config().runtime == "parallel"
     return [_entry(meta, snapshot[mid], parallel, private) for mid, meta in metas.items()]
+
+
+async def model_gauges(ctx: AsyncContext) -> list[ModelGauges]:
+    """The ``/metrics`` gauges of every registered model, from one atomic snapshot (R4.7).
+
+    The same reads as :func:`model_status_list` (the published registry, then
+    ``snapshot.lua``), so on the parallel runtime ``queued``, ``active`` and
+    ``slots`` equal ``/v1/models``' ``queued_requests``, ``active_slots`` and
+    ``slots`` of the same instant, and ``loaded`` its ``loaded``.
+    """
+    metas = await model_meta_all(ctx)
+    snapshot = await ctx.scheduler.snapshot(list(metas))
+    return [ModelGauges(mid, int(snapshot[mid]["queued"]), int(snapshot[mid]["active_leases"]),
+                        int(meta.get("slots") or 1), snapshot[mid]["state"] == ModelState.READY)
+            for mid, meta in metas.items()]
 
 
 def registration_first_load_published(model_id: str) -> bool:

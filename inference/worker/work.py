@@ -18,6 +18,7 @@ import numpy as np
 from inference import audio, specs
 from inference.adapters.base import AudioRequest, InvalidInput, TextRequest
 from inference.adapters.fixture_barrier import make_barrier
+from inference.runtime import metrics
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
 from inference.runtime.rpc import RunFailure
 from inference.scheduler import Keys, LoadEnd, LoadOutcome
@@ -81,6 +82,8 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
         records.registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=host)
     except Exception:
         log.exception("recording a load outcome failed")
+    metrics.record_sync(sync_redis(), metrics.count(metrics.MODEL_LOADS, model_id, "ok" if ok else "failed"),
+                        metrics.observe(metrics.MODEL_LOAD, duration_ms / 1000, model_id))
     payload: dict = {"ok": True, "owner": worker.hostname, "boot": worker.boot} if ok else {"ok": False, "error": error}
     payload["duration_ms"] = duration_ms
     return payload
@@ -102,7 +105,11 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
     scheduler = sync_scheduler()
     try:
         with scheduler.keep_alive(model_id, lease_id):
-            return _run(worker, pool, request_id, sample_rate_hz, options)
+            reply = _run(worker, pool, request_id, sample_rate_hz, options)
+        if reply["ok"]:
+            seconds = reply["inference_ms"] / 1000
+            metrics.record_sync(sync_redis(), metrics.observe(metrics.INFERENCE, seconds, model_id))
+        return reply
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("run of %s failed", model_id)
         return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
@@ -184,6 +191,9 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("speech stream of %s failed", header["model_id"])
         final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
+    if final["ok"]:
+        metrics.record_sync(sync_redis(), metrics.observe(metrics.INFERENCE, final["inference_ms"] / 1000,
+                                                          header["model_id"]))
     push_frame(channel, request_id, end_frame(final))
 
 
