@@ -7,7 +7,7 @@ import asyncio
 
 from asgiref.sync import sync_to_async
 from django.http import HttpResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from rest_framework.exceptions import NotAuthenticated
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission
@@ -84,7 +84,7 @@ class MetricsApi(APIView):
         ctx = await async_context()
         gauges = await model_gauges(ctx)
         stored = await metrics.read_stored(ctx.redis)
-        return HttpResponse(metrics.exposition(gauges, stored, DRAIN.draining), content_type=CONTENT_TYPE_LATEST)
+        return HttpResponse(metrics.exposition(gauges, stored, DRAIN.draining), content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 # -- management routes (gated: ui_management on AND registry.manage_models) ---------------------------

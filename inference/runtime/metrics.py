@@ -217,7 +217,8 @@ class _Families:
 
 
 def exposition(models: list[ModelGauges], stored: dict[str, dict[str, str]], draining: bool) -> bytes:
-    """The Prometheus text exposition (format 0.0.4, ``prometheus_client.CONTENT_TYPE_LATEST``) of one scrape.
+    """The Prometheus text exposition of one scrape (served as format 0.0.4, which every Prometheus reads:
+    our metric and label names are all legacy-valid, so it is byte for byte the same as 1.0.0).
 
     Args:
         models: every registered model's gauges, from one atomic snapshot.
