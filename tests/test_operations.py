@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -316,4 +317,36 @@ def test_ctrl_c_with_a_window_too_short_answers_503_and_a_restart_runs_nothing_t
             again.send_signal(signal.SIGTERM)
             assert again.wait(timeout=60) == 0, again_log.read_text()[-3000:]
     finally:
+        next(stacks, None)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """A second Ctrl-C during a drain (``shutdown_timeout_ms`` 60 s, a run held open) stops serve at
+    once: it exits within a few seconds instead of waiting for the window, and no child survives."""
+    stacks = run_stack(tmp_path, DRAIN_MODELS, redis_db=8, name="drainforce", parallel=True,
+                       extra_env=FIXTURE_ENV, extra_config={"shutdown_timeout_ms": 60000})
+    stack = next(stacks)
+    try:
+        children = psutil.Process(stack.proc.pid).children(recursive=True)
+
+        async def scenario():
+            async with mclient(stack, None, timeout=60) as c:
+                held = asyncio.create_task(post(c, "d", barrier="f-hold"))
+                await until(lambda: stack.arrived("f-hold") == 1)
+                stack.proc.send_signal(signal.SIGINT)
+                await until(lambda: httpx.get(stack.url + "/health", timeout=5).status_code == 503)
+                forced = time.monotonic()
+                stack.proc.send_signal(signal.SIGINT)
+                await asyncio.to_thread(stack.proc.wait, 30)
+                stopped_s = time.monotonic() - forced
+                held.cancel()
+                return stopped_s
+
+        stopped_s = run(scenario())
+        assert stopped_s < 15, stack.log_tail()
+        assert "again: stopping at once" in stack.log_path.read_text()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        stack.release("f-hold")
         next(stacks, None)
