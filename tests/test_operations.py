@@ -8,6 +8,7 @@ deterministically at fixture barriers (``inference/adapters/fixture_barrier.py``
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import httpx_sse
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -349,4 +351,33 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         assert not alive, [p.cmdline() for p in alive]
     finally:
         stack.release("f-hold")
+        next(stacks, None)
+
+
+def test_a_speech_stream_cut_by_the_drain_deadline_ends_with_an_error_event(tmp_path):
+    """R8.4 for streams: an SSE speech stream (``POST /v1/audio/speech``, read with ``httpx-sse``) still
+    going when the window (1 s) ends gets a final ``error`` event with code ``shutting_down`` and then
+    ends cleanly (no reset); its slot is given back and serve exits 0."""
+    models = [{"id": "tts", "family": "piper", "task": "tts", "slots": 1}]
+    stacks = run_stack(tmp_path, models, redis_db=8, name="drainsse", parallel=True,
+                       extra_config={"shutdown_timeout_ms": 1000})
+    stack = next(stacks)
+    try:
+        text = " ".join(f"This is sentence number {i} of a long text that takes a while to say." for i in range(50))
+        events = []
+        with httpx.Client(base_url=stack.url, timeout=60) as c:
+            with httpx_sse.connect_sse(c, "POST", "/v1/audio/speech", json={
+                    "model": "tts", "input": text, "voice": "joe", "stream_format": "sse"}) as source:
+                assert source.response.status_code == 200, source.response.read()
+                for event in source.iter_sse():
+                    events.append(json.loads(event.data))
+                    if len(events) == 1:
+                        stack.proc.send_signal(signal.SIGTERM)
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "speech.audio.delta" and "speech.audio.done" not in kinds, kinds[-3:]
+        assert kinds[-1] == "error" and events[-1]["error"]["code"] == "shutting_down", events[-1]
+        assert kinds.count("error") == 1
+        assert stack.proc.wait(timeout=60) == 0, stack.log_tail()
+        assert stack.counters("tts") == {"leases": 0, "queued": 0}
+    finally:
         next(stacks, None)
