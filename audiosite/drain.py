@@ -278,12 +278,18 @@ def tracked(app: Callable[..., Awaitable[None]], drain: Drain = DRAIN) -> Callab
     """Wrap an ASGI application so ``drain`` counts the HTTP and WebSocket connections it serves.
 
     An HTTP connection counts from its request until the application returns
-    (the response sent); a WebSocket one for its whole session.
+    (the response sent); a WebSocket one for its whole session. A WebSocket
+    handshake arriving during a drain is refused (close before accept: the
+    server answers HTTP 403) without reaching ``app``.
     """
     async def counted(scope: dict, receive: Callable, send: Callable) -> None:
         kind = scope.get("type", "")
         if kind not in ("http", "websocket"):
             return await app(scope, receive, send)
+        if kind == "websocket" and drain.draining:  # no new session: refuse the handshake (HTTP 403)
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": WEBSOCKET_CLOSE_GOING_AWAY})
+            return None
         drain._enter(kind)
         try:
             return await app(scope, receive, send)
