@@ -194,12 +194,10 @@ class Drain:
         ticket is withdrawn, a lease not yet handed to a worker is given back).
 
         Raises:
-            ServerBusy: (code ``shutting_down``) the deadline passed first, or had already passed.
+            ServerBusy: (code ``shutting_down``) the deadline passed first.
         """
-        if self.expired:
-            if inspect.iscoroutine(aw):
-                aw.close()
-            raise refusal()
+        if self.expired:  # only reads get this far now (unsafe calls are refused first): short, not cut
+            return await aw
         task = asyncio.current_task()
         assert task is not None
         self._bounded.add(task)
