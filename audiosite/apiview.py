@@ -25,12 +25,9 @@ from adrf.views import APIView as AdrfAPIView
 from asgiref.sync import sync_to_async
 from rest_framework import exceptions
 
-from audiosite.drain import DRAIN, refusal
+from audiosite.drain import DRAIN, SAFE_METHODS, refusal
 from inference.runtime import metrics
 from inference.runtime.context import async_context
-
-#: Methods still served while the process drains (reads); every other method is refused 503 ``shutting_down``.
-SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
 async def authenticate(request):

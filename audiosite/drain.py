@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -56,6 +57,21 @@ def refusal(what: str = "this request") -> ServerBusy:
     """The 503 ``server_busy`` (code ``shutting_down``, ``Retry-After``) of work refused or cut by a drain."""
     return ServerBusy(f"the server is shutting down: {what} was not served; retry (another instance, or after "
                       "the restart)", code="shutting_down", retry_after_s=SHUTTING_DOWN_RETRY_AFTER_S)
+
+
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+"""Methods still served while a process drains (reads); every other method is refused 503 ``shutting_down``."""
+
+
+async def send_refusal(send: Callable[[dict], Awaitable[None]], what: str) -> None:
+    """Answer an ASGI HTTP request with :func:`refusal`'s 503 (API error shape, ``Retry-After``), as raw ASGI
+    messages (for the paths Django's full handler serves: the admin)."""
+    error = refusal(what)
+    body = json.dumps(error.body(), separators=(",", ":")).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((name.lower().encode(), value.encode()) for name, value in error.headers().items())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class DrainExpired(Exception):

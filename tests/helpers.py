@@ -262,7 +262,8 @@ def prepare_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, ex
     crashed run left it) and flush Redis db ``redis_db``.
 
     The configuration pins ``"backend": "cpu"``, a 3 s lease TTL and a 5 s ``shutdown_timeout_ms``
-    (``extra_config`` overrides any key): the tests assert CPU admission tables, ``/health`` backends and start-up lines, on any machine."""
+    (``extra_config`` overrides any key): the tests assert CPU admission tables, ``/health`` backends
+    and start-up lines, on any machine."""
     media = tmp / "media"
     media.mkdir()
     for wav in FIXTURES.glob("*.wav"):

@@ -224,6 +224,7 @@ def test_sigterm_drains_running_and_queued_work_inside_the_window_and_exits_0(tm
     """R8.4 on ``serve`` (SIGTERM, ``shutdown_timeout_ms`` 20 s): with 1 run held and 3 queued, a
     request sent after the signal gets 503 ``shutting_down`` (with ``Retry-After``) at once, a
     management call 503 too, ``/health`` says ``draining`` (503) and ``audiosite_draining`` is 1;
+    a write to the admin 503 as well, while reads still answer;
     the running and queued requests all finish 200 once the run is let go; serve exits 0 with
     daphne having cancelled nothing, and the worker warm-shut down (its pool destroyed)."""
     stacks = run_stack(tmp_path, DRAIN_MODELS, redis_db=8, name="drain", parallel=True, extra_env=FIXTURE_ENV,
@@ -252,6 +253,9 @@ def test_sigterm_drains_running_and_queued_work_inside_the_window_and_exits_0(tm
                 assert int(refused.headers["retry-after"]) >= 1 and answered - started < 2
                 manage = await c.post("/v1/models/unload", json={"id": "d"})
                 assert manage.status_code == 503 and manage.json()["error"]["code"] == "shutting_down"
+                admin = await c.post("/admin/login/", data={"username": "x", "password": "y"})
+                assert admin.status_code == 503 and admin.json()["error"]["code"] == "shutting_down"
+                assert (await c.get("/v1/models/d")).status_code == 200  # reads still answer
                 _, samples, _ = await asyncio.to_thread(scrape, stack.url)
                 assert value(samples, "audiosite_draining") == 1
                 assert value(samples, "audiosite_queued_requests", model="d") == 3
