@@ -27,7 +27,6 @@ from rest_framework import exceptions
 
 from audiosite.drain import DRAIN, SAFE_METHODS, refusal
 from inference.runtime import metrics
-from inference.runtime.context import async_context
 
 
 async def authenticate(request):
@@ -97,10 +96,10 @@ class APIView(AdrfAPIView):
         and metrics of the class doc)."""
         response = await self._dispatch(request, *args, **kwargs)
         if self.counts_requests:
-            await self._count(response)
+            self._count(response)
         return response
 
-    async def _count(self, response) -> None:
+    def _count(self, response) -> None:
         status = response.status_code
         model = self.metrics_model
         events = [metrics.count(metrics.REQUESTS, model, request_outcome(status))]
@@ -108,8 +107,7 @@ class APIView(AdrfAPIView):
             code = getattr(response, "data", None)
             code = code.get("error", {}).get("code") if isinstance(code, dict) else None
             events.append(metrics.count(metrics.REJECTIONS, model, code or "unknown"))
-        ctx = await async_context()
-        await metrics.record(ctx.redis, *events)
+        metrics.record_soon(*events)
 
     async def _dispatch(self, request, *args, **kwargs):
         self.args = args

@@ -368,7 +368,7 @@ async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None =
             # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
             await leases.hold(ctx, lease, lambda held: model_teardown(ctx, held, f"eviction for {model_id}"))
             log.info("evicted %s (least recently used) to load %s", victim, model_id)
-            await metrics.record(ctx.redis, metrics.count(metrics.EVICTIONS, victim))
+            metrics.record_soon(metrics.count(metrics.EVICTIONS, victim))
             evicted.append(victim)
             need -= 1
         if need <= 0:

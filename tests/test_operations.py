@@ -49,6 +49,16 @@ def value(samples: dict[Sample, float], name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def scrape_when(url: str, ready, timeout_s: float = 10.0) -> tuple[str, dict[Sample, float]]:
+    """Scrape until ``ready(samples)`` (metrics are written just after the answers, not before them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text, samples, _ = scrape(url)
+        if ready(samples) or time.monotonic() > deadline:
+            return text, samples
+        time.sleep(0.05)
+
+
 def promtool_check(text: str) -> None:
     assert PROMTOOL, "promtool is missing (Debian package prometheus; .ci/run installs it)"
     done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
@@ -121,11 +131,18 @@ def test_metrics_count_known_traffic_exactly_and_gauges_equal_v1_models(mstack):
             return refused.json()["error"]["code"]
 
     code = run(scenario())
-    text, after, _ = scrape(mstack.url)
+
+    def moved(samples, name: str, **labels: str) -> float:
+        return value(samples, name, **labels) - value(before, name, **labels)
+
+    text, after = scrape_when(mstack.url, lambda now: (
+        moved(now, "audiosite_requests_total", model="m", outcome="ok"),
+        moved(now, "audiosite_inference_seconds_count", model="m"),
+        moved(now, "audiosite_queue_wait_seconds_count", model="m")) == (5, 5, 5))
     promtool_check(text)
 
     def delta(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
+        return moved(after, name, **labels)
 
     assert delta("audiosite_requests_total", model="m", outcome="ok") == 5
     assert delta("audiosite_requests_total", model="m", outcome="rejected") == 1
@@ -167,11 +184,13 @@ def test_metrics_are_the_deployments_sums_on_every_web_process(tmp_path):
                         assert resp.status_code == 200, resp.text
 
         run(traffic())
-        _, after_a, _ = scrape(a.url)
+        series = (("audiosite_requests_total", {"model": "s", "outcome": "ok"}),
+                  ("audiosite_inference_seconds_count", {"model": "s"}),
+                  ("audiosite_queue_wait_seconds_count", {"model": "s"}))
+        _, after_a = scrape_when(a.url, lambda now: all(
+            value(now, name, **labels) - value(before, name, **labels) >= 5 for name, labels in series))
         _, after_b, _ = scrape(b.url)
-        for name, labels in (("audiosite_requests_total", {"model": "s", "outcome": "ok"}),
-                             ("audiosite_inference_seconds_count", {"model": "s"}),
-                             ("audiosite_queue_wait_seconds_count", {"model": "s"})):
+        for name, labels in series:
             assert value(after_a, name, **labels) - value(before, name, **labels) == 5, name
             assert value(after_a, name, **labels) == value(after_b, name, **labels), name
         assert value(after_a, "audiosite_model_loads_total", model="s", outcome="ok") == 1

@@ -52,7 +52,7 @@ async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
     except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise busy_error(exc) from None
     if kind is LeaseKind.REQUEST:
-        await metrics.record(ctx.redis, metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
+        metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
     return lease
 
 

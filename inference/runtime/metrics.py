@@ -17,12 +17,15 @@ of label values, and for a histogram that plus ``\\tb<i>`` (observations in
 bucket ``i`` only, not cumulative: ``i`` = the first bound ≥ the value,
 ``len(BUCKETS_S)`` for +Inf), ``\\tsum`` (seconds) and ``\\tcount``.
 
-Recording never fails a request: a Redis error is logged and the event lost.
+Recording never fails or delays a request: web processes write in a task of
+their own (:func:`record_soon`), workers after the reply is sent; a Redis
+error is logged and the event lost.
 Gauges are not stored: the ``/metrics`` view reads them from one atomic
 scheduler snapshot (``snapshot.lua``) when it is scraped.
 """
 from __future__ import annotations
 
+import asyncio
 import bisect
 import json
 import logging
@@ -35,7 +38,7 @@ import redis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from .context import KEYS
+from .context import KEYS, async_context
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +132,27 @@ async def record(redis_client: Any, *events: Event) -> None:
             await pipe.execute()
     except redis.RedisError as exc:
         log.warning("metrics: %d event(s) lost: %s", len(events), exc)
+
+
+_PENDING: set[asyncio.Task] = set()
+
+
+def record_soon(*events: Event) -> None:
+    """:func:`record` on this event loop's client, in a task of its own, so that a request's answer
+    never waits for its metrics (call it on the web process's event loop).
+
+    The write is sent within the current event-loop iteration or the next; a
+    scrape that follows the answer sees it (tests poll to be safe).
+    """
+    if events:
+        task = asyncio.ensure_future(_record_on_loop(events))
+        _PENDING.add(task)
+        task.add_done_callback(_PENDING.discard)
+
+
+async def _record_on_loop(events: tuple[Event, ...]) -> None:
+    ctx = await async_context()
+    await record(ctx.redis, *events)
 
 
 def record_sync(redis_client: Any, *events: Event) -> None:

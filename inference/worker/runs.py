@@ -148,3 +148,4 @@ def serve_run(worker: WorkerState, header: dict) -> None:
     payload = work.run_request(worker, pool, model_id, request_id, header["lease_id"],
                                int(header["sample_rate_hz"]), header["options"])
     work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload)
+    work.record_inference(model_id, payload)

@@ -105,11 +105,7 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
     scheduler = sync_scheduler()
     try:
         with scheduler.keep_alive(model_id, lease_id):
-            reply = _run(worker, pool, request_id, sample_rate_hz, options)
-        if reply["ok"]:
-            seconds = reply["inference_ms"] / 1000
-            metrics.record_sync(sync_redis(), metrics.observe(metrics.INFERENCE, seconds, model_id))
-        return reply
+            return _run(worker, pool, request_id, sample_rate_hz, options)
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("run of %s failed", model_id)
         return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
@@ -132,6 +128,13 @@ def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, 
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
             "worker": worker.hostname}
+
+
+def record_inference(model_id: str, payload: dict) -> None:
+    """Observe a served run's ``inference_ms`` in ``audiosite_inference_seconds`` (after its reply was sent,
+    so the answer never waits for it); failed runs are not observed."""
+    if payload.get("ok"):
+        metrics.record_sync(sync_redis(), metrics.observe(metrics.INFERENCE, payload["inference_ms"] / 1000, model_id))
 
 
 def push_frame(channel: str, request_id: str, frame: bytes) -> None:
@@ -191,10 +194,8 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
         log.exception("speech stream of %s failed", header["model_id"])
         final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
-    if final["ok"]:
-        metrics.record_sync(sync_redis(), metrics.observe(metrics.INFERENCE, final["inference_ms"] / 1000,
-                                                          header["model_id"]))
     push_frame(channel, request_id, end_frame(final))
+    record_inference(header["model_id"], final)
 
 
 def destroy_pool(worker: WorkerState, model_id: str) -> dict:
