@@ -12,8 +12,10 @@ and :meth:`Drain.wait` before it stops daphne). While it drains:
    (:func:`refusal`); reads (``GET /v1/models``, ``/metrics``, voices) still
    answer, so an operator can watch the drain;
 3. work admitted before the signal (running, or queued for a slot) goes on;
-   :meth:`Drain.wait` returns as soon as no HTTP or WebSocket connection
-   is served any more (:func:`tracked` counts them);
+   :meth:`Drain.wait` returns as soon as no HTTP request is being answered
+   (:func:`tracked` counts them) and no watched session (:meth:`Drain.watch`)
+   is open any more; WebSocket sessions that registered no watch (a status
+   stream, say) hold nothing up: the server closes them with 1001 at the end;
 4. at the deadline (``shutdown_timeout_ms`` after the signal) what is still
    in a view is cancelled and answered 503 ``shutting_down``
    (:meth:`Drain.bounded`: a queued ticket is withdrawn, R8.1; a run handed
@@ -96,6 +98,7 @@ class Watch:
 
     def close(self) -> None:
         self._drain._watches.discard(self)
+        self._drain._signal_change()
 
     def __enter__(self) -> Watch:
         return self
@@ -159,6 +162,11 @@ class Drain:
         """Connections being served now, by ASGI scope type (``http``, ``websocket``); zeros omitted."""
         return {kind: n for kind, n in self._in_flight.items() if n}
 
+    def busy(self) -> bool:
+        """True while an HTTP request is being answered or a watched session (:meth:`watch`) is open:
+        what the drain waits for. Unwatched WebSocket sessions do not count."""
+        return bool(self._in_flight.get("http")) or bool(self._watches)
+
     async def wait(self, grace_s: float) -> bool:
         """Wait until nothing is served any more; at the deadline :meth:`expire`, then wait ``grace_s`` more.
 
@@ -174,7 +182,7 @@ class Drain:
         return await self._idle_by(time.monotonic() + grace_s)
 
     async def _idle_by(self, deadline_s: float) -> bool:
-        while self.in_flight():
+        while self.busy():
             left_s = deadline_s - time.monotonic()
             if left_s <= 0:
                 return False
@@ -183,7 +191,7 @@ class Drain:
             try:
                 await asyncio.wait_for(changed.wait(), left_s)
             except TimeoutError:
-                return not self.in_flight()
+                return not self.busy()
         return True
 
     # -- what the application uses ---------------------------------------------------------------
@@ -192,7 +200,8 @@ class Drain:
 
         For WebSocket consumers: register on connect, close the returned :class:`Watch` on
         disconnect; on the notice send the client a final event and close with
-        :data:`WEBSOCKET_CLOSE_GOING_AWAY`. A callback registered during a drain runs at once.
+        :data:`WEBSOCKET_CLOSE_GOING_AWAY`. The drain waits (until its deadline) for every open
+        watch to be closed. A callback registered during a drain runs at once.
         """
         watch = Watch(self, callback)
         self._watches.add(watch)

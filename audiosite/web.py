@@ -27,7 +27,8 @@ SIGTERM or SIGINT no longer stops the reactor. It starts the drain
 every admitted request has been answered (at most ``shutdown_timeout_ms``,
 then what is left is answered 503 or ends its stream with an error event),
 closes the idle keep-alive connections after their last response was
-written, and only then stops the reactor (exit code 0). A second signal
+written (and WebSocket sessions no consumer closed, with code 1001), and
+only then stops the reactor (exit code 0). A second signal
 stops at once (daphne's own shutdown).
 """
 from __future__ import annotations
@@ -42,9 +43,10 @@ import time
 import daphne.http_protocol
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
+from daphne.ws_protocol import WebSocketProtocol
 from twisted.internet import reactor  # daphne's asyncio reactor (installed by daphne.server's import)
 
-from audiosite.drain import DRAIN, tracked
+from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge
 from audiosite.serverconfig import get_config
 
@@ -181,9 +183,17 @@ class DrainingServer(Server):
         self.stop()
 
     async def _close_connections(self) -> None:
-        """Close every open connection once its pending output is written (Twisted's ``loseConnection``)."""
+        """Close every open connection once its pending output is written (Twisted's ``loseConnection``);
+        a WebSocket still open (one whose consumer registered no drain watch) gets a close frame with
+        code 1001 ("going away") first."""
         for protocol in list(self.connections):
             transport = getattr(protocol, "transport", None)
+            if isinstance(protocol, WebSocketProtocol):
+                try:
+                    protocol.sendClose(code=WEBSOCKET_CLOSE_GOING_AWAY, reason="server shutting down")
+                    continue
+                except Exception:  # not open any more: just drop the transport
+                    log.debug("close frame not sent", exc_info=True)
             if transport is not None:
                 transport.loseConnection()
         deadline = time.monotonic() + CLOSE_GRACE_S

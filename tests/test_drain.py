@@ -155,3 +155,39 @@ def test_wait_expires_at_the_deadline_and_gives_up_after_the_grace():
     clean, elapsed = run(scenario())
     assert clean is False and drain.expired
     assert 0.25 <= elapsed < 2
+
+
+def test_the_drain_waits_for_watched_sessions_but_not_for_unwatched_websockets():
+    """A WebSocket session whose consumer registered a watch holds the drain until it closes its watch
+    (it got the notice and closed with 1001); one without a watch (a status stream) holds nothing up:
+    the server closes it with 1001 after the drain (audiosite.web)."""
+    drain = Drain()
+
+    async def scenario():
+        forever = asyncio.Event()
+        notices = []
+
+        async def status_stream(scope, receive, send):  # registers no watch
+            await forever.wait()
+
+        async def realtime(scope, receive, send):
+            closed = asyncio.Event()
+            watch = drain.watch(lambda notice: (notices.append(notice), closed.set()))
+            try:
+                await closed.wait()  # a consumer would send its final event and close 1001 here
+            finally:
+                watch.close()
+
+        unwatched = asyncio.create_task(tracked(status_stream, drain)({"type": "websocket"}, None, None))
+        watched = asyncio.create_task(tracked(realtime, drain)({"type": "websocket"}, None, None))
+        await asyncio.sleep(0.01)
+        assert drain.busy()
+        drain.begin(timeout_ms=10_000)
+        assert await within(drain.wait(grace_s=1)) is True
+        await within(watched)
+        assert drain.in_flight() == {"websocket": 1} and not drain.busy()  # the status stream is still open
+        unwatched.cancel()
+        return notices
+
+    notices = run(scenario())
+    assert len(notices) == 1 and notices[0].timeout_ms == 10_000
