@@ -25,6 +25,9 @@ from adrf.views import APIView as AdrfAPIView
 from asgiref.sync import sync_to_async
 from rest_framework import exceptions
 
+from audiosite.drain import DRAIN, SAFE_METHODS, refusal
+from inference.runtime import metrics
+
 
 async def authenticate(request):
     """Run the request's authenticators (``aauthenticate``) once; return ``request.user``.
@@ -68,17 +71,53 @@ async def _initial(view, request, permissions, *args, **kwargs) -> None:
     await authenticate(request)
 
 
+def request_outcome(status: int) -> str:
+    """The ``outcome`` label of ``audiosite_requests_total`` for an HTTP status."""
+    if status < 400:
+        return "ok"
+    if status < 500:
+        return "client_error"
+    return "rejected" if status == 503 else "error"
+
+
 class APIView(AdrfAPIView):
-    """Base of every API view: ``adrf``'s async view with ``initial`` on the event loop when safe."""
+    """Base of every API view: ``adrf``'s async view with ``initial`` on the event loop when safe,
+    bounded by the process's drain (``audiosite.drain``: an unsafe method is refused 503
+    ``shutting_down`` while draining; a handler still running at the drain deadline is cut with that
+    503), and, for views with ``counts_requests``, counted in the deployment's metrics
+    (``audiosite_requests_total``, and ``audiosite_rejections_total`` for a 503) under
+    ``self.metrics_model`` (set by the view once the request names a registered model)."""
+
+    counts_requests = False
+    metrics_model = ""
 
     async def async_dispatch(self, request, *args, **kwargs):
-        """``adrf.views.APIView.async_dispatch`` with ``initial`` on the event loop when safe."""
+        """``adrf.views.APIView.async_dispatch`` with ``initial`` on the event loop when safe (and the drain
+        and metrics of the class doc)."""
+        response = await self._dispatch(request, *args, **kwargs)
+        if self.counts_requests:
+            self._count(response)
+        return response
+
+    def _count(self, response) -> None:
+        status = response.status_code
+        model = self.metrics_model
+        events = [metrics.count(metrics.REQUESTS, model, request_outcome(status))]
+        if status == 503:
+            code = getattr(response, "data", None)
+            code = code.get("error", {}).get("code") if isinstance(code, dict) else None
+            events.append(metrics.count(metrics.REJECTIONS, model, code or "unknown"))
+        metrics.record_soon(*events)
+
+    async def _dispatch(self, request, *args, **kwargs):
         self.args = args
         self.kwargs = kwargs
         request = self.initialize_request(request, *args, **kwargs)
         self.request = request
         self.headers = self.default_response_headers
         try:
+            if DRAIN.draining and request.method not in SAFE_METHODS:
+                raise refusal(f"{request.method} {request.path}")
             permissions = self.get_permissions()
             if _on_loop(self, request, permissions):
                 await _initial(self, request, permissions, *args, **kwargs)
@@ -89,7 +128,7 @@ class APIView(AdrfAPIView):
             if handler is None:
                 raise exceptions.MethodNotAllowed(request.method)  # 405, as DRF's http_method_not_allowed
             if iscoroutinefunction(handler):
-                response = await handler(request, *args, **kwargs)
+                response = await DRAIN.bounded(handler(request, *args, **kwargs))
             else:
                 response = await sync_to_async(handler)(request, *args, **kwargs)
         except Exception as exc:

@@ -44,6 +44,7 @@ from django.urls import set_script_prefix, set_urlconf
 from django.utils.log import log_response
 from django.utils.module_loading import import_string
 
+from audiosite.drain import DRAIN, SAFE_METHODS, send_refusal
 from audiosite.errors import PayloadTooLarge
 from audiosite.serverconfig import get_config
 from audiosite.validation import content_length_error
@@ -244,12 +245,18 @@ def _full_stack_prefixes() -> tuple[str, ...]:
 
 
 def http_application(django_handler: ASGIHandler):
-    """The ASGI ``http`` app: admin-like paths → ``django_handler``; the rest → :class:`ApiHandler`."""
+    """The ASGI ``http`` app: admin-like paths → ``django_handler``; the rest → :class:`ApiHandler`.
+
+    While the process drains (``audiosite.drain``), a write to an admin-like path is answered 503
+    ``shutting_down`` here (the API views refuse their own, see ``audiosite.apiview``).
+    """
     api_handler = ApiHandler()
     prefixes = _full_stack_prefixes()
 
     async def app(scope, receive, send):
         if scope["path"].startswith(prefixes):
+            if DRAIN.draining and scope["method"] not in SAFE_METHODS:  # the admin's writes during a drain
+                return await send_refusal(send, f"{scope['method']} {scope['path']}")
             return await django_handler(scope, receive, send)
         return await api_handler(scope, receive, send)
 

@@ -10,6 +10,7 @@ urlpatterns = [
     path("", ui_views.root),
     path("ui/", include("ui.urls")),
     path("health", registry_apis.HealthApi.as_view()),
+    path("metrics", registry_apis.MetricsApi.as_view()),
     path("v1/models", registry_apis.ModelListApi.as_view()),
     path("v1/models/load", registry_apis.ModelLoadApi.as_view()),
     path("v1/models/unload", registry_apis.ModelUnloadApi.as_view()),

@@ -24,17 +24,38 @@ WebSockets: the protocol class is :class:`CloseCodeWebSocketProtocol` (it can cl
 the other server codes of RFC 6455), and daphne's message size limit is set above
 ``live_ingest.max_chunk_bytes`` (:func:`websocket_limit_bytes`) so that the consumer, not daphne,
 answers an oversized message.
+
+The server class is :class:`DrainingServer`, which
+drains before it stops (CONTRACT R8.4, ``audiosite.drain``): daphne's own
+shutdown cancels every running application instance ("Killed N pending
+application instances", clients see reset connections), so the first
+SIGTERM or SIGINT no longer stops the reactor. It starts the drain
+(``/health`` 503 ``draining``, new calls 503 ``shutting_down``), waits until
+every admitted request has been answered (at most ``shutdown_timeout_ms``,
+then what is left is answered 503 or ends its stream with an error event),
+closes the idle keep-alive connections after their last response was
+written (and WebSocket sessions no consumer closed, with code 1001), and
+only then stops the reactor (exit code 0). A second signal
+stops at once (daphne's own shutdown).
 """
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
+import signal
 import sys
+import time
 
 import daphne.http_protocol
 import daphne.ws_protocol
 from daphne.cli import CommandLineInterface
+from daphne.server import Server
+from daphne.ws_protocol import WebSocketProtocol
+from twisted.internet import reactor  # daphne's asyncio reactor (installed by daphne.server's import)
 
+from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge
 from audiosite.serverconfig import get_config
 
@@ -46,6 +67,8 @@ from audiosite.serverconfig import get_config
 #: Daphne holds the whole body in memory once it is in anyway; this only moves that moment earlier
 #: for bodies of at most 1 MiB.
 IN_MEMORY_BODY_MAX_BYTES = 1 << 20
+
+log = logging.getLogger("audiosite.web")
 
 #: After a 413, how long the connection stays open (reading and dropping what the client still
 #: sends, so that our answer is not lost to a TCP reset) before it is closed, in seconds.
@@ -155,12 +178,90 @@ def websocket_limit_bytes() -> int:
     return max(16 * 1024 * 1024, WS_FRAME_HEADROOM * get_config().live_ingest.max_chunk_bytes)
 
 
+#: After the deadline cut what was left (``audiosite.drain``), how long the answers may take to be written
+#: before the server stops anyway, in seconds.
+EXPIRY_GRACE_S = 5.0
+#: How long idle keep-alive connections may take to close (their last response flushed), in seconds.
+CLOSE_GRACE_S = 2.0
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class DrainingServer(Server):
+    """daphne's ``Server`` that drains on the first SIGTERM/SIGINT and stops at once on the second.
+
+    Twisted's own signal handlers (which stop the reactor at once) are not
+    installed; ours go on the asyncio loop under the reactor when it starts.
+    The application is wrapped by :func:`audiosite.drain.tracked`, so the
+    drain knows when the last request has been answered.
+    """
+
+    def __init__(self, application, *args, **kwargs):
+        super().__init__(tracked(application), *args, **kwargs)
+        self._drain_signals: bool = kwargs.get("signal_handlers", True)
+        self.signal_handlers = False  # Twisted's would stop the reactor (and kill the apps) at once
+        self._drain_task: asyncio.Task | None = None
+
+    def run(self):
+        if self._drain_signals:
+            reactor.callWhenRunning(self._install_signal_handlers)
+        super().run()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_event_loop()
+        for signum in DRAIN_SIGNALS:
+            loop.add_signal_handler(signum, self._on_signal, signum)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._drain_task is None:
+            log.warning("received %s: draining (shutdown_timeout_ms=%d); a second signal stops at once",
+                        name, get_config().shutdown_timeout_ms)
+            self._drain_task = asyncio.ensure_future(self._drain_then_stop())
+        else:
+            log.warning("received %s again: stopping now", name)
+            self.stop()
+
+    async def _drain_then_stop(self) -> None:
+        started = time.monotonic()
+        try:
+            DRAIN.begin(get_config().shutdown_timeout_ms)
+            clean = await DRAIN.wait(EXPIRY_GRACE_S)
+            await self._close_connections()
+            log.warning("drain %s after %.1f s; stopping", "done" if clean else "cut short", time.monotonic() - started)
+        except Exception:
+            log.exception("drain failed; stopping")
+        self.stop()
+
+    async def _close_connections(self) -> None:
+        """Close every open connection once its pending output is written (Twisted's ``loseConnection``);
+        a WebSocket still open (one whose consumer registered no drain watch) gets a close frame with
+        code 1001 ("going away") first."""
+        for protocol in list(self.connections):
+            transport = getattr(protocol, "transport", None)
+            if isinstance(protocol, WebSocketProtocol):
+                try:
+                    if isinstance(protocol, CloseCodeWebSocketProtocol):  # autobahn's sendClose refuses 1001
+                        protocol.serverClose(code=WEBSOCKET_CLOSE_GOING_AWAY)
+                    else:
+                        protocol.sendClose(code=WEBSOCKET_CLOSE_GOING_AWAY, reason="server shutting down")
+                    continue
+                except Exception:  # not open any more: just drop the transport
+                    log.debug("close frame not sent", exc_info=True)
+            if transport is not None:
+                transport.loseConnection()
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        while time.monotonic() < deadline and any("disconnected" not in details
+                                                  for details in self.connections.values()):
+            await asyncio.sleep(0.02)
+
+
 def main() -> None:
-    """Install :class:`BoundedWebRequest` as daphne's request class and :class:`CloseCodeWebSocketProtocol`
-    as its WebSocket protocol, set daphne's WebSocket size limits (unless given), then run daphne's
-    own command line."""
+    """Install :class:`BoundedWebRequest` as daphne's request class, :class:`CloseCodeWebSocketProtocol`
+    as its WebSocket protocol and :class:`DrainingServer` as its server, set daphne's WebSocket size
+    limits (unless given), then run daphne's own command line."""
     daphne.http_protocol.WebRequest = BoundedWebRequest  # read by daphne's HTTPFactory.buildProtocol
     daphne.ws_protocol.WebSocketFactory.protocol = CloseCodeWebSocketProtocol  # built per WebSocket connection
+    CommandLineInterface.server_class = DrainingServer
     argv = sys.argv[1:]
     limit = str(websocket_limit_bytes())
     for flag in ("--websocket-max-message-size", "--websocket-max-frame-size"):

@@ -26,7 +26,8 @@ from rest_framework.exceptions import ParseError
 from rest_framework.negotiation import BaseContentNegotiation, DefaultContentNegotiation
 from rest_framework.response import Response
 
-from audiosite.errors import ApplicationError, InvalidRequest, NotFound, PayloadTooLarge
+from audiosite.drain import DRAIN, DrainExpired, refusal
+from audiosite.errors import ApplicationError, InvalidRequest, NotFound, PayloadTooLarge, ServerBusy
 from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
 from inference import audio, services, specs, voices
@@ -54,15 +55,28 @@ def _data(request):
         raise InvalidRequest("malformed request body: nested too deeply or not UTF-8") from None
 
 
-async def _model(model_id: str, request_timeout_ms: int | None) -> tuple[dict, AsyncContext]:
+async def _model(model_id: str, request_timeout_ms: int | None,
+                 view: APIView | None = None) -> tuple[dict, AsyncContext]:
     """``(meta, ctx)``: the published metadata of ``model_id`` (checked by an input serializer) and the context.
+
+    Args:
+        view: a view counted in the metrics: its ``metrics_model`` becomes ``model_id`` once the
+            model is known to be registered (an unknown id never becomes a label value).
 
     Raises:
         NotFound: ``model_id`` is not registered (404, ``param`` "model").
         ServerBusy: the model would refuse the request at once (overdue fail-fast, R3.3).
     """
     ctx = await async_context()
-    return await services.model_for_request(ctx, model_id, request_timeout_ms), ctx
+    try:
+        meta = await services.model_for_request(ctx, model_id, request_timeout_ms)
+    except ServerBusy:  # a refusal of a registered model
+        if view is not None:
+            view.metrics_model = model_id
+        raise
+    if view is not None:
+        view.metrics_model = meta["id"]
+    return meta, ctx
 
 
 def _read_local(path_value: str, param: str) -> bytes:
@@ -178,13 +192,14 @@ class TranscriptionApi(APIView):
     """
 
     content_negotiation_class = IgnoreAccept  # SSE clients send Accept: text/event-stream
+    counts_requests = True
 
     async def post(self, request):
         started = time.monotonic()
         check_length(request)
         data = validated(TranscriptionInputSerializer(data=_data(request),
                                                       context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"], data["busy_timeout_ms"])
+        meta, ctx = await _model(data["model"], data["busy_timeout_ms"], self)
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         response_format = data["response_format"]
@@ -265,11 +280,13 @@ class TaskRunApi(APIView):
     Responds ``{"model", "task", <the task's outputs>, "timing"}``; errors as :class:`TranscriptionApi`.
     """
 
+    counts_requests = True
+
     async def post(self, request):
         started = time.monotonic()
         check_length(request)
         data = validated(TaskRunInputSerializer(data=_data(request), context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"], data["busy_timeout_ms"])
+        meta, ctx = await _model(data["model"], data["busy_timeout_ms"], self)
         options = data["request"]["options"]
         _check_options(meta["family"], options, lambda keys: ".".join(["request.options", *keys]))
         timeout_ms = data["busy_timeout_ms"]
@@ -311,10 +328,12 @@ def _usage(text: str, final: dict | None) -> dict:
 
 async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text: str):
     """The response body: encoded audio chunks as sentences arrive (or their SSE events); the lease is
-    released when the last byte was handed out or the client left (R8.3)."""
+    released when the last byte was handed out or the client left (R8.3). At a drain's deadline
+    (``audiosite.drain``) an SSE stream ends with an error event (code ``shutting_down``), raw audio ends
+    short; the worker stops after its current sentence either way."""
     try:
         encoder = audio.SpeechEncoder(fmt, stream.sample_rate_hz)
-        async for pcm in stream.pcm():
+        async for pcm in DRAIN.until_expired(stream.pcm()):
             chunk = encoder.encode(pcm)
             if chunk:
                 yield _sse_delta(chunk) if sse else chunk
@@ -324,10 +343,13 @@ async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text:
         if sse:
             done = {"type": "speech.audio.done", "usage": _usage(text, stream.final)}
             yield f"data: {json.dumps(done)}\n\n".encode()
-    except ApplicationError as exc:
-        if not sse:
-            raise  # headers are out: the body just ends short
-        yield f"data: {json.dumps({'type': 'error', 'error': exc.body()['error']})}\n\n".encode()
+    except (ApplicationError, DrainExpired) as exc:
+        # headers are out: an SSE stream ends with an error event; raw audio just ends short (no reset)
+        if sse:
+            error = exc if isinstance(exc, ApplicationError) else refusal("the rest of this stream")
+            yield f"data: {json.dumps({'type': 'error', 'error': error.body()['error']})}\n\n".encode()
+        elif isinstance(exc, ApplicationError):
+            raise
     finally:
         await stream.aclose()
 
@@ -374,10 +396,12 @@ class SpeechApi(APIView):
 
     content_negotiation_class = IgnoreAccept
 
+    counts_requests = True
+
     async def post(self, request):
         check_length(request)
         data = validated(SpeechInputSerializer(data=_data(request), context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"], data["busy_timeout_ms"])
+        meta, ctx = await _model(data["model"], data["busy_timeout_ms"], self)
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not speech synthesis",
                                  param="model")

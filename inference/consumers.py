@@ -12,6 +12,7 @@ from urllib.parse import parse_qs
 from channels.generic.websocket import AsyncWebsocketConsumer
 from channels_redis.core import RedisChannelLayer
 
+from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY
 from audiosite.serverconfig import get_config
 from audiosite.settings import channel_layer_config
 from inference import realtime
@@ -55,6 +56,9 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             return
         if self.channel_layer is not None:
             await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
+        # A drain of this web process (SIGTERM, R8.4) ends the session with a final event and 1001;
+        # the drain waits for that (until its deadline).
+        self._drain_watch = DRAIN.watch(self._on_drain)
         await self.session.start()
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
@@ -79,7 +83,13 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             return
         await session.handle(event)
 
+    async def _on_drain(self, notice) -> None:
+        await self.live_close({"code": WEBSOCKET_CLOSE_GOING_AWAY, "reason": "the server is shutting down"})
+
     async def disconnect(self, code: int) -> None:
+        watch = getattr(self, "_drain_watch", None)
+        if watch is not None:
+            watch.close()
         if self.channel_layer is not None:
             await self.channel_layer.group_discard(LIVE_GROUP, self.channel_name)
         if self.session is not None:

@@ -54,7 +54,7 @@ from audiosite.errors import (
 )
 from audiosite.serverconfig import get_config
 from inference import audio, diarization, specs
-from inference.runtime import decoding, leases, published, rpc
+from inference.runtime import decoding, leases, metrics, published, rpc
 from inference.runtime.context import KEYS, AsyncContext
 from inference.runtime.teardown import TeardownResult, teardown_held
 from inference.scheduler import AdmissionOverdue, Lease, ModelState, effective_timeout_ms
@@ -370,6 +370,7 @@ async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None =
             # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
             await leases.hold(ctx, lease, lambda held: model_teardown(ctx, held, f"eviction for {model_id}"))
             log.info("evicted %s (least recently used) to load %s", victim, model_id)
+            metrics.record_soon(metrics.count(metrics.EVICTIONS, victim))
             evicted.append(victim)
             need -= 1
         if need <= 0:

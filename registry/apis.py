@@ -6,21 +6,26 @@ from __future__ import annotations
 import asyncio
 
 from asgiref.sync import sync_to_async
+from django.http import HttpResponse
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from rest_framework.exceptions import NotAuthenticated
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
 from audiosite.apiview import APIView, authenticate
+from audiosite.drain import DRAIN
 from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
 from audiosite.validation import JSONParser, check_length, validated
 from inference.backend import resolve_backend
+from inference.runtime import metrics
 from inference.runtime.context import async_context
 
 from . import lifecycle
 from .authentication import AsyncSessionAuthentication, AsyncTokenAuthentication
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
-from .selectors import deployment_census, model_status_list
+from .selectors import deployment_census, model_gauges, model_status_list
 
 from .serializers import (ManagementBodySerializer, ModelLoadInputSerializer, ModelUnloadInputSerializer,
                           UnloadAllInputSerializer, UnloadModelsInputSerializer)
@@ -31,9 +36,11 @@ _backend: str | None = None
 class HealthApi(APIView):
     """``GET /health``: ``{"status", "runtime", "backend", "models", "workers", "ui", "ui_management"}``.
 
-    ``status`` is ``"ok"`` (200) while at least one GPU worker is alive and
+    ``status`` is ``"ok"`` (200) while at least one GPU worker is alive,
     ``"degraded"`` (503) while none is (a model request would then get 503
-    ``no_worker`` or wait for a worker being started); ``workers`` is the
+    ``no_worker`` or wait for a worker being started), and ``"draining"``
+    (503) once this web process drains (``audiosite.drain``, R8.4: readiness
+    goes first, so a load balancer stops sending); ``workers`` is the
     number of live workers and ``models`` of registrations. One Redis round
     trip (``census.lua``): the route is benchmarked by ``bench_latency``.
     """
@@ -45,11 +52,39 @@ class HealthApi(APIView):
         if _backend is None:  # probing may load onnxruntime: once, off the event loop
             _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
         backend = _backend
-        degraded = census.live_workers == 0
-        return Response({"status": "degraded" if degraded else "ok", "runtime": get_config().runtime,
+        status = "draining" if DRAIN.draining else "degraded" if census.live_workers == 0 else "ok"
+        return Response({"status": status, "runtime": get_config().runtime,
                          "backend": backend, "models": census.models, "workers": census.live_workers,
                          "ui": get_config().ui, "ui_management": management_enabled()},
-                        status=503 if degraded else 200)
+                        status=200 if status == "ok" else 503)
+
+
+class AnyAccept(BaseContentNegotiation):
+    """Never refuse for ``Accept`` (the body is always the Prometheus text; errors stay JSON)."""
+
+    def select_parser(self, request, parsers):
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+class MetricsApi(APIView):
+    """``GET /metrics``: Prometheus text (``inference.runtime.metrics``; names in API.md "Metrics").
+
+    Per-model gauges from one atomic scheduler snapshot, the deployment's
+    counters and histograms (kept in Redis by every web and worker process),
+    and ``audiosite_draining`` of this process. Open like ``/health``; read
+    also while draining. Two Redis round trips plus the registry read.
+    """
+
+    content_negotiation_class = AnyAccept
+
+    async def get(self, request):
+        ctx = await async_context()
+        gauges = await model_gauges(ctx)
+        stored = await metrics.read_stored(ctx.redis)
+        return HttpResponse(metrics.exposition(gauges, stored, DRAIN.draining), content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 # -- management routes (gated: ui_management on AND registry.manage_models) ---------------------------

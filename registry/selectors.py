@@ -6,15 +6,16 @@ from datetime import UTC, datetime
 
 from audiosite.serverconfig import get_config
 from inference.runtime.context import AsyncContext
+from inference.runtime.metrics import ModelGauges
 from inference.runtime.published import meta_all as model_meta_all
 from inference.runtime.published import meta_get as model_meta_get
 from inference.scheduler import Census, ModelState, ModelStatus
 
 from .models import LifecycleEvent, ModelRegistration
 
-__all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board", "model_meta_all",
-           "model_meta_get", "model_request_stats", "model_status_list", "registration_first_load_published",
-           "registration_get"]
+__all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board", "model_gauges",
+           "model_meta_all", "model_meta_get", "model_request_stats", "model_status_list",
+           "registration_first_load_published", "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
@@ -155,6 +156,21 @@ def lifecycle_event_facets() -> dict[str, list[str]]:
     rows = LifecycleEvent.objects.order_by()
     return {"models": sorted(rows.values_list("model_id", flat=True).distinct()),
             "events": sorted(rows.values_list("event", flat=True).distinct())}
+
+
+async def model_gauges(ctx: AsyncContext) -> list[ModelGauges]:
+    """The ``/metrics`` gauges of every registered model, from one atomic snapshot (R4.7).
+
+    The same reads as :func:`model_status_list` (the published registry, then
+    ``snapshot.lua``), so on the parallel runtime ``queued``, ``active`` and
+    ``slots`` equal ``/v1/models``' ``queued_requests``, ``active_slots`` and
+    ``slots`` of the same instant, and ``loaded`` its ``loaded``.
+    """
+    metas = await model_meta_all(ctx)
+    snapshot = await ctx.scheduler.snapshot(list(metas))
+    return [ModelGauges(mid, int(snapshot[mid]["queued"]), int(snapshot[mid]["active_leases"]),
+                        int(meta.get("slots") or 1), snapshot[mid]["state"] == ModelState.READY)
+            for mid, meta in metas.items()]
 
 
 def registration_first_load_published(model_id: str) -> bool:

@@ -261,13 +261,17 @@ def prepare_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, ex
     """Write the configuration, create the database ``audiosite_<name>_<pid>`` (dropped first if a
     crashed run left it) and flush Redis db ``redis_db``.
 
-    The configuration pins ``"backend": "cpu"`` and a 3 s lease TTL (``extra_config`` overrides any
-    key): the tests assert CPU admission tables, ``/health`` backends and start-up lines, on any machine."""
+    The configuration pins ``"backend": "cpu"``, a 3 s lease TTL and a 5 s ``shutdown_timeout_ms``
+    (``extra_config`` overrides any key): the tests assert CPU admission tables, ``/health`` backends
+    and start-up lines, on any machine."""
     media = tmp / "media"
     media.mkdir()
     for wav in FIXTURES.glob("*.wav"):
         (media / wav.name).write_bytes(wav.read_bytes())
+    # shutdown_timeout_ms 5 s: a stack stopped with a run still held somewhere drains for at most 5 s
+    # (not the default 30 s) before it is answered 503, so teardowns stay quick.
     config = {"host": "127.0.0.1", "port": free_port(), "backend": "cpu", "lease_ttl_ms": 3000,
+              "shutdown_timeout_ms": 5000,
               "media_roots": [str(media)], "max_request_body_bytes": STACK_MAX_BODY_BYTES, "models": models,
               **(extra_config or {})}
     config_path = tmp / "server.json"

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from audiosite.errors import ServerBusy
 from inference.scheduler import AdmissionExpired, AdmissionOverdue, AdmissionTimeout, Lease, LeaseKind
 
+from . import metrics
 from .context import KEYS, AsyncContext
 
 log = logging.getLogger(__name__)
@@ -41,13 +42,18 @@ async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
                   kind: LeaseKind = LeaseKind.REQUEST) -> Lease:
     """Take a request slot or the manager lease of ``model_id`` under ``timeout_ms`` (0 = unbounded).
 
+    A granted request's wait is observed in ``audiosite_queue_wait_seconds``.
+
     Raises:
         ServerBusy: admission timeout, fail-fast or an expired grant (R3.2–R3.4).
     """
     try:
-        return await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind)
+        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind)
     except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise busy_error(exc) from None
+    if kind is LeaseKind.REQUEST:
+        metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
+    return lease
 
 
 _DETACHED: set[asyncio.Task] = set()

@@ -162,6 +162,15 @@ class Keys:
         """HASH model id -> JSON registration published for every process."""
         return f"{self.prefix}models"
 
+    def metric(self, name: str) -> str:
+        """HASH of one deployment-wide counter or histogram of ``GET /metrics`` (``inference/runtime/metrics.py``).
+
+        ``name`` is the metric's name without the ``audiosite_`` prefix; fields
+        are the JSON list of its label values, with ``\tb<i>`` (bucket ``i``),
+        ``\tsum`` and ``\tcount`` appended for a histogram.
+        """
+        return f"{self.prefix}metric:{name}"
+
     @property
     def runtime(self) -> str:
         """The runtime name this deployment runs ('legacy' or 'parallel', R1.4)."""

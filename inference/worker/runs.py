@@ -162,3 +162,4 @@ def serve_run(worker: WorkerState, header: dict) -> None:
     finally:
         if not replied and not held:  # the lease goes back on every path (R2.5 would reclaim it only after the TTL)
             sync_scheduler().release(model_id, lease_id)
+    work.record_inference(model_id, payload)

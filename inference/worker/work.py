@@ -18,6 +18,7 @@ import numpy as np
 from inference import audio, specs
 from inference.adapters.base import AudioRequest, InvalidInput, TextRequest, segment_delta
 from inference.adapters.fixture_barrier import make_barrier
+from inference.runtime import metrics
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
 from inference.runtime.rpc import RunFailure
 from inference.scheduler import Keys, LoadEnd, LoadOutcome
@@ -121,6 +122,8 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
         records.registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=host)
     except Exception:
         log.exception("recording a load outcome failed")
+    metrics.record_sync(sync_redis(), metrics.count(metrics.MODEL_LOADS, model_id, "ok" if ok else "failed"),
+                        metrics.observe(metrics.MODEL_LOAD, duration_ms / 1000, model_id))
     payload: dict = {"ok": True, "owner": worker.hostname, "boot": worker.boot} if ok else {"ok": False, "error": error}
     payload["duration_ms"] = duration_ms
     return payload
@@ -168,6 +171,13 @@ def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, 
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
             "worker": worker.hostname}
+
+
+def record_inference(model_id: str, payload: dict) -> None:
+    """Observe a served run's ``inference_ms`` in ``audiosite_inference_seconds`` (after its reply was sent,
+    so the answer never waits for it); failed runs are not observed."""
+    if payload.get("ok"):
+        metrics.record_sync(sync_redis(), metrics.observe(metrics.INFERENCE, payload["inference_ms"] / 1000, model_id))
 
 
 def push_frame(channel: str, request_id: str, frame: bytes) -> None:
@@ -226,6 +236,7 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
         log.exception("speech stream of %s failed", header["model_id"])
         final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
     push_frame(channel, request_id, end_frame(final))
+    record_inference(header["model_id"], final)
 
 
 def _stopped(client, stop_key: str, web_live_key: str) -> bool:

@@ -6,9 +6,14 @@ syncs the registry, starts one Celery GPU worker per ``--workers`` (with ``MALLO
 set, see ``WORKER_MALLOC_ARENA_MAX``) and daphne,
 waits until ``/health`` answers ``ok`` (daphne up and a worker alive), loads
 the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT) or
-SIGTERM stops daphne first (after asking its realtime WebSocket sessions to
-close with code 1001), then the workers (Celery warm shutdown, so
-running work finishes), then Redis.
+SIGTERM drains (CONTRACT R8.4, docs/operations.md "Shutdown"): the realtime
+WebSocket sessions are asked to end (a final event, close 1001), then daphne
+(it drains itself, ``audiosite.web``: readiness off, new calls 503
+``shutting_down``, admitted work answered within ``shutdown_timeout_ms``),
+then the workers (Celery warm shutdown, so running work finishes, then the
+pools are destroyed), then Redis. A second Ctrl-C (or SIGTERM) stops at
+once: daphne stops without waiting, the workers get SIGQUIT (Celery's cold
+shutdown), and whatever is still up after ``FORCED_STOP_S`` is killed.
 
 While it serves, a worker that exits is restarted with backoff
 (``audiosite.supervision``: 1 s doubling to 30 s by default,
@@ -64,6 +69,11 @@ REDIS_STARTUP_TIMEOUT_S = 10
 SUPERVISOR_REDIS_TIMEOUT_S = 2  # serve's own Redis calls never block its loop for longer
 LIVE_CLOSE_TIMEOUT_S = 2.0  # at shutdown, how long serve tries to reach the realtime sessions
 LIVE_CLOSE_GRACE_S = 0.5  # then how long daphne gets to send their close frames before its SIGTERM
+WEB_STOP_MARGIN_S = 10.0
+"""How long serve waits for daphne beyond ``shutdown_timeout_ms`` (its answers to cut work, closing the
+connections: ``audiosite.web.EXPIRY_GRACE_S`` + ``CLOSE_GRACE_S``, plus slack) before killing it, in seconds."""
+FORCED_STOP_S = 5.0
+"""After a second signal, how long a child may take to stop before it is killed, in seconds."""
 # Files created by serve and its children: owner only (folders 0700, files 0600).
 PRIVATE_UMASK = 0o077
 # glibc malloc arenas of the worker (docs/operations.md, "Worker memory"): with one arena,
@@ -115,6 +125,7 @@ class Command(BaseCommand):
         self.children: list[tuple[str, subprocess.Popen]] = []  # all but the workers (see self.workers)
         self.workers: WorkerSupervisor | None = None
         self.stopping = False
+        self.forced = False  # a second signal: stop everything at once
         # The caller's own AUDIOSITE_CONFIG_OVERRIDES first, then the command-line flags over it.
         try:
             overrides = dict(env_json("AUDIOSITE_CONFIG_OVERRIDES", {}))
@@ -198,7 +209,11 @@ class Command(BaseCommand):
     def _on_signal(self, signum, frame):
         if not self.stopping:
             self.stopping = True
-            self.stdout.write(f"\nreceived {signal.Signals(signum).name}: stopping")
+            self.stdout.write(f"\nreceived {signal.Signals(signum).name}: draining, then stopping "
+                              "(a second Ctrl-C stops at once)")
+        elif not self.forced:
+            self.forced = True
+            self.stdout.write(f"\nreceived {signal.Signals(signum).name} again: stopping at once")
 
     def _check_stop(self) -> None:
         if self.stopping:
@@ -358,8 +373,14 @@ class Command(BaseCommand):
         raise CommandError(f"the web server did not answer {url} within {STARTUP_TIMEOUT_S} s")
 
     def _stop_all(self, timeout_s: float) -> None:
-        """Stop the children in order: daphne (after asking its realtime sessions to close with 1001),
-        the workers (warm shutdown), one-shots, then Redis."""
+        """Stop the children in order: the realtime sessions are asked to close (1001), then daphne (its
+        drain), the workers (warm shutdown), one-shots, then Redis.
+
+        Each gets SIGTERM and is waited for: daphne up to ``timeout_s`` (``shutdown_timeout_ms``)
+        plus ``WEB_STOP_MARGIN_S``, the others up to ``timeout_s``; then it is killed. After a
+        second signal (``self.forced``) daphne gets SIGINT (its immediate stop), a worker SIGQUIT
+        (Celery's cold shutdown), and each is killed after ``FORCED_STOP_S``.
+        """
         workers = []
         if self.workers is not None:
             self.workers.close()  # no restart from now on; stop announcing one
@@ -376,13 +397,27 @@ class Command(BaseCommand):
         for name, proc in order:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=max(timeout_s, 1))
-                except subprocess.TimeoutExpired:
-                    self.stderr.write(f"{name} did not stop in {timeout_s:.0f} s; killing it")
-                    proc.kill()
-                    proc.wait()
+                budget_s = timeout_s + WEB_STOP_MARGIN_S if name == "web" else max(timeout_s, 1)
+                self._await_exit(name, proc, budget_s)
         self.children.clear()
+
+    def _await_exit(self, name: str, proc: subprocess.Popen, budget_s: float) -> None:
+        """Wait for ``proc`` to exit within ``budget_s`` (shortened to ``FORCED_STOP_S`` by a second signal),
+        else kill it."""
+        deadline = time.monotonic() + budget_s
+        forced = False
+        while proc.poll() is None:
+            if self.forced and not forced:
+                forced = True
+                deadline = min(deadline, time.monotonic() + FORCED_STOP_S)
+                proc.send_signal(signal.SIGINT if name == "web" else
+                                 signal.SIGQUIT if name.startswith("worker") else signal.SIGTERM)
+            if time.monotonic() > deadline:
+                self.stderr.write(f"{name} did not stop in {budget_s:.0f} s; killing it")
+                proc.kill()
+                proc.wait()
+                return
+            time.sleep(0.05)
 
 
 class _Stop(Exception):

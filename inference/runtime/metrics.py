@@ -1,0 +1,255 @@
+"""Deployment-wide counters and histograms of ``GET /metrics``, kept in Redis, and their exposition.
+
+Why Redis and not ``prometheus_client``'s multiprocess mode: a deployment is
+several web processes and Celery workers, possibly on several hosts
+(``docker-compose.yml`` runs them in separate containers, and the workers
+serve no HTTP at all). The multiprocess mode sums the processes of one host
+that share one folder; a worker container would need its own scrape target
+it does not have. Every process of a deployment already shares one Redis, so
+each event is one ``HINCRBY`` (a histogram observation: three commands in one
+``MULTI``), and any web process's ``/metrics`` shows the deployment's totals
+(scrape one, or all and take ``max``; see docs/operations.md). Counters live
+as long as the Redis data: they restart from zero with an embedded Redis
+(a counter reset, which ``rate()`` handles).
+
+Layout: one HASH per metric (``Keys.metric(name)``); a field is the JSON list
+of label values, and for a histogram that plus ``\\tb<i>`` (observations in
+bucket ``i`` only, not cumulative: ``i`` = the first bound ≥ the value,
+``len(BUCKETS_S)`` for +Inf), ``\\tsum`` (seconds) and ``\\tcount``.
+
+Recording never fails or delays a request: web processes write in a task of
+their own (:func:`record_soon`), workers after the reply is sent; a Redis
+error is logged and the event lost.
+Gauges are not stored: the ``/metrics`` view reads them from one atomic
+scheduler snapshot (``snapshot.lua``) when it is scraped.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from .context import KEYS, async_context
+
+log = logging.getLogger(__name__)
+
+PREFIX = "audiosite_"
+
+BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Upper bounds (seconds) of every histogram's buckets, +Inf added: from 5 ms (a VAD run, a warm queue
+grant) to 10 minutes (a long transcription, a large model's first load), roughly ×2–2.5 per step —
+Prometheus' default buckets stop at 10 s, too short for audio."""
+
+
+class Kind(StrEnum):
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One stored metric: ``name`` without the ``audiosite_`` prefix (and, for a counter, with its ``_total``)."""
+
+    name: str
+    kind: Kind
+    labels: tuple[str, ...]
+    help: str
+
+
+REQUESTS = Stored("requests_total", Kind.COUNTER, ("model", "outcome"),
+                  "Inference requests answered, by outcome: ok (2xx), client_error (4xx), rejected (503), "
+                  "error (other 5xx). model is empty when the request named no registered model.")
+REJECTIONS = Stored("rejections_total", Kind.COUNTER, ("model", "code"),
+                    "Inference requests answered 503, by error code (queue_timeout, overdue, shutting_down, "
+                    "worker_lost, no_worker, load_failed, residency_full, decode_budget, insufficient_memory, ...).")
+MODEL_LOADS = Stored("model_loads_total", Kind.COUNTER, ("model", "outcome"),
+                     "Model loads finished by a worker, by outcome (ok, failed).")
+EVICTIONS = Stored("evictions_total", Kind.COUNTER, ("model",),
+                   "Models unloaded to make room under max_loaded_models (least recently used first).")
+QUEUE_WAIT = Stored("queue_wait_seconds", Kind.HISTOGRAM, ("model",),
+                    "Time a granted inference request waited for its slot (enqueue to grant).")
+INFERENCE = Stored("inference_seconds", Kind.HISTOGRAM, ("model",),
+                   "Time a request spent in the model's session on the worker (a whole stream for speech).")
+MODEL_LOAD = Stored("model_load_seconds", Kind.HISTOGRAM, ("model",),
+                    "Time a worker spent loading a model (successful and failed loads).")
+
+STORED = (REQUESTS, REJECTIONS, MODEL_LOADS, EVICTIONS, QUEUE_WAIT, INFERENCE, MODEL_LOAD)
+
+
+def _field(labels: Iterable[str]) -> str:
+    return json.dumps(list(labels), separators=(",", ":"))
+
+
+def bucket_index(seconds: float) -> int:
+    """Index of the bucket an observation of ``seconds`` falls in (``len(BUCKETS_S)`` = +Inf only)."""
+    return bisect.bisect_left(BUCKETS_S, seconds)
+
+
+def _queue(pipe: Any, metric: Stored, labels: tuple[str, ...], value: float | None) -> None:
+    assert len(labels) == len(metric.labels), (metric.name, labels)
+    key, field = KEYS.metric(metric.name), _field(labels)
+    if metric.kind is Kind.COUNTER:
+        pipe.hincrby(key, field, 1)
+        return
+    assert value is not None
+    seconds = max(0.0, float(value))
+    pipe.hincrby(key, f"{field}\tb{bucket_index(seconds)}", 1)
+    pipe.hincrbyfloat(key, f"{field}\tsum", seconds)
+    pipe.hincrby(key, f"{field}\tcount", 1)
+
+
+Event = tuple[Stored, tuple[str, ...], float | None]
+"""One event: ``(metric, label values, seconds)``; seconds only for a histogram (None for a counter)."""
+
+
+def count(metric: Stored, *labels: str) -> Event:
+    """A counter increment by 1, to pass to :func:`record` / :func:`record_sync`."""
+    return metric, tuple(labels), None
+
+
+def observe(metric: Stored, seconds: float, *labels: str) -> Event:
+    """A histogram observation of ``seconds`` (negative values count as 0)."""
+    return metric, tuple(labels), seconds
+
+
+async def record(redis_client: Any, *events: Event) -> None:
+    """Store ``events`` in one ``MULTI`` (one round trip) on an asyncio client; errors are logged, not raised."""
+    if not events:
+        return
+    try:
+        async with redis_client.pipeline(transaction=True) as pipe:
+            for metric, labels, value in events:
+                _queue(pipe, metric, labels, value)
+            await pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("metrics: %d event(s) lost: %s", len(events), exc)
+
+
+_PENDING: set[asyncio.Task] = set()
+
+
+def record_soon(*events: Event) -> None:
+    """:func:`record` on this event loop's client, in a task of its own, so that a request's answer
+    never waits for its metrics (call it on the web process's event loop).
+
+    The write is sent within the current event-loop iteration or the next; a
+    scrape that follows the answer sees it (tests poll to be safe).
+    """
+    if events:
+        task = asyncio.ensure_future(_record_on_loop(events))
+        _PENDING.add(task)
+        task.add_done_callback(_PENDING.discard)
+
+
+async def _record_on_loop(events: tuple[Event, ...]) -> None:
+    ctx = await async_context()
+    await record(ctx.redis, *events)
+
+
+def record_sync(redis_client: Any, *events: Event) -> None:
+    """:func:`record` on a synchronous client (Celery worker threads)."""
+    if not events:
+        return
+    try:
+        with redis_client.pipeline(transaction=True) as pipe:
+            for metric, labels, value in events:
+                _queue(pipe, metric, labels, value)
+            pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("metrics: %d event(s) lost: %s", len(events), exc)
+
+
+async def read_stored(redis_client: Any) -> dict[str, dict[str, str]]:
+    """Every stored metric's hash, read in one ``MULTI`` (a consistent cut): ``{name: {field: value}}``."""
+    async with redis_client.pipeline(transaction=True) as pipe:
+        for metric in STORED:
+            pipe.hgetall(KEYS.metric(metric.name))
+        rows = await pipe.execute()
+    return {metric.name: row or {} for metric, row in zip(STORED, rows, strict=True)}
+
+
+@dataclass(frozen=True)
+class ModelGauges:
+    """The gauges of one model from one snapshot: ``queued`` requests (managers not counted),
+    ``active`` request leases, configured ``slots``, ``loaded`` (state ready)."""
+
+    model_id: str
+    queued: int
+    active: int
+    slots: int
+    loaded: bool
+
+
+def _stored_family(metric: Stored, rows: dict[str, str]) -> Metric:
+    name = PREFIX + metric.name
+    if metric.kind is Kind.COUNTER:
+        counter = CounterMetricFamily(name, metric.help, labels=list(metric.labels))
+        for field, value in sorted(rows.items()):
+            counter.add_metric(json.loads(field), int(value))
+        return counter
+    histogram = HistogramMetricFamily(name, metric.help, labels=list(metric.labels))
+    series: dict[str, dict[str, str]] = {}
+    for field, value in rows.items():
+        labels, _, part = field.partition("\t")
+        series.setdefault(labels, {})[part] = value
+    for labels, parts in sorted(series.items()):
+        cumulative, buckets = 0, []
+        for index, bound in enumerate(BUCKETS_S):
+            cumulative += int(parts.get(f"b{index}", 0))
+            buckets.append((repr(bound), cumulative))
+        total = int(parts.get("count", 0))
+        buckets.append(("+Inf", total))
+        histogram.add_metric(json.loads(labels), buckets, float(parts.get("sum", 0.0)))
+    return histogram
+
+
+def _gauge_families(models: list[ModelGauges], draining: bool) -> list[Metric]:
+    families = {
+        "queued_requests": ("Requests waiting for a slot of the model (managers not counted).", "queued"),
+        "active_slots": ("Slots of the model occupied by request leases (admitted requests included).", "active"),
+        "slots": ("Slots configured for the model.", "slots"),
+        "model_loaded": ("1 while the model's pool is loaded (state ready), else 0.", "loaded"),
+    }
+    out: list[Metric] = []
+    for name, (text, attribute) in families.items():
+        gauge = GaugeMetricFamily(PREFIX + name, text, labels=["model"])
+        for model in models:
+            gauge.add_metric([model.model_id], float(getattr(model, attribute)))
+        out.append(gauge)
+    out.append(GaugeMetricFamily(PREFIX + "draining", "1 while the answering web process drains (shutting down), "
+                                 "else 0.", value=1.0 if draining else 0.0))
+    return out
+
+
+class _Families:
+    """A prometheus_client collector that hands out families built beforehand (for one scrape)."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return iter(self._families)
+
+
+def exposition(models: list[ModelGauges], stored: dict[str, dict[str, str]], draining: bool) -> bytes:
+    """The Prometheus text exposition of one scrape (served as format 0.0.4, which every Prometheus reads:
+    our metric and label names are all legacy-valid, so it is byte for byte the same as 1.0.0).
+
+    Args:
+        models: every registered model's gauges, from one atomic snapshot.
+        stored: :func:`read_stored`'s answer.
+        draining: this web process drains (``audiosite_draining``).
+    """
+    families = _gauge_families(models, draining) + [_stored_family(m, stored.get(m.name, {})) for m in STORED]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry)

@@ -1,0 +1,406 @@
+"""Issue 13: ``GET /metrics`` and the graceful drain of ``serve`` and of separately run web processes (R8.4).
+
+Metrics are read with ``prometheus_client``'s own parser and checked with ``promtool check metrics``
+(Debian's ``prometheus`` package; .ci/run installs it), clients we did not write. The drain is driven
+by real signals (SIGTERM, SIGINT) to a real ``manage.py serve`` or web process, with runs held open
+deterministically at fixture barriers (``inference/adapters/fixture_barrier.py``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import httpx_sse
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .helpers import FIXTURE_ENV, QUICK_S, ROOT, body, mclient, post, run, run_cluster, run_stack, until, within
+
+pytestmark = pytest.mark.stack
+
+PROMTOOL = shutil.which("promtool")
+
+Sample = tuple[str, frozenset]
+
+
+def scrape(url: str) -> tuple[str, dict[Sample, float], dict[str, str]]:
+    """``GET <url>/metrics``: the text, every sample ``(name, labels) -> value``, and each family's type."""
+    resp = httpx.get(url + "/metrics", timeout=QUICK_S)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples, types = {}, {}
+    for family in text_string_to_metric_families(resp.text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return resp.text, samples, types
+
+
+def value(samples: dict[Sample, float], name: str, **labels: str) -> float:
+    """A sample's value (0 when absent: a counter or histogram series that has seen no event yet)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def scrape_when(url: str, ready, timeout_s: float = 10.0) -> tuple[str, dict[Sample, float]]:
+    """Scrape until ``ready(samples)`` (metrics are written just after the answers, not before them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text, samples, _ = scrape(url)
+        if ready(samples) or time.monotonic() > deadline:
+            return text, samples
+        time.sleep(0.05)
+
+
+def promtool_check(text: str) -> None:
+    assert PROMTOOL, "promtool is missing (Debian package prometheus; .ci/run installs it)"
+    done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
+                          timeout=QUICK_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+COUNTERS = ("audiosite_requests_total", "audiosite_rejections_total", "audiosite_model_loads_total",
+            "audiosite_evictions_total")
+HISTOGRAMS = ("audiosite_queue_wait_seconds", "audiosite_inference_seconds", "audiosite_model_load_seconds")
+GAUGES = ("audiosite_queued_requests", "audiosite_active_slots", "audiosite_slots", "audiosite_model_loaded",
+          "audiosite_draining")
+
+
+# -- metrics on one serve ------------------------------------------------------------------------
+METRIC_MODELS = [{"id": "m", "family": "fixture", "slots": 1, "lazy": True},
+                 {"id": "idle", "family": "fixture", "slots": 3, "lazy": True}]
+
+
+@pytest.fixture(scope="module")
+def mstack(tmp_path_factory):
+    yield from run_stack(tmp_path_factory.mktemp("metrics"), METRIC_MODELS, redis_db=9, name="metrics",
+                         parallel=True, extra_env=FIXTURE_ENV)
+
+
+def test_metrics_count_known_traffic_exactly_and_gauges_equal_v1_models(mstack):
+    """Names and types as API.md "Metrics"; after known traffic every counter moved by exactly its
+    share (5 served, 1 refused with a 503, 1 refused with a 400, 1 load), the histograms counted the
+    5 granted requests (queue wait, inference) and the load; while one run is held and two wait, the
+    gauges are what ``/v1/models`` says; ``promtool check metrics`` accepts the exposition."""
+    text, before, types = scrape(mstack.url)
+    promtool_check(text)
+    for name in COUNTERS:
+        assert types[name.removesuffix("_total")] == "counter", name
+    for name in HISTOGRAMS:
+        assert types[name] == "histogram", name
+    for name in GAUGES:
+        assert types[name] == "gauge", name
+    assert value(before, "audiosite_draining") == 0
+    assert value(before, "audiosite_slots", model="idle") == 3
+
+    async def scenario():
+        async with mclient(mstack, None) as c:
+            for tag in ("a", "b"):
+                resp, _, _ = await post(c, "m", tag=tag)
+                assert resp.status_code == 200, resp.text
+            held = asyncio.create_task(post(c, "m", barrier="m-hold"))
+            await until(lambda: mstack.arrived("m-hold") == 1)
+            queued = [asyncio.create_task(post(c, "m", tag=f"q{i}")) for i in range(2)]
+            await until(lambda: mstack.counters("m")["queued"] == 2)
+            refused, _, _ = await post(c, "m", busy_timeout_ms=50)
+            assert refused.status_code == 503, refused.text
+            bad, _, _ = await post(c, "m", no_such_option=1)
+            assert bad.status_code == 400, bad.text
+
+            _, during, _ = await asyncio.to_thread(scrape, mstack.url)
+            entries = {e["id"]: e for e in (await c.get("/v1/models")).json()["data"]}
+            for model_id, entry in entries.items():
+                assert value(during, "audiosite_queued_requests", model=model_id) == entry["queued_requests"]
+                assert value(during, "audiosite_active_slots", model=model_id) == entry["active_slots"]
+                assert value(during, "audiosite_slots", model=model_id) == entry["slots"]
+                assert value(during, "audiosite_model_loaded", model=model_id) == int(entry["loaded"])
+            assert (entries["m"]["queued_requests"], entries["m"]["active_slots"], entries["m"]["loaded"]) == \
+                (2, 1, True)
+
+            mstack.release("m-hold")
+            for task in [held, *queued]:
+                resp, _, _ = await within(task)
+                assert resp.status_code == 200, resp.text
+            return refused.json()["error"]["code"]
+
+    code = run(scenario())
+
+    def moved(samples, name: str, **labels: str) -> float:
+        return value(samples, name, **labels) - value(before, name, **labels)
+
+    text, after = scrape_when(mstack.url, lambda now: (
+        moved(now, "audiosite_requests_total", model="m", outcome="ok"),
+        moved(now, "audiosite_inference_seconds_count", model="m"),
+        moved(now, "audiosite_queue_wait_seconds_count", model="m")) == (5, 5, 5))
+    promtool_check(text)
+
+    def delta(name: str, **labels: str) -> float:
+        return moved(after, name, **labels)
+
+    assert delta("audiosite_requests_total", model="m", outcome="ok") == 5
+    assert delta("audiosite_requests_total", model="m", outcome="rejected") == 1
+    assert delta("audiosite_requests_total", model="m", outcome="client_error") == 1
+    assert delta("audiosite_rejections_total", model="m", code=code) == 1
+    assert code in ("queue_timeout", "overdue")
+    assert delta("audiosite_model_loads_total", model="m", outcome="ok") == 1
+    assert delta("audiosite_model_load_seconds_count", model="m") == 1
+    assert delta("audiosite_queue_wait_seconds_count", model="m") == 5
+    assert delta("audiosite_inference_seconds_count", model="m") == 5
+    assert delta("audiosite_queue_wait_seconds_bucket", model="m", le="+Inf") == 5
+    # the two requests that waited behind the held run waited longer than the first two
+    assert delta("audiosite_queue_wait_seconds_sum", model="m") > 0
+    assert value(after, "audiosite_queued_requests", model="m") == 0
+    assert value(after, "audiosite_active_slots", model="m") == 0
+    assert value(after, "audiosite_model_loaded", model="idle") == 0
+
+
+# -- metrics summed over two web processes (and the worker) -------------------------------------
+def test_metrics_are_the_deployments_sums_on_every_web_process(tmp_path):
+    """Two web processes and one worker started one by one (docs/operations.md, "Scale-out"):
+    requests through web A and through web B are counted once each, and both web processes
+    expose the same totals (the worker's inference and load observations included). Then the
+    drain of a separately run web process: SIGTERM to web A while it holds a run → its ``/health``
+    is 503 ``draining`` while web B stays 200, a new call to A gets 503 ``shutting_down``, the held
+    run is answered 200 once released, and A exits 0."""
+    models = [{"id": "s", "family": "fixture", "slots": 2, "lazy": True}]
+    clusters = run_cluster(tmp_path, models, redis_db=8, name="msum", webs=2, workers=1, extra_env=FIXTURE_ENV)
+    cluster = next(clusters)
+    try:
+        a, b = cluster.webs
+        _, before, _ = scrape(a.url)
+
+        async def traffic():
+            async with mclient(a, None) as ca, mclient(b, None) as cb:
+                for client, n in ((ca, 3), (cb, 2)):
+                    for _ in range(n):
+                        resp, _, _ = await post(client, "s")
+                        assert resp.status_code == 200, resp.text
+
+        run(traffic())
+        series = (("audiosite_requests_total", {"model": "s", "outcome": "ok"}),
+                  ("audiosite_inference_seconds_count", {"model": "s"}),
+                  ("audiosite_queue_wait_seconds_count", {"model": "s"}))
+        _, after_a = scrape_when(a.url, lambda now: all(
+            value(now, name, **labels) - value(before, name, **labels) >= 5 for name, labels in series))
+        _, after_b, _ = scrape(b.url)
+        for name, labels in series:
+            assert value(after_a, name, **labels) - value(before, name, **labels) == 5, name
+            assert value(after_a, name, **labels) == value(after_b, name, **labels), name
+        assert value(after_a, "audiosite_model_loads_total", model="s", outcome="ok") == 1
+        assert value(after_b, "audiosite_model_load_seconds_count", model="s") == 1
+
+        async def drain_web_a():
+            async with mclient(a, None) as ca, mclient(b, None) as cb:
+                held = asyncio.create_task(post(ca, "s", barrier="sum-hold"))
+                await until(lambda: cluster.arrived("sum-hold") == 1)
+                a.proc.send_signal(signal.SIGTERM)
+                await until(lambda: httpx.get(a.url + "/health", timeout=5).status_code == 503)
+                health = (await ca.get("/health")).json()
+                assert health["status"] == "draining"
+                assert (await cb.get("/health")).json()["status"] == "ok"
+                refused, started, answered = await post(ca, "s")
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+                assert answered - started < 2 and int(refused.headers["retry-after"]) >= 1
+                served, _, _ = await post(cb, "s")
+                assert served.status_code == 200, served.text
+                assert a.alive()  # still draining: the held run is admitted work
+                cluster.release("sum-hold")
+                resp, _, _ = await within(held)
+                assert resp.status_code == 200, resp.text
+
+        run(drain_web_a())
+        assert a.proc.wait(timeout=QUICK_S) == 0
+        assert "Killed 0 pending application instances" in a.log_path.read_text()  # daphne cancelled nothing
+    finally:
+        next(clusters, None)
+
+
+# -- the drain of serve --------------------------------------------------------------------------
+DRAIN_MODELS = [{"id": "d", "family": "fixture", "slots": 1}]
+
+
+def _serve_again(stack, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A second ``manage.py serve`` on the same configuration, Redis db and database (a restart)."""
+    log_path = tmp_path / "serve-again.log"
+    argv = [sys.executable, "manage.py", "serve", "--config", str(tmp_path / "server.json"), "--parallel-jobs"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=stack.env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while b"listening on" not in log_path.read_bytes():
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.2)
+    return proc, log_path
+
+
+def test_sigterm_drains_running_and_queued_work_inside_the_window_and_exits_0(tmp_path):
+    """R8.4 on ``serve`` (SIGTERM, ``shutdown_timeout_ms`` 20 s): with 1 run held and 3 queued, a
+    request sent after the signal gets 503 ``shutting_down`` (with ``Retry-After``) at once, a
+    management call 503 too, ``/health`` says ``draining`` (503) and ``audiosite_draining`` is 1;
+    a write to the admin 503 as well, while reads still answer;
+    the running and queued requests all finish 200 once the run is let go; serve exits 0 with
+    daphne having cancelled nothing, and the worker warm-shut down (its pool destroyed)."""
+    stacks = run_stack(tmp_path, DRAIN_MODELS, redis_db=8, name="drain", parallel=True, extra_env=FIXTURE_ENV,
+                       extra_config={"shutdown_timeout_ms": 20000})
+    stack = next(stacks)
+    try:
+        stack.release("d-queued", 3)  # the queued runs pass their barrier at once (counted: arrived)
+
+        async def scenario():
+            async with mclient(stack, None, timeout=60) as c:
+                held = asyncio.create_task(post(c, "d", barrier="d-hold"))
+                await until(lambda: stack.arrived("d-hold") == 1)
+                queued = []
+                for i in range(3):
+                    queued.append(asyncio.create_task(post(c, "d", barrier="d-queued", tag=str(i))))
+                    await until(lambda: stack.counters("d")["queued"] == i + 1)
+                signalled = time.monotonic()
+                stack.proc.send_signal(signal.SIGTERM)
+                await until(lambda: httpx.get(stack.url + "/health", timeout=5).status_code == 503)
+                health = await c.get("/health")
+                assert health.status_code == 503 and health.json()["status"] == "draining"
+                refused, started, answered = await post(c, "d")
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["error"]["type"] == "server_busy"
+                assert refused.json()["error"]["code"] == "shutting_down"
+                assert int(refused.headers["retry-after"]) >= 1 and answered - started < 2
+                manage = await c.post("/v1/models/unload", json={"id": "d"})
+                assert manage.status_code == 503 and manage.json()["error"]["code"] == "shutting_down"
+                admin = await c.post("/admin/login/", data={"username": "x", "password": "y"})
+                assert admin.status_code == 503 and admin.json()["error"]["code"] == "shutting_down"
+                assert (await c.get("/v1/models/d")).status_code == 200  # reads still answer
+                _, samples, _ = await asyncio.to_thread(scrape, stack.url)
+                assert value(samples, "audiosite_draining") == 1
+                assert value(samples, "audiosite_queued_requests", model="d") == 3
+                assert not held.done() and not any(t.done() for t in queued)
+                stack.release("d-hold")
+                for task in [held, *queued]:
+                    resp, _, _ = await within(task)
+                    assert resp.status_code == 200, resp.text
+                return signalled
+
+        signalled = run(scenario())
+        assert stack.proc.wait(timeout=60) == 0, stack.log_tail()
+        assert time.monotonic() - signalled < 20 + 10
+        log = stack.log_path.read_text()
+        assert "Killed 0 pending application instances" in log, log[-3000:]  # daphne had nothing left to cancel
+        assert stack.arrived("d-hold") == 1 and stack.arrived("d-queued") == 3
+        assert stack.counters("d") == {"leases": 0, "queued": 0}
+    finally:
+        next(stacks, None)
+
+
+def test_ctrl_c_with_a_window_too_short_answers_503_and_a_restart_runs_nothing_twice(tmp_path):
+    """R8.4 on ``serve`` (Ctrl-C, ``shutdown_timeout_ms`` 1.5 s): the held run and the 3 queued
+    requests cannot finish in time: each gets an explicit 503 ``shutting_down`` (no reset) shortly
+    after the window, and the queued tickets are gone. Once the held run is let go the worker
+    finishes it during its warm shutdown and serve exits 0. A restart on the same Redis and
+    database runs none of the queued requests and not the held one again."""
+    stacks = run_stack(tmp_path, DRAIN_MODELS, redis_db=8, name="drainshort", parallel=True,
+                       extra_env=FIXTURE_ENV, extra_config={"shutdown_timeout_ms": 1500})
+    stack = next(stacks)
+    try:
+        async def scenario():
+            async with mclient(stack, None, timeout=60) as c:
+                held = asyncio.create_task(post(c, "d", barrier="s-hold"))
+                await until(lambda: stack.arrived("s-hold") == 1)
+                queued = []
+                for i in range(3):
+                    queued.append(asyncio.create_task(post(c, "d", barrier=f"s-queued-{i}")))
+                    await until(lambda: stack.counters("d")["queued"] == i + 1)
+                signalled = time.monotonic()
+                stack.proc.send_signal(signal.SIGINT)
+                for task in [held, *queued]:
+                    resp, _, answered = await within(task)
+                    assert resp.status_code == 503, resp.text
+                    assert resp.json()["error"]["code"] == "shutting_down", resp.text
+                    assert 1.5 <= answered - signalled < 1.5 + 5
+                assert stack.counters("d")["queued"] == 0
+                stack.release("s-hold")
+
+        run(scenario())
+        assert stack.proc.wait(timeout=60) == 0, stack.log_tail()
+        assert stack.arrived("s-hold") == 1
+        assert [stack.arrived(f"s-queued-{i}") for i in range(3)] == [0, 0, 0]
+
+        again, again_log = _serve_again(stack, tmp_path)
+        try:
+            with stack.client() as c:
+                resp = c.post("/v1/tasks/run", json=body("d", tag="after-restart"))
+                assert resp.status_code == 200, resp.text  # serving, and no run of the last life came back
+                time.sleep(2)
+                assert stack.arrived("s-hold") == 1
+                assert [stack.arrived(f"s-queued-{i}") for i in range(3)] == [0, 0, 0]
+                assert stack.counters("d") == {"leases": 0, "queued": 0}
+        finally:
+            again.send_signal(signal.SIGTERM)
+            assert again.wait(timeout=60) == 0, again_log.read_text()[-3000:]
+    finally:
+        next(stacks, None)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """A second Ctrl-C during a drain (``shutdown_timeout_ms`` 60 s, a run held open) stops serve at
+    once: it exits within a few seconds instead of waiting for the window, and no child survives."""
+    stacks = run_stack(tmp_path, DRAIN_MODELS, redis_db=8, name="drainforce", parallel=True,
+                       extra_env=FIXTURE_ENV, extra_config={"shutdown_timeout_ms": 60000})
+    stack = next(stacks)
+    try:
+        children = psutil.Process(stack.proc.pid).children(recursive=True)
+
+        async def scenario():
+            async with mclient(stack, None, timeout=60) as c:
+                held = asyncio.create_task(post(c, "d", barrier="f-hold"))
+                await until(lambda: stack.arrived("f-hold") == 1)
+                stack.proc.send_signal(signal.SIGINT)
+                await until(lambda: httpx.get(stack.url + "/health", timeout=5).status_code == 503)
+                forced = time.monotonic()
+                stack.proc.send_signal(signal.SIGINT)
+                await asyncio.to_thread(stack.proc.wait, 30)
+                stopped_s = time.monotonic() - forced
+                held.cancel()
+                return stopped_s
+
+        stopped_s = run(scenario())
+        assert stopped_s < 15, stack.log_tail()
+        assert "again: stopping at once" in stack.log_path.read_text()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        stack.release("f-hold")
+        next(stacks, None)
+
+
+def test_a_speech_stream_cut_by_the_drain_deadline_ends_with_an_error_event(tmp_path):
+    """R8.4 for streams: an SSE speech stream (``POST /v1/audio/speech``, read with ``httpx-sse``) still
+    going when the window (1 s) ends gets a final ``error`` event with code ``shutting_down`` and then
+    ends cleanly (no reset); its slot is given back and serve exits 0."""
+    models = [{"id": "tts", "family": "piper", "task": "tts", "slots": 1}]
+    stacks = run_stack(tmp_path, models, redis_db=8, name="drainsse", parallel=True,
+                       extra_config={"shutdown_timeout_ms": 1000})
+    stack = next(stacks)
+    try:
+        text = " ".join(f"This is sentence number {i} of a long text that takes a while to say." for i in range(50))
+        events = []
+        with httpx.Client(base_url=stack.url, timeout=60) as c:
+            with httpx_sse.connect_sse(c, "POST", "/v1/audio/speech", json={
+                    "model": "tts", "input": text, "voice": "joe", "stream_format": "sse"}) as source:
+                assert source.response.status_code == 200, source.response.read()
+                for event in source.iter_sse():
+                    events.append(json.loads(event.data))
+                    if len(events) == 1:
+                        stack.proc.send_signal(signal.SIGTERM)
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "speech.audio.delta" and "speech.audio.done" not in kinds, kinds[-3:]
+        assert kinds[-1] == "error" and events[-1]["error"]["code"] == "shutting_down", events[-1]
+        assert kinds.count("error") == 1
+        assert stack.proc.wait(timeout=60) == 0, stack.log_tail()
+        assert stack.counters("tts") == {"leases": 0, "queued": 0}
+    finally:
+        next(stacks, None)
