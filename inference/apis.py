@@ -361,15 +361,17 @@ def sse_event(event: dict) -> bytes:
 
 async def _transcription_events(stream: services.TranscriptionStream):
     """The SSE body of a streamed transcription; the lease is released when the last event was handed
-    out or the client left (R8.3). A failure after the headers becomes an ``error`` event (R7.3)."""
+    out or the client left (R8.3). A failure after the headers becomes an ``error`` event (R7.3), and so
+    does a drain's deadline (``audiosite.drain``, code ``shutting_down``; R8.4: cut, never reset)."""
     try:
-        async for delta in stream.deltas():
+        async for delta in DRAIN.until_expired(stream.deltas()):
             yield sse_event({"type": "transcript.text.delta", "delta": delta})
         final = stream.final or {}
         yield sse_event({"type": "transcript.text.done", "text": final.get("text", ""),
                          "usage": {"type": "duration", "seconds": round(stream.audio_ms / 1000, 3)}})
-    except ApplicationError as exc:
-        yield sse_event({"type": "error", "error": exc.body()["error"]})
+    except (ApplicationError, DrainExpired) as exc:
+        error = exc if isinstance(exc, ApplicationError) else refusal("the rest of this stream")
+        yield sse_event({"type": "error", "error": error.body()["error"]})
     finally:
         await stream.aclose()
 

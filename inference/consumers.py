@@ -28,6 +28,7 @@ server goes away)."""
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_TOO_BIG = 1009
+CLOSE_INTERNAL_ERROR = 1011
 CLOSE_NOT_FOUND = 4404
 """Close code (application range) of a WebSocket upgrade on a path that has no WebSocket route."""
 
@@ -78,10 +79,26 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             return
         try:
             event = json.loads(text_data or "")
-        except (json.JSONDecodeError, RecursionError):
-            await session.error(realtime.ClientError("the frame is not valid JSON", "invalid_json"), None)
+        except (ValueError, RecursionError):  # ValueError: not JSON, or an integer of over 4300 digits
+            await session.error(realtime.ClientError("the frame is not valid JSON (or holds an integer of "
+                                                     "more than 4300 digits)", "invalid_json"), None)
             return
-        await session.handle(event)
+        try:
+            await session.handle(event)
+        except Exception:
+            # A bug, or the client left while its events were being sent: never leave the session's
+            # turns (and their slot leases) behind a crashed consumer.
+            log.exception("a live session failed; closing it")
+            await self._abort()
+
+    async def _abort(self) -> None:
+        """End this session after an unexpected failure: its turns and leases go, then close 1011."""
+        if self.session is not None:
+            await self.session.close()
+        try:
+            await self.close(code=CLOSE_INTERNAL_ERROR)
+        except Exception:  # already closed
+            pass
 
     async def _on_drain(self, notice) -> None:
         await self.live_close({"code": WEBSOCKET_CLOSE_GOING_AWAY, "reason": "the server is shutting down"})
@@ -104,7 +121,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         await self.close(code=code)
 
     async def live_close(self, message: dict) -> None:
-        """Group message ``{"type": "live.close", "code": int, "reason": str}``: end this session."""
+        """Group message ``{"type": "live.close", "code": int, "reason": str}``: end this session
+        (``LiveSession.end`` closes its turns even when the client is already gone)."""
         if self.session is not None:
             await self.session.end(realtime.ClientError(message.get("reason") or "the server closed the session",
                                                         "session_closed"), int(message.get("code", 1001)))

@@ -302,10 +302,15 @@ class LiveSession:
                                                     "event_id": client_event_id}})
 
     async def end(self, exc: ClientError, close_code: int) -> None:
-        """Send a final ``error`` event, then close the socket with ``close_code``."""
-        await self.error(exc, None)
-        await self._close(close_code)
-        await self.close()
+        """Send a final ``error`` event, then close the socket with ``close_code``. The session's turns
+        end (and their leases go back) even when the socket is already gone and sending fails."""
+        try:
+            await self.error(exc, None)
+            await self._close(close_code)
+        except Exception as send_exc:  # the client left first: nothing to tell it
+            log.info("ending a live session: could not reach its client (%s)", send_exc)
+        finally:
+            await self.close()
 
     async def _watch_limits(self) -> None:
         """Close the session after ``idle_timeout_ms`` without a client event while no turn is being

@@ -366,12 +366,36 @@ def test_a_client_dropping_mid_turn_frees_the_slot_within_a_decode_step(live, sp
     assert freed_after_s < 3.0, freed_after_s
 
 
+def test_a_bad_frame_during_an_open_turn_then_a_vanishing_client_leaves_no_slot_held(live, speech):
+    """Found by an adversarial run: a frame the consumer could not parse (an integer of 5000 digits)
+    while a server-VAD turn held the model's slot crashed the consumer, whose clean-up then never
+    ran: the turn kept renewing its lease with nobody connected. Now the frame gets an ``error``
+    event, and a client that vanishes afterwards frees the slot within a decode step."""
+    utt = max(speech, key=lambda u: len(u.samples))
+
+    async def scenario():
+        ws = await websockets.connect(ws_url(live))
+        heard = Listener(ws)
+        await speak(ws, np.concatenate([silence(0.3), utt.samples[: len(utt.samples) * 2 // 3]]))
+        await heard.wait_for("input_audio_buffer.speech_started")
+        await until(lambda: live.counters("whisper")["leases"] == 1, 5)
+        await ws.send('{"type": "input_audio_buffer.append", "n": ' + "9" * 5000 + "}")
+        error = (await heard.wait_for("error"))[0]
+        ws.transport.abort()
+        await until(lambda: live.counters("whisper") == {"leases": 0, "queued": 0}, 10)
+        return error
+
+    error = run(scenario())
+    assert error["error"]["code"] == "invalid_json"
+
+
 def test_malformed_events_get_error_events_and_the_session_goes_on(live, speech):
     async def scenario():
         async with websockets.connect(ws_url(live), max_size=None) as ws:
             heard = Listener(ws)
             await heard.wait_for("session.created")
             await ws.send("{not json")
+            await ws.send('{"type": "input_audio_buffer.append", "n": ' + "9" * 5000 + "}")  # over 4300 digits
             await ws.send(json.dumps({"type": "response.create", "event_id": "e-unknown"}))
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "@@not base64@@",
                                       "event_id": "e-b64"}))
@@ -385,7 +409,7 @@ def test_malformed_events_get_error_events_and_the_session_goes_on(live, speech)
                                                                               "language": 7}}}}}))
             await ws.send(json.dumps({"type": "input_audio_buffer.commit", "event_id": "e-empty"}))
             await ws.send(b"\x00\x01")
-            errors = await heard.wait_for("error", 9)
+            errors = await heard.wait_for("error", 10)
             # The session still works: a beta-spelled update to manual commits, then one turn.
             await ws.send(json.dumps({"type": "transcription_session.update", "session": {
                 "input_audio_format": "pcm16", "input_audio_transcription": {"model": "whisper", "language": "en"},
@@ -405,7 +429,7 @@ def test_malformed_events_get_error_events_and_the_session_goes_on(live, speech)
     assert by_event["e-odd"]["code"] == "invalid_audio" and by_event["e-b64"]["code"] == "invalid_audio"
     assert by_event["e-empty"]["code"] == "input_audio_buffer_commit_empty"
     assert {e["code"] for e in by_event.values() if e} >= {"unknown_event_type", "invalid_value"}
-    assert [e["error"]["code"] for e in errors[:1]] == ["invalid_json"]
+    assert [e["error"]["code"] for e in errors[:2]] == ["invalid_json", "invalid_json"]
     assert all(e["error"]["type"] == "invalid_request_error" for e in errors)
     assert wer(speech[1].text, done["transcript"]) <= 0.25
     assert heard.of("error")[-1]["error"]["code"] == "frame_too_large" and close_code == 1009

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.test import RequestFactory
+
+from audiosite.errors import InvalidRequest
+from ui import views as ui_views
 
 from .helpers import FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, events_of, run_stack
 
@@ -367,3 +371,20 @@ def test_ui_anonymous_none_sends_visitors_to_the_login_page(tmp_path):
             cookie = "; ".join(f"{k}={v}" for k, v in c.cookies.items())
         assert _handshake(stack, "/ui/ws/status", origin=stack.url, cookie=cookie) == 101
         assert _handshake(stack, "/ui/ws/status", origin="http://evil.example", cookie=cookie) == 403
+
+
+@pytest.mark.parametrize("raw", ["--2", "²", "³2", "١", "1e3", " 2 2", "9" * 13])
+def test_a_form_integer_that_is_not_plain_ascii_digits_is_a_400_not_a_500(raw):
+    """Found by an adversarial run: ``'--2'`` or ``'²'`` passed the form's digit check and then made
+    ``int()`` raise (a 500); ``'١'`` (an Arabic-Indic one) was taken as 1. Only ``-?[0-9]{1,12}`` is an
+    integer here; anything else is the API's 400 naming the field."""
+    request = RequestFactory().post("/ui/manage/x/resize", data={"slots": raw})
+    with pytest.raises(InvalidRequest) as refused:
+        ui_views._int_field(request, "slots")
+    assert refused.value.param == "slots" and refused.value.status == 400
+
+
+def test_a_form_integer_of_ascii_digits_is_read():
+    request = RequestFactory().post("/ui/manage/x/resize", data={"slots": " 4 ", "busy_timeout_ms": "-1"})
+    assert ui_views._int_field(request, "slots") == 4 and ui_views._int_field(request, "busy_timeout_ms") == -1
+    assert ui_views._int_field(request, "absent") is None

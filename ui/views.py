@@ -22,6 +22,7 @@ holding a thread.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -227,8 +228,9 @@ def _int_field(request: HttpRequest, name: str) -> int | None:
     raw = request.POST.get(name, "").strip()
     if not raw:
         return None
-    if not raw.lstrip("-").isdigit() or len(raw) > 12:
-        raise InvalidRequest(f"key '{name}': {raw!r} is not an integer", param=name)
+    # ASCII digits with at most one leading minus: str.isdigit() also accepts '²' and other scripts' digits.
+    if not re.fullmatch(r"-?[0-9]{1,12}", raw):
+        raise InvalidRequest(f"key '{name}': {raw[:40]!r} is not an integer", param=name)
     return int(raw)
 
 

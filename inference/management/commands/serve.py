@@ -6,10 +6,11 @@ syncs the registry, starts one Celery GPU worker per ``--workers`` (with ``MALLO
 set, see ``WORKER_MALLOC_ARENA_MAX``) and daphne,
 waits until ``/health`` answers ``ok`` (daphne up and a worker alive), loads
 the non-lazy models, prints where it listens, and on Ctrl-C (SIGINT) or
-SIGTERM drains (CONTRACT R8.4, docs/operations.md "Shutdown"): the realtime
-WebSocket sessions are asked to end (a final event, close 1001), then daphne
+SIGTERM drains (CONTRACT R8.4, docs/operations.md "Shutdown"): daphne first
 (it drains itself, ``audiosite.web``: readiness off, new calls 503
-``shutting_down``, admitted work answered within ``shutdown_timeout_ms``),
+``shutting_down`` from the first moment, admitted work answered within
+``shutdown_timeout_ms``; the realtime WebSocket sessions are asked to end
+with a final event and close 1001),
 then the workers (Celery warm shutdown, so running work finishes, then the
 pools are destroyed), then Redis. A second Ctrl-C (or SIGTERM) stops at
 once: daphne stops without waiting, the workers get SIGQUIT (Celery's cold
@@ -68,7 +69,6 @@ STARTUP_TIMEOUT_S = 120
 REDIS_STARTUP_TIMEOUT_S = 10
 SUPERVISOR_REDIS_TIMEOUT_S = 2  # serve's own Redis calls never block its loop for longer
 LIVE_CLOSE_TIMEOUT_S = 2.0  # at shutdown, how long serve tries to reach the realtime sessions
-LIVE_CLOSE_GRACE_S = 0.5  # then how long daphne gets to send their close frames before its SIGTERM
 WEB_STOP_MARGIN_S = 10.0
 """How long serve waits for daphne beyond ``shutdown_timeout_ms`` (its answers to cut work, closing the
 connections: ``audiosite.web.EXPIRY_GRACE_S`` + ``CLOSE_GRACE_S``, plus slack) before killing it, in seconds."""
@@ -373,8 +373,8 @@ class Command(BaseCommand):
         raise CommandError(f"the web server did not answer {url} within {STARTUP_TIMEOUT_S} s")
 
     def _stop_all(self, timeout_s: float) -> None:
-        """Stop the children in order: the realtime sessions are asked to close (1001), then daphne (its
-        drain), the workers (warm shutdown), one-shots, then Redis.
+        """Stop the children in order: daphne (its drain; the realtime sessions are then asked to close
+        with 1001), the workers (warm shutdown), one-shots, then Redis.
 
         Each gets SIGTERM and is waited for: daphne up to ``timeout_s`` (``shutdown_timeout_ms``)
         plus ``WEB_STOP_MARGIN_S``, the others up to ``timeout_s``; then it is killed. After a
@@ -385,20 +385,29 @@ class Command(BaseCommand):
         if self.workers is not None:
             self.workers.close()  # no restart from now on; stop announcing one
             workers = self.workers.running()
-        if settings.REDIS_URL and any(name == "web" and proc.poll() is None for name, proc in self.children):
-            try:  # WebSocket clients get a close frame with a code (R8.4) before daphne stops
-                asyncio.run(asyncio.wait_for(close_live_sessions(settings.REDIS_URL), LIVE_CLOSE_TIMEOUT_S))
-                time.sleep(LIVE_CLOSE_GRACE_S)
-            except Exception as exc:  # the web server is stopped anyway
-                self.stderr.write(f"could not close the live sessions: {type(exc).__name__}: {exc}")
         order = [c for c in self.children if c[0] == "web"] + workers + \
                 [c for c in self.children if c[0] not in ("web", "redis")] + \
                 [c for c in self.children if c[0] == "redis"]
         for name, proc in order:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)  # daphne: the drain starts at once (new calls get 503)
+                if name == "web":
+                    self._close_live_sessions()
                 budget_s = timeout_s + WEB_STOP_MARGIN_S if name == "web" else max(timeout_s, 1)
                 self._await_exit(name, proc, budget_s)
+
+    def _close_live_sessions(self) -> None:
+        """Ask the realtime WebSocket sessions to end (a final event, close 1001; R8.4), once daphne drains.
+
+        Each session's consumer also ends itself when its web process drains (a drain watch); this
+        message reaches the sessions of every web process on this deployment's Redis.
+        """
+        if not settings.REDIS_URL:
+            return
+        try:
+            asyncio.run(asyncio.wait_for(close_live_sessions(settings.REDIS_URL), LIVE_CLOSE_TIMEOUT_S))
+        except Exception as exc:  # the web server stops anyway
+            self.stderr.write(f"could not close the live sessions: {type(exc).__name__}: {exc}")
         self.children.clear()
 
     def _await_exit(self, name: str, proc: subprocess.Popen, budget_s: float) -> None:
