@@ -28,6 +28,19 @@ from .state import Pool, WorkerState
 
 log = logging.getLogger(__name__)
 
+
+INPUT_EXPIRED = {"ok": False, "kind": RunFailure.EXPIRED, "message": "the request's input expired before it ran"}
+"""The reply of a run whose input key was gone when the worker took it."""
+
+
+def failure(exc: Exception, what: str) -> dict:
+    """The failure reply of a run that raised ``exc``: the adapter refused its input (``invalid_input``,
+    a 400 naming ``param``), or anything else (``error``: a bug, logged as ``what`` failed)."""
+    if isinstance(exc, InvalidInput):
+        return {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
+    log.exception("%s failed", what)
+    return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
+
 RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
 
 INLINE_REPLY_MAX_CHARS = 8192
@@ -152,14 +165,13 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
         with sync_scheduler().keep_alive(model_id, lease_id):
             return _run(worker, pool, request_id, sample_rate_hz, options)
     except Exception as exc:  # a bug in an adapter: report it, keep the worker
-        log.exception("run of %s failed", model_id)
-        return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
+        return failure(exc, f"run of {model_id}")
 
 
 def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, options: dict) -> dict:
     raw = sync_redis_bytes().getdel(KEYS.input(request_id))
     if raw is None:
-        return {"ok": False, "kind": RunFailure.EXPIRED, "message": "the request's input expired before it ran"}
+        return dict(INPUT_EXPIRED)
     request = AudioRequest(audio.from_bytes(raw), sample_rate_hz, {**pool.request_defaults, **options})
     del raw
     with pool.slot() as slot:
@@ -167,7 +179,7 @@ def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, 
         try:
             result = pool.sessions[slot].run(request)
         except InvalidInput as exc:
-            return {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
+            return failure(exc, "")
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
             "worker": worker.hostname}
@@ -230,11 +242,8 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
             final = {"ok": True, "slot": slot, "inference_ms": round((time.monotonic() - started) * 1000, 3),
                      "worker": worker.hostname, "sentences": sentences, "phonemes": phonemes,
                      "samples": samples, "stopped": stopped}
-    except InvalidInput as exc:
-        final = {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
-    except Exception as exc:  # a bug in an adapter: report it, keep the worker
-        log.exception("speech stream of %s failed", header["model_id"])
-        final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # refused input, or a bug in an adapter: report it, keep the worker
+        final = failure(exc, f"speech stream of {header['model_id']}")
     push_frame(channel, request_id, end_frame(final))
     record_inference(header["model_id"], final)
 
@@ -266,7 +275,7 @@ def stream_transcription(worker: WorkerState, pool: Pool, header: dict) -> None:
     try:
         raw = client.getdel(KEYS.input(request_id))
         if raw is None:
-            final = {"ok": False, "kind": RunFailure.EXPIRED, "message": "the request's input expired before it ran"}
+            final = dict(INPUT_EXPIRED)
         else:
             request = AudioRequest(audio.from_bytes(raw), int(header["sample_rate_hz"]),
                                    {**pool.request_defaults, **header["options"]})
@@ -288,11 +297,8 @@ def stream_transcription(worker: WorkerState, pool: Pool, header: dict) -> None:
                          "segments": count, "slot": slot,
                          "inference_ms": round((time.monotonic() - started) * 1000, 3),
                          "worker": worker.hostname, "stopped": stopped}
-    except InvalidInput as exc:
-        final = {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
-    except Exception as exc:  # a bug in an adapter: report it, keep the worker
-        log.exception("transcription stream of %s failed", header["model_id"])
-        final = {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # refused input, or a bug in an adapter: report it, keep the worker
+        final = failure(exc, f"transcription stream of {header['model_id']}")
     push_frame(channel, request_id, end_frame(final))
 
 
