@@ -79,6 +79,21 @@ def _anonymous_refused(request: HttpRequest, user, login_always: bool = False) -
     return None
 
 
+async def _page_access(request: HttpRequest, login_always: bool = False) -> tuple[bool, HttpResponse | None]:
+    """What every page checks first: 404 with the UI off, then the viewer.
+
+    Returns:
+        ``(manage, refused)``: whether the viewer may manage, and the login redirect when the page
+        may not be shown to them (``login_always``: pages with actors and paths), else None.
+
+    Raises:
+        Http404: the UI is off.
+    """
+    _ui_on()
+    user, manage = await _viewer(request)
+    return manage, _anonymous_refused(request, user, login_always)
+
+
 def _families() -> dict[str, dict]:
     """Per family: its tasks and the option defaults its spec declares (shown in the register form)."""
     out = {}
@@ -118,9 +133,8 @@ async def root(request: HttpRequest) -> HttpResponse:
 @require_GET
 async def dashboard(request: HttpRequest) -> HttpResponse:
     """``/ui/``: every model's live status; management controls for a permitted user."""
-    _ui_on()
-    user, manage = await _viewer(request)
-    if refused := _anonymous_refused(request, user):
+    manage, refused = await _page_access(request)
+    if refused:
         return refused
     ctx = await async_context()
     board = await model_board(ctx)
@@ -131,9 +145,8 @@ async def dashboard(request: HttpRequest) -> HttpResponse:
 @require_GET
 async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
     """``/ui/models/<id>``: configuration, recent lifecycle events, request counts and hold times."""
-    _ui_on()
-    user, manage = await _viewer(request)
-    if refused := _anonymous_refused(request, user, login_always=True):
+    manage, refused = await _page_access(request, login_always=True)
+    if refused:
         return refused
     ctx = await async_context()
     meta = await model_meta_get(ctx, model_id)
@@ -152,9 +165,8 @@ async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
 @require_GET
 async def lifecycle_log(request: HttpRequest) -> HttpResponse:
     """``/ui/log``: the audit rows, newest first, filtered by ``model`` and ``event``; new rows arrive live."""
-    _ui_on()
-    user, manage = await _viewer(request)
-    if refused := _anonymous_refused(request, user, login_always=True):
+    manage, refused = await _page_access(request, login_always=True)
+    if refused:
         return refused
     model_id = request.GET.get("model", "").strip()
     event = request.GET.get("event", "").strip()
@@ -170,9 +182,8 @@ async def lifecycle_log(request: HttpRequest) -> HttpResponse:
 @require_GET
 async def playground(request: HttpRequest) -> HttpResponse:
     """``/ui/playground``: try each task (transcribe, voice activity, speech) against the public API."""
-    _ui_on()
-    user, manage = await _viewer(request)
-    if refused := _anonymous_refused(request, user):
+    manage, refused = await _page_access(request)
+    if refused:
         return refused
     ctx = await async_context()
     board = await model_board(ctx)
