@@ -348,15 +348,22 @@ def test_two_concurrent_sessions_on_a_two_slot_model_both_complete(live, speech)
     live.wait_idle("whisper", timeout_s=10)
 
 
+async def _in_a_turn(live, utt):
+    """A server-VAD session that has spoken two thirds of ``utt``: its turn holds the model's slot.
+    Returns ``(ws, Listener)``."""
+    ws = await websockets.connect(ws_url(live))
+    heard = Listener(ws)
+    await speak(ws, np.concatenate([silence(0.3), utt.samples[: len(utt.samples) * 2 // 3]]))
+    await heard.wait_for("input_audio_buffer.speech_started")
+    await until(lambda: live.counters("whisper")["leases"] == 1, 5)
+    return ws, heard
+
+
 def test_a_client_dropping_mid_turn_frees_the_slot_within_a_decode_step(live, speech):
     utt = max(speech, key=lambda u: len(u.samples))
 
     async def scenario():
-        ws = await websockets.connect(ws_url(live))
-        heard = Listener(ws)
-        await speak(ws, np.concatenate([silence(0.3), utt.samples[: len(utt.samples) * 2 // 3]]))
-        await heard.wait_for("input_audio_buffer.speech_started")
-        await until(lambda: live.counters("whisper")["leases"] == 1, 5)
+        ws, _ = await _in_a_turn(live, utt)
         ws.transport.abort()  # no close frame: the client just vanishes
         dropped = time.monotonic()
         await until(lambda: live.counters("whisper") == {"leases": 0, "queued": 0}, 10)
@@ -374,11 +381,7 @@ def test_a_bad_frame_during_an_open_turn_then_a_vanishing_client_leaves_no_slot_
     utt = max(speech, key=lambda u: len(u.samples))
 
     async def scenario():
-        ws = await websockets.connect(ws_url(live))
-        heard = Listener(ws)
-        await speak(ws, np.concatenate([silence(0.3), utt.samples[: len(utt.samples) * 2 // 3]]))
-        await heard.wait_for("input_audio_buffer.speech_started")
-        await until(lambda: live.counters("whisper")["leases"] == 1, 5)
+        ws, heard = await _in_a_turn(live, utt)
         await ws.send('{"type": "input_audio_buffer.append", "n": ' + "9" * 5000 + "}")
         error = (await heard.wait_for("error"))[0]
         ws.transport.abort()
