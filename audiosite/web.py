@@ -58,6 +58,7 @@ from twisted.internet import reactor  # daphne's asyncio reactor (installed by d
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge
 from audiosite.serverconfig import get_config
+from inference.runtime import metrics
 
 #: A body whose declared length is at most this is received into memory; a longer one, or one of
 #: unknown length (chunked), is spooled to a temporary file as Twisted does (bytes). Twisted's own
@@ -227,6 +228,7 @@ class DrainingServer(Server):
             DRAIN.begin(get_config().shutdown_timeout_ms)
             clean = await DRAIN.wait(EXPIRY_GRACE_S)
             await self._close_connections()
+            await metrics.flush()  # the counters of the last answers (record_soon batches them)
             log.warning("drain %s after %.1f s; stopping", "done" if clean else "cut short", time.monotonic() - started)
         except Exception:
             log.exception("drain failed; stopping")
