@@ -95,17 +95,31 @@ def bucket_index(seconds: float) -> int:
     return bisect.bisect_left(BUCKETS_S, seconds)
 
 
-def _queue(pipe: Any, metric: Stored, labels: tuple[str, ...], value: float | None) -> None:
-    assert len(labels) == len(metric.labels), (metric.name, labels)
-    key, field = KEYS.metric(metric.name), _field(labels)
-    if metric.kind is Kind.COUNTER:
-        pipe.hincrby(key, field, 1)
-        return
-    assert value is not None
-    seconds = max(0.0, float(value))
-    pipe.hincrby(key, f"{field}\tb{bucket_index(seconds)}", 1)
-    pipe.hincrbyfloat(key, f"{field}\tsum", seconds)
-    pipe.hincrby(key, f"{field}\tcount", 1)
+def _increments(events: Iterable[Event]) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+    """``events`` summed per hash field: ``(integer increments, float increments)``, each keyed by
+    ``(Redis key, field)``, so a batch of any size costs one command per distinct field."""
+    ints: dict[tuple[str, str], int] = {}
+    floats: dict[tuple[str, str], float] = {}
+    for metric, labels, value in events:
+        assert len(labels) == len(metric.labels), (metric.name, labels)
+        key, field = KEYS.metric(metric.name), _field(labels)
+        if metric.kind is Kind.COUNTER:
+            ints[key, field] = ints.get((key, field), 0) + 1
+            continue
+        assert value is not None
+        seconds = max(0.0, float(value))
+        for name in (f"{field}\tb{bucket_index(seconds)}", f"{field}\tcount"):
+            ints[key, name] = ints.get((key, name), 0) + 1
+        floats[key, f"{field}\tsum"] = floats.get((key, f"{field}\tsum"), 0.0) + seconds
+    return ints, floats
+
+
+def _queue(pipe: Any, events: Iterable[Event]) -> None:
+    ints, floats = _increments(events)
+    for (key, field), amount in ints.items():
+        pipe.hincrby(key, field, amount)
+    for (key, field), seconds in floats.items():
+        pipe.hincrbyfloat(key, field, seconds)
 
 
 Event = tuple[Stored, tuple[str, ...], float | None]
@@ -128,8 +142,7 @@ async def record(redis_client: Any, *events: Event) -> None:
         return
     try:
         async with redis_client.pipeline(transaction=True) as pipe:
-            for metric, labels, value in events:
-                _queue(pipe, metric, labels, value)
+            _queue(pipe, events)
             await pipe.execute()
     except redis.RedisError as exc:
         log.warning("metrics: %d event(s) lost: %s", len(events), exc)
@@ -206,8 +219,7 @@ def record_sync(redis_client: Any, *events: Event) -> None:
         return
     try:
         with redis_client.pipeline(transaction=True) as pipe:
-            for metric, labels, value in events:
-                _queue(pipe, metric, labels, value)
+            _queue(pipe, events)
             pipe.execute()
     except redis.RedisError as exc:
         log.warning("metrics: %d event(s) lost: %s", len(events), exc)
