@@ -22,7 +22,7 @@ from inference import services as inference_services
 from inference.backend import resolve_backend
 from inference.runtime import leases
 from inference.runtime.context import AsyncContext
-from inference.runtime.published import ceiling_ms
+from inference.runtime.published import ceiling_ms, is_lazy
 from inference.scheduler import Lease, ModelState
 
 from . import services
@@ -51,8 +51,7 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
         ModelLoadFailed, ServerBusy, InsufficientMemory: the load failed; the
             entry stays registered and unloaded (R4.2, R4.4, R4.6).
     """
-    lazy = meta["lazy"] if meta.get("lazy") is not None else get_config().lazy_load
-    if lazy:
+    if is_lazy(meta):
         return False
     try:
         await inference_services.ensure_loaded(ctx, model_id, force=True)  # explicit: no backoff (R6.7)

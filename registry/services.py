@@ -119,6 +119,29 @@ def registration_sync_config(config: ServerConfig, actor: str = "config") -> dic
     return report
 
 
+def registry_start(config: ServerConfig, scheduler: Scheduler, redis_client, keys: Keys
+                   ) -> tuple[dict[str, list[str]], list[str]]:
+    """What every start runs (``manage.py sync_config``, ``manage.py serve``): claim the deployment's
+    runtime (R1.4), upsert the config file's models (:func:`registration_sync_config`) and publish
+    every registration (:func:`registry_publish`).
+
+    Returns:
+        ``(report, published ids)``: the upsert's report and the ids now published.
+
+    Raises:
+        RuntimeMismatch: the deployment's Redis runs the other runtime (nothing is written).
+    """
+    scheduler.claim_runtime(config.runtime)
+    report = registration_sync_config(config)
+    return report, registry_publish(redis_client, keys, config.runtime)
+
+
+def start_summary(report: dict[str, list[str]], published: list[str]) -> str:
+    """The line a start prints about the registry (:func:`registry_start`'s result)."""
+    return (f"registry: created {report['created']}, updated {report['updated']}, removed {report['removed']}; "
+            f"published {len(published)} model(s)")
+
+
 def registry_publish(redis_client, keys: Keys, runtime: str = "legacy") -> list[str]:
     """Publish every registration to Redis, replacing what was there (one script, ``publish_registry.lua``).
 

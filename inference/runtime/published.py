@@ -26,6 +26,20 @@ async def meta_all(ctx: AsyncContext) -> dict[str, dict]:
     return {model_id: json.loads(value) for model_id, value in sorted(raw.items())}
 
 
+def is_lazy(meta: dict, lazy_default: bool | None = None) -> bool:
+    """Whether a published registration loads on its first request (``lazy``) rather than at start-up
+    and registration: its own ``lazy`` flag, else ``lazy_default`` (None: the server's ``lazy_load``)."""
+    if meta.get("lazy") is not None:
+        return bool(meta["lazy"])
+    return get_config().lazy_load if lazy_default is None else lazy_default
+
+
+def eager_ids(metas: dict[str, dict], lazy_default: bool | None = None) -> list[str]:
+    """The ids of ``metas`` (published registrations keyed by id) that are not lazy (see :func:`is_lazy`),
+    sorted."""
+    return sorted(model_id for model_id, meta in metas.items() if not is_lazy(meta, lazy_default))
+
+
 def ceiling_ms(meta: dict | None) -> int:
     """A model's admission ceiling in ms (R3.1): its ``busy_timeout_ms``, else the server's."""
     if meta is not None and meta.get("busy_timeout_ms") is not None:

@@ -9,8 +9,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.errors import ApplicationError
-from audiosite.serverconfig import get_config
 from inference.runtime.context import async_context, redis_url
+from inference.runtime import published
 from inference.runtime.published import meta_all
 from inference.services import ensure_loaded
 
@@ -33,12 +33,11 @@ class Command(BaseCommand):
     async def _load(self, wanted: list[str]) -> int:
         ctx = await async_context()
         metas = await meta_all(ctx)
-        lazy_default = get_config().lazy_load
         failures = 0
-        for model_id, meta in metas.items():
-            if wanted and model_id not in wanted:
-                continue
-            if not wanted and (meta["lazy"] if meta["lazy"] is not None else lazy_default):
+        for model_id in wanted or published.eager_ids(metas):
+            if model_id not in metas:
+                failures += 1
+                self.stderr.write(f"loading {model_id} failed: not registered")
                 continue
             lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
             try:

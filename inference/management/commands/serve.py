@@ -57,11 +57,13 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redacted
-from audiosite.serverconfig import ConfigError, load_config, slot_count
+from audiosite.serverconfig import ConfigError, ServerConfig, load_config, slot_count
 from audiosite.settings import env_json
 from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
 from inference.consumers import close_live_sessions
-from inference.runtime.context import KEYS
+from inference.runtime import published
+from inference.runtime.context import KEYS, sync_redis, sync_scheduler
+from inference.scheduler import RuntimeMismatch
 from inference.worker.memory import arenas_bounded
 from registry import services as records
 
@@ -164,7 +166,7 @@ class Command(BaseCommand):
                               f" {settings.DATABASES['default']['NAME']}")
             call_command("migrate", interactive=False, verbosity=0)
             self._forget_dead_local_workers(redis_url)
-            self._sync(env)
+            self._sync(config)
             # One thread per slot of every model, plus room for loads and unloads.
             concurrency = max(32, sum(slot_count(m.slots, config.runtime)
                                      for m in config.models) + 4)
@@ -180,7 +182,8 @@ class Command(BaseCommand):
             self._spawn("web", [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
-            self._run_once(env, ["load_models"])
+            if self._eager_count(redis_url, config.lazy_load):  # a load_models child only if it has work
+                self._run_once(env, ["load_models"])
             self.stdout.write(self.style.SUCCESS(
                 f"audiosite listening on http://{config.host}:{config.port} (runtime {config.runtime}, "
                 f"{self._published_count(redis_url)} model(s)); Ctrl-C stops it"))
@@ -278,6 +281,16 @@ class Command(BaseCommand):
         client.close()
 
     @staticmethod
+    def _eager_count(redis_url: str, lazy_default: bool) -> int:
+        """How many published registrations load at start-up (not lazy: ``published.eager_ids``)."""
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            metas = {str(model_id): json.loads(raw) for model_id, raw in client.hgetall(KEYS.models_meta).items()}
+        finally:
+            client.close()
+        return len(published.eager_ids(metas, lazy_default))
+
+    @staticmethod
     def _published_count(redis_url: str) -> int:
         """Registered models as published (the config file's plus those registered through the API)."""
         client = redis.Redis.from_url(redis_url)
@@ -333,11 +346,18 @@ class Command(BaseCommand):
                           f"(password in {embedded.password_path})")
         return url
 
-    def _sync(self, env: dict) -> None:
-        proc = subprocess.run([sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "sync_config"], env=env,
-                              cwd=settings.BASE_DIR)
-        if proc.returncode != 0:
-            raise CommandError("sync_config failed")
+    def _sync(self, config: ServerConfig) -> None:
+        """``manage.py sync_config``'s work (``records.registry_start``), in this process: a child of its
+        own cost a Python and Django start (about 2.6 s of CPU) on every start.
+
+        Raises:
+            CommandError: the deployment's Redis runs the other runtime (R1.4).
+        """
+        try:
+            report, published_ids = records.registry_start(config, sync_scheduler(), sync_redis(), KEYS)
+        except RuntimeMismatch as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(records.start_summary(report, published_ids))
 
     def _wait_healthy(self, host: str, port: int) -> None:
         """Wait until ``/health`` answers 200: daphne is up and a worker is alive (a 503 is ``degraded``).

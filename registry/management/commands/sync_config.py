@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 from audiosite.serverconfig import ConfigError, get_config
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_scheduler
 from inference.scheduler import RuntimeMismatch
-from registry.services import registration_sync_config, registry_publish
+from registry.services import registry_start, start_summary
 
 
 class Command(BaseCommand):
@@ -28,14 +28,9 @@ class Command(BaseCommand):
             config = get_config()
         except ConfigError as exc:
             raise CommandError("\n".join([f"{exc.source}:"] + [f"  - {p}" for p in exc.problems])) from None
-        runtime = config.runtime
         try:
-            sync_scheduler().claim_runtime(runtime)
+            report, published = registry_start(config, sync_scheduler(), sync_redis(), KEYS)
         except RuntimeMismatch as exc:
             raise CommandError(str(exc)) from None
-        report = registration_sync_config(config)
-        published = registry_publish(sync_redis(), KEYS, runtime)
-        self.stdout.write(
-            f"registry: created {report['created']}, updated {report['updated']}, removed {report['removed']}; "
-            f"published {len(published)} model(s)"
-        )
+        self.stdout.write(start_summary(report, published))
+
