@@ -302,7 +302,7 @@ def _pytest(argv: list[str], junit: Path, log: Path, out: TextIO) -> int:
 
 
 def run(backend: str, out_root: Path, seed: int | None = None, stress_steps: int = DEFAULT_STRESS_STEPS,
-        stdout: TextIO = sys.stdout, quick: bool = False) -> Path:
+        stdout: TextIO | None = None, quick: bool = False) -> Path:
     """Run the framework checks and write one framework record under ``out_root``; returns its path.
 
     ``quick``: only the mapped F1–F5 tests (F6 PENDING). Otherwise the whole suite (which contains
@@ -315,6 +315,7 @@ def run(backend: str, out_root: Path, seed: int | None = None, stress_steps: int
             whose onnxruntime gets no CUDA provider, for instance): the record would claim a scope
             it did not run.
     """
+    stdout = stdout or sys.stdout
     found = resolve_backend("auto")
     if backend != found:
         raise ValueError(f"backend {backend!r} requested but this machine runs models on {found!r}; "

@@ -67,6 +67,28 @@ def _wav(seconds: float, rate_hz: int = 16000) -> bytes:
     return buffer.getvalue()
 
 
+def answer_problem(status: int, headers: Any, text: str, expect: set[int] | None = None) -> str | None:
+    """What is wrong with one HTTP answer, or None: a status outside ``DOCUMENTED`` (a 500 always is),
+    a status outside ``expect``, an error body not in the shape ``{"error": {message, type, param,
+    code}}``, or a 503 without ``Retry-After`` (``headers``: any case-insensitive mapping)."""
+    if status not in DOCUMENTED:
+        return f"status {status}"
+    if expect is not None and status not in expect:
+        return f"status {status}, expected {sorted(expect)}"
+    if status == 200:
+        return None
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        payload = None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict) or set(error) != ERROR_KEYS:
+        return f"{status} not in the error shape"
+    if status == 503 and "retry-after" not in headers:
+        return "503 without Retry-After"
+    return None
+
+
 class Stress:
     """One stress run's state: the server, the client, the models as the run believes them to be."""
 
@@ -86,6 +108,7 @@ class Stress:
         self.step = 0
         self.action = ""
         self.serial = 0
+        self.plan: list[str] = []  # the action of each step (the same seed gives the same plan)
         self.client = httpx.AsyncClient(base_url=server.url, timeout=STEP_TIMEOUT_S,
                                         headers={"Authorization": f"Token {server.token}"},
                                         limits=httpx.Limits(max_connections=64))
@@ -96,25 +119,18 @@ class Stress:
         self.out.write(f"  VIOLATION step {self.step} ({self.action}): {what}\n")
 
     def answer(self, resp: httpx.Response, expect: set[int] | None = None, what: str = "") -> dict | None:
-        """Check one answer's status and shape; returns the JSON body of a 200, else None."""
+        """Check one answer (``answer_problem``); returns the JSON body of a 200, else None."""
         self.statuses[resp.status_code] += 1
+        problem = answer_problem(resp.status_code, resp.headers, resp.text, expect)
+        if problem:
+            self.violate(f"{what}: {problem}", resp.text[:500])
+        if resp.status_code != 200:
+            return None
         try:
             payload = resp.json()
         except ValueError:
-            payload = None
-        if resp.status_code == 500 or resp.status_code not in DOCUMENTED:
-            self.violate(f"{what}: status {resp.status_code}", resp.text[:500])
-            return None
-        if expect is not None and resp.status_code not in expect:
-            self.violate(f"{what}: status {resp.status_code}, expected {sorted(expect)}", resp.text[:500])
-        if resp.status_code == 200:
-            return payload if isinstance(payload, dict) else {}
-        error = payload.get("error") if isinstance(payload, dict) else None
-        if not isinstance(error, dict) or set(error) != ERROR_KEYS:
-            self.violate(f"{what}: {resp.status_code} not in the error shape", resp.text[:500])
-        elif resp.status_code == 503 and "retry-after" not in resp.headers:
-            self.violate(f"{what}: 503 without Retry-After", resp.text[:500])
-        return None
+            return {}
+        return payload if isinstance(payload, dict) else {}
 
     # -- traffic --------------------------------------------------------------------------------------
     def _request_body(self, model_id: str, timeout_ms: int | None, invalid: bool = False) -> dict:
@@ -343,6 +359,7 @@ class Stress:
                 finally:
                     stop.set()
                     await watcher
+                self.plan.append(self.action)
                 await self.check_idle()
                 self.out.write(f"step {self.step:3d} {self.action:<40} {time.monotonic() - began:5.2f} s "
                                f"violations {len(self.violations)}\n")
@@ -351,12 +368,13 @@ class Stress:
             await self.client.aclose()
 
 
-def run_stress(seed: int, steps: int, stdout: TextIO = sys.stdout, workdir: Path | None = None) -> dict:
+def run_stress(seed: int, steps: int, stdout: TextIO | None = None, workdir: Path | None = None) -> dict:
     """Start a real parallel server, run ``steps`` seeded steps against it, stop it; return the report.
 
     Returns:
         ``{"seed", "steps", "requests", "managers", "statuses" (HTTP status -> count),
-        "violations" ([{"step", "action", "what", "state"}]), "duration_s", "server_log"}``,
+        "violations" ([{"step", "action", "what", "state"}]), "plan" (action per step),
+        "duration_s", "server_log_tail" (only with violations)}``,
         also written to ``<workdir>/stress.json`` when ``workdir`` is given.
 
     Raises:
@@ -365,6 +383,7 @@ def run_stress(seed: int, steps: int, stdout: TextIO = sys.stdout, workdir: Path
     from inference.management.commands.bench_slots import Server
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the steps
+    stdout = stdout or sys.stdout
     stdout.write(f"stress run: seed {seed}, {steps} steps\n")
     stdout.flush()
     began = time.monotonic()
@@ -382,7 +401,7 @@ def run_stress(seed: int, steps: int, stdout: TextIO = sys.stdout, workdir: Path
             log_tail = server.log.read_text(errors="replace")[-4000:]
     report = {"seed": seed, "steps": steps, "requests": stress.requests, "managers": stress.managers,
               "statuses": {str(k): v for k, v in sorted(stress.statuses.items())},
-              "violations": stress.violations, "duration_s": round(time.monotonic() - began, 1),
+              "violations": stress.violations, "plan": stress.plan, "duration_s": round(time.monotonic() - began, 1),
               "server_log_tail": log_tail if stress.violations else ""}
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
