@@ -35,6 +35,7 @@ from django.conf import settings
 from inference.backend import resolve_backend
 
 from . import evidence
+from .stress import run_stress
 
 SCHED = "tests/test_scheduler.py::"
 PAR = "tests/test_parallel.py::"
@@ -191,7 +192,8 @@ LIMITS: dict[str, str] = {
     "F3": "destruction order (sessions before weights) is recorded by the fixture family and done by "
           "inference/worker/state.py but not asserted over HTTP; a failing 'preparation' is shown through "
           "the decode budget and bad input, there is no separate prepare hook",
-    "F4": "the stalled-client case runs through the nginx proxy (skipped, so PENDING, without nginx)",
+    "F4": "stalled header and stalled body are handled by the nginx proxy in front of daphne (deploy/nginx), "
+          "not by daphne alone; without nginx that test skips and F4 is PENDING",
     "F5": "",
 }
 # Skips of the whole suite that do not keep F6 from passing: cases that cannot apply by design.
@@ -321,8 +323,10 @@ def run(backend: str, out_root: Path, seed: int | None = None, stress_steps: int
         raise ValueError(f"backend {backend!r} requested but this machine runs models on {found!r}; "
                          f"a framework record must be made on the backend it names")
     started_at, began = evidence.now_iso(), time.monotonic()
+    scope = evidence.manifest(backend)  # read before the run: the code the tests exercise
+    out_root = Path(out_root).resolve()  # pytest runs in BASE_DIR, maybe not the caller's directory
     rid = evidence.run_id("framework", backend)
-    folder = Path(out_root) / backend / "framework" / rid
+    folder = out_root / backend / "framework" / rid
     folder.mkdir(parents=True, exist_ok=True)
     junit, log = folder / "junit.xml", folder / "pytest.log"
     argv = mapped_node_ids() if quick else ["tests"]
@@ -340,24 +344,22 @@ def run(backend: str, out_root: Path, seed: int | None = None, stress_steps: int
                                       "quick run: only the mapped F1-F5 tests ran; the whole suite and "
                                       "the seeded stress run did not")
     else:
-        from .stress import run_stress
-
         seed = random.SystemRandom().randrange(1, 2**31) if seed is None else seed
         stress_report = run_stress(seed, stress_steps, stdout=stdout, workdir=folder / "stress")
         checks["F6"] = _f6(outcomes, code, stress_report)
     record = {
         "procedure_version": evidence.PROCEDURE_VERSION, "kind": "framework", "run_id": rid,
         "started_at": started_at, "finished_at": evidence.now_iso(), "duration_s": round(time.monotonic() - began, 1),
-        "manifest": evidence.manifest(backend, scope={
+        "manifest": {**scope, "scope": {
             "quick": quick, "pytest_args": argv if quick else ["tests"], "pytest_exit": code,
             "suite": _summary(outcomes), "stress_seed": stress_report["seed"] if stress_report else None,
             "stress_steps": stress_report["steps"] if stress_report else None,
             "database": _redacted(os.environ.get("DATABASE_URL", "")),
-            "redis": _redacted(os.environ.get("REDIS_URL", ""))}),
+            "redis": _redacted(os.environ.get("REDIS_URL", ""))}},
         "framework_checks": checks, "model_checks": {}, "counts": {},
         "admission_ready": evidence.all_pass(checks), "performance": {},
     }
-    path = evidence.write(Path(out_root), record)
+    path = evidence.write(out_root, record)
     if log.stat().st_size > 2_000_000:  # a failing full run can be long; keep the end
         log.write_bytes(log.read_bytes()[-2_000_000:])
     for ident, entry in checks.items():

@@ -49,6 +49,7 @@ import httpx
 import numpy as np
 import soundfile
 
+from inference.management.commands.bench_slots import Server
 from inference.runtime.context import KEYS
 
 DOCUMENTED = {200, 400, 404, 409, 503}
@@ -380,8 +381,6 @@ def run_stress(seed: int, steps: int, stdout: TextIO | None = None, workdir: Pat
     Raises:
         django.core.management.base.CommandError: the server did not start.
     """
-    from inference.management.commands.bench_slots import Server
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the steps
     stdout = stdout or sys.stdout
     stdout.write(f"stress run: seed {seed}, {steps} steps\n")

@@ -8,6 +8,7 @@ just the stress run and prints its report (no record).
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
@@ -32,7 +33,7 @@ class Command(BaseCommand):
         if opts["stress_steps"] < 1:
             raise CommandError("--stress-steps must be at least 1")
         if opts["stress_only"]:
-            seed = opts["seed"] if opts["seed"] is not None else __import__("random").SystemRandom().randrange(1, 2**31)
+            seed = opts["seed"] if opts["seed"] is not None else random.SystemRandom().randrange(1, 2**31)
             report = run_stress(seed, opts["stress_steps"], stdout=self.stdout)
             self.stdout.write(json.dumps({k: v for k, v in report.items() if k != "server_log_tail"}, indent=1))
             if report["violations"]:
