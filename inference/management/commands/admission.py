@@ -40,7 +40,8 @@ class Command(BaseCommand):
             current = admission.read_table(path)
         except evidence.EvidenceError as exc:
             raise CommandError(f"refused, nothing written: {exc}") from None
-        label = str(root.relative_to(Path.cwd())) if root.resolve().is_relative_to(Path.cwd()) else str(root)
+        # how _about names the root: the same text whatever directory the command runs in
+        label = "model_specs/evidence" if root.resolve() == evidence.EVIDENCE_DIR.resolve() else str(root)
         document = admission.render(table, decisions, backend, label)
         lines = admission.diff(current, document, decisions)
         same = current == document
