@@ -39,6 +39,20 @@ def record(root: Path, family: str, task: str, counts: dict[int, bool], finished
     return evidence.write(root, rec)
 
 
+def framework_record(root: Path, finished_at: str, *, backend: str = "cpu", failing: str | None = None,
+                     code_tree: str = "tree-a") -> Path:
+    """Write a framework record: F1-F6 PASS, or ``failing`` FAIL."""
+    checks = {ident: evidence.check(evidence.FAIL if ident == failing else evidence.PASS, {"tests": 1})
+              for ident in evidence.FRAMEWORK_IDS}
+    rec = {"procedure_version": evidence.PROCEDURE_VERSION, "kind": "framework",
+           "run_id": f"{finished_at.replace(':', '').replace('-', '')}-framework-{backend}",
+           "started_at": finished_at, "finished_at": finished_at, "duration_s": 1.0,
+           "manifest": {"backend": backend, "revision": {"commit": "c", "dirty": False, "code_tree": code_tree}},
+           "framework_checks": checks, "model_checks": {}, "counts": {}, "admission_ready": failing is None,
+           "performance": {}}
+    return evidence.write(root, rec)
+
+
 def admission(root: Path, table: Path, *flags: str, backend: str = "cpu") -> str:
     out = io.StringIO()
     call_command("admission", "--backend", backend, "--evidence", str(root), "--table", str(table), *flags, stdout=out)
@@ -53,6 +67,8 @@ def rows(table: Path) -> dict:
 def paths(tmp_path) -> tuple[Path, Path]:
     root = tmp_path / "evidence"
     root.mkdir()
+    framework_record(root, "2026-12-01T08:00:00Z")
+    framework_record(root, "2026-12-01T08:00:00Z", backend="cuda")
     return root, tmp_path / "cpu.json"
 
 
@@ -66,7 +82,8 @@ def test_consecutive_ready_counts_are_added_with_the_record_that_decides(paths):
     assert rows(table)["piper"] == {"tts/offline": [1]}  # no record: one slot
     assert rows(table)["fixture"] == {"fixture/offline": [1, 2, 3, 4]}  # the test-only family
     relative = str(path.relative_to(root))
-    assert f"+ silero_vad vad/offline count 4: the newest record that ran it says admission_ready ({relative})" in out
+    assert (f"+ silero_vad vad/offline count 4: the newest record that ran it passes its model checks and the "
+            f"newest framework record passes F1-F6 ({relative})") in out
     document = json.loads(table.read_text())
     assert document["_sources"]["silero_vad vad/offline"] == {n: relative for n in ("2", "3", "4")}
     assert "generated" in document["_about"].lower() and "whisper asr/offline" in document["_sources"]
@@ -90,7 +107,7 @@ def test_the_newest_record_of_a_count_wins_and_a_newer_failure_removes_it(paths)
     newer = record(root, "whisper", "asr", {3: False}, "2026-12-01T11:00:00Z")
     out = admission(root, table, "--write")
     assert rows(table)["whisper"] == {"asr/offline": [1, 2]}
-    assert (f"- whisper asr/offline count 3: the newest record that ran it says not admission_ready "
+    assert (f"- whisper asr/offline count 3: the newest record that ran it has a model check that did not pass "
             f"({newer.relative_to(root)})") in out
     record(root, "whisper", "asr", {3: True}, "2026-12-01T12:00:00Z")  # fixed again, later
     admission(root, table, "--write")
@@ -165,3 +182,40 @@ def test_the_server_reads_the_generated_table_the_same_way(paths):
     admission(root, table, "--write")
     assert specs.consecutive_count(rows(table)["whisper"]["asr/offline"]) == 3
     assert set(rows(table)) == set(specs._read_specs())
+
+
+def test_framework_checks_are_judged_from_the_newest_framework_record_not_the_models_copy(paths):
+    """A model run made before the framework run (its copy of F1-F6 PENDING, its own admission_ready
+    false) is admitted once a passing framework record exists; a newer framework record that is not all
+    PASS takes every count above one away again, and the output says why."""
+    root, table = paths
+    pending = {ident: evidence.check(evidence.PENDING, None, "no framework record") for ident in evidence.FRAMEWORK_IDS}
+    path = record(root, "silero_vad", "vad", {2: True, 3: True}, "2026-12-01T09:00:00Z", framework=pending)
+    data = json.loads(path.read_text())
+    for entry in data["counts"].values():
+        entry["admission_ready"] = False  # what validate_slots writes while F1-F6 are PENDING
+    data["admission_ready"] = False
+    path.write_text(json.dumps(data))
+    out = admission(root, table, "--write")
+    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3]}
+    assert "framework: F1-F6 PASS" in out
+    assert "note: " in out and str(path.relative_to(root)) in out  # its code tree is not the framework's
+    failing = framework_record(root, "2026-12-01T10:00:00Z", failing="F6")
+    out = admission(root, table, "--write")
+    assert rows(table)["silero_vad"] == {"vad/offline": [1]}
+    assert "- silero_vad vad/offline count 2: model checks pass, but the newest framework record has F6 FAIL" in out
+    assert str(failing.relative_to(root)) in out
+    assert json.loads(table.read_text())["_framework"]["passed"] is False
+    framework_record(root, "2026-12-01T11:00:00Z")
+    admission(root, table, "--write")
+    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3]}
+
+
+def test_without_a_framework_record_no_count_above_one_is_admitted(tmp_path):
+    root = tmp_path / "evidence"
+    root.mkdir()
+    table = tmp_path / "cpu.json"
+    record(root, "whisper", "asr", {2: True}, "2026-12-01T09:00:00Z")
+    out = admission(root, table, "--write")
+    assert rows(table)["whisper"] == {"asr/offline": [1]}
+    assert "no framework record for cpu" in out

@@ -6,8 +6,16 @@ records under an evidence root (``evidence.py``) so that no count is admitted wi
 - for every family spec and each of its ``task/mode`` pairs, count 1 is admitted (the serial path:
   R9.2 gates only counts above one);
 - a count n > 1 is *validated* when the newest model record of that family, task, mode and backend
-  that ran n (newest by ``finished_at``) says ``counts[n].admission_ready``; a newer failing record
-  therefore removes a count that an older one admitted;
+  that ran n (newest by ``finished_at``) has every model check of n (its ``counts[n].model_checks``
+  and the run's ``model_checks``) PASS or NOT_APPLICABLE, **and** the newest framework record of the
+  backend has F1–F6 all PASS; a newer failing record therefore removes a count that an older one
+  admitted, and a newer framework record that is not all PASS removes every count above one;
+- the framework checks are judged here, from the newest framework record, not from the copy a model
+  record took when it was written: F1–F6 are once per code revision and backend, M1–M6 per family
+  and count, so a model run made before the framework run (its copy PENDING, its own
+  ``admission_ready`` false) is admitted once a passing framework record exists. The table's
+  ``_framework`` names that record and its code tree; a model record whose ``code_tree`` differs
+  is listed in the command's output (the code changed between the two runs);
 - admitted = 1 plus the validated counts 2, 3, … up to the first one that is not (consecutive);
 - a test-only family (``"test_only": true``, the ``fixture`` family) has no model to check: it keeps
   ``TEST_ONLY_COUNTS``, the counts the framework tests exercise, and is said so in ``_about``.
@@ -17,7 +25,8 @@ family, task or mode that has no spec, runs a count outside 1..16, or says a cou
 ``admission_ready`` while its own checks (framework checks and the count's model checks) are not
 all PASS or NOT_APPLICABLE.
 
-The table's shape: ``{"_about": str, "_sources": {"family task/mode": {"n": decision}},
+The table's shape: ``{"_about": str, "_framework": {"record", "passed", "reason", "code_tree"},
+"_sources": {"family task/mode": {"n": decision}},
 "<family>": {"<task>/<mode>": [1, 2, …]}}``; keys starting with ``_`` are not families.
 """
 from __future__ import annotations
@@ -43,37 +52,73 @@ class Decision:
     record: str | None = None
 
 
+def _ok(checks: dict) -> bool:
+    return bool(checks) and all(c["status"] in (evidence.PASS, evidence.NOT_APPLICABLE) for c in checks.values())
+
+
 def _count_backed(path: Path, record: dict, count: str) -> bool:
-    """``counts[count].admission_ready`` of ``record``, after checking the record backs it.
+    """Whether the model checks of ``count`` in ``record`` (the count's own and the run's) all pass.
 
     Raises:
-        evidence.EvidenceError: the record says ready while one of its checks is not PASS/NOT_APPLICABLE.
+        evidence.EvidenceError: the record says ``admission_ready`` while one of its checks (its copy of
+            the framework checks included) is not PASS/NOT_APPLICABLE: a record that contradicts itself.
     """
     entry = record["counts"][count]
-    if not entry["admission_ready"]:
-        return False
-    checks = {**record["framework_checks"], **entry.get("model_checks", {})}
-    bad = sorted(f"{ident} {c['status']}" for ident, c in checks.items()
-                 if c["status"] not in (evidence.PASS, evidence.NOT_APPLICABLE))
-    if bad or not checks:
-        raise evidence.EvidenceError(f"{path}: counts[{count}] says admission_ready but "
-                                     f"{', '.join(bad) if bad else 'it has no checks'}")
-    return True
+    model = {**record["model_checks"], **entry.get("model_checks", {})}
+    if entry["admission_ready"]:
+        checks = {**record["framework_checks"], **model}
+        bad = sorted(f"{ident} {c['status']}" for ident, c in checks.items()
+                     if c["status"] not in (evidence.PASS, evidence.NOT_APPLICABLE))
+        if bad or not checks:
+            raise evidence.EvidenceError(f"{path}: counts[{count}] says admission_ready but "
+                                         f"{', '.join(bad) if bad else 'it has no checks'}")
+    return _ok(model)
 
 
-def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]]]:
+@dataclass(frozen=True)
+class FrameworkVerdict:
+    """The newest framework record of a backend: whether F1–F6 all pass, which record, its code tree."""
+
+    passed: bool
+    reason: str
+    record: str | None = None
+    code_tree: str | None = None
+
+
+def framework_verdict(root: Path, backend: str) -> FrameworkVerdict:
+    """Judge F1–F6 from the newest ``kind="framework"`` record of ``backend`` under ``root``."""
+    found = evidence.latest_framework(Path(root), backend)
+    if found is None:
+        return FrameworkVerdict(False, f"no framework record for {backend} (run validate_slots --framework)")
+    path, record = found
+    where = str(path.relative_to(root))
+    checks = record["framework_checks"]
+    missing = [ident for ident in evidence.FRAMEWORK_IDS if ident not in checks]
+    bad = sorted(f"{ident} {c['status']}" for ident, c in checks.items() if c["status"] != evidence.PASS)
+    tree = record["manifest"].get("revision", {}).get("code_tree")
+    if missing or bad:
+        problems = ", ".join(bad + [f"{m} missing" for m in missing])
+        return FrameworkVerdict(False, f"the newest framework record has {problems}", where, tree)
+    return FrameworkVerdict(True, "F1-F6 PASS", where, tree)
+
+
+def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]], FrameworkVerdict, list[str]]:
     """The table for ``backend`` from the records under ``root``, and the decision behind every count.
 
     Returns:
-        ``(table, decisions)`` where ``decisions["family task/mode"]`` lists one ``Decision`` per
-        count that any record ran or that is admitted.
+        ``(table, decisions, framework, other_code)``: ``decisions["family task/mode"]`` lists one
+        ``Decision`` per count that any record ran or that is admitted; ``framework`` is the verdict of
+        the newest framework record; ``other_code`` lists the deciding model records (paths relative to
+        ``root``) whose code tree differs from that framework record's.
 
     Raises:
         evidence.EvidenceError: a malformed or unbackable record (the message names its path).
     """
     root = Path(root)
     known = specs._read_specs()  # every spec, the test-only family included
+    framework = framework_verdict(root, backend)
     newest: dict[tuple[str, str, int], tuple[Path, bool]] = {}
+    trees: dict[Path, str | None] = {}
     for path, record in evidence.load_all(root):  # oldest first: later entries overwrite
         if record["kind"] != "model" or record["manifest"]["backend"] != backend:
             continue
@@ -85,6 +130,7 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]]]:
             if not 1 <= int(count) <= specs.MAX_SLOTS:
                 raise evidence.EvidenceError(f"{path}: count {count} is outside 1..{specs.MAX_SLOTS}")
             ready = _count_backed(path, record, count)
+            trees[path] = record["manifest"].get("revision", {}).get("code_tree")
             newest[(man["family"], f"{man['task']}/{man['mode']}", int(count))] = (path, ready)
     table: dict = {}
     decisions: dict[str, list[Decision]] = {}
@@ -106,32 +152,45 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]]]:
                     where = str(path.relative_to(root))
                     if not ready:
                         gap = True
-                        rows.append(Decision(n, False, "the newest record that ran it says not admission_ready", where))
+                        rows.append(Decision(n, False, "the newest record that ran it has a model check that "
+                                                       "did not pass", where))
+                    elif not framework.passed:
+                        gap = True
+                        rows.append(Decision(n, False, f"model checks pass, but {framework.reason}"
+                                                       f"{f' ({framework.record})' if framework.record else ''}",
+                                             where))
                     elif gap or n != admitted[-1] + 1:
                         gap = True
                         rows.append(Decision(n, False, f"ready, but count {admitted[-1] + 1} is not admitted "
                                                        f"(counts must be consecutive)", where))
                     else:
                         admitted.append(n)
-                        rows.append(Decision(n, True, "the newest record that ran it says admission_ready", where))
+                        rows.append(Decision(n, True, "the newest record that ran it passes its model checks "
+                                                      "and the newest framework record passes F1-F6", where))
                 table[family][key] = admitted
                 decisions[f"{family} {key}"] = rows
-    return table, decisions
+    deciding = {path for path, _ready in newest.values()}
+    other_code = sorted(str(p.relative_to(root)) for p in deciding if trees.get(p) != framework.code_tree)
+    return table, decisions, framework, other_code
 
 
-def render(table: dict, decisions: dict[str, list[Decision]], backend: str, root_label: str) -> dict:
-    """The JSON document to write: ``_about``, ``_sources`` (the deciding record per admitted count > 1)
-    and the table."""
+def render(table: dict, decisions: dict[str, list[Decision]], backend: str, root_label: str,
+           framework: FrameworkVerdict) -> dict:
+    """The JSON document to write: ``_about``, ``_framework`` (the framework record judged, whether it
+    passes, its code tree), ``_sources`` (the deciding record per admitted count > 1) and the table."""
     sources = {key: {str(d.count): d.record for d in rows if d.admitted and d.record}
                for key, rows in decisions.items()}
     about = (f"Generated by `python manage.py admission --backend {backend} --write` from the evidence records under "
              f"{root_label}/{backend}; do not edit by hand (`--check` fails when this file and the records disagree). "
              f"Count 1 is always admitted (the serial path, R9.2). A count n > 1 is admitted when the newest record "
-             f"of the family/task/mode that ran n says counts[n].admission_ready and every smaller count is "
-             f"admitted; `_sources` names the deciding record of each. Families without records serve one slot. "
+             f"of the family/task/mode that ran n passes its model checks for n, the newest framework record "
+             f"(`_framework`) passes F1-F6, and every smaller count is admitted; `_sources` names the deciding "
+             f"record of each. Families without records serve one slot. "
              f"The test-only family `fixture` (AUDIOSITE_ENABLE_FIXTURE_FAMILY=1) keeps {TEST_ONLY_COUNTS}: it has "
              f"no model to check and the framework tests exercise those counts.")
-    return {"_about": about, "_sources": {k: v for k, v in sources.items() if v}, **table}
+    judged = {"record": framework.record, "passed": framework.passed, "reason": framework.reason,
+              "code_tree": framework.code_tree}
+    return {"_about": about, "_framework": judged, "_sources": {k: v for k, v in sources.items() if v}, **table}
 
 
 def families_of(document: dict) -> dict:

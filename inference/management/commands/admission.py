@@ -36,13 +36,17 @@ class Command(BaseCommand):
         if not root.is_dir():
             raise CommandError(f"no evidence directory at {root}")
         try:
-            table, decisions = admission.build(root, backend)
+            table, decisions, framework, other_code = admission.build(root, backend)
             current = admission.read_table(path)
         except evidence.EvidenceError as exc:
             raise CommandError(f"refused, nothing written: {exc}") from None
         # how _about names the root: the same text whatever directory the command runs in
         label = "model_specs/evidence" if root.resolve() == evidence.EVIDENCE_DIR.resolve() else str(root)
-        document = admission.render(table, decisions, backend, label)
+        document = admission.render(table, decisions, backend, label, framework)
+        where = f" ({framework.record}, code tree {(framework.code_tree or '?')[:12]})" if framework.record else ""
+        self.stdout.write(f"framework: {framework.reason}{where}")
+        for other in other_code:
+            self.stdout.write(f"note: {other} ran other code than the framework record (code tree differs)")
         lines = admission.diff(current, document, decisions)
         same = current == document
         for key in decisions:
