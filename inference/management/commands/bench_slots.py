@@ -27,110 +27,35 @@ import base64
 import json
 import logging
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 import redis
 import redis.asyncio as aioredis
 import soundfile
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 
-from audiosite.embedded_redis import EmbeddedRedis
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
 from inference.runtime.context import KEYS
 from inference.scheduler import Keys, Listener, Scheduler
+from inference.validation.servers import Server
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 REPEATS = 3
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _q(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-class Server:
-    """One ``manage.py serve`` child on a private embedded Redis and SQLite file."""
-
-    token: str = ""  # a management API token, once ``issue_token`` was called
-
-    def __init__(self, workdir: Path, models: list[dict], parallel: bool, extra_config: dict | None = None):
-        self.workdir = workdir
-        self.port = _port()
-        config = {"port": self.port, "lazy_load": True, "lease_ttl_ms": 5000, "models": models, **(extra_config or {})}
-        (workdir / "server.json").write_text(json.dumps(config))
-        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")
-               and not k.startswith("AUDIOSITE_")}
-        env.update(AUDIOSITE_VAR_DIR=str(workdir / "var"), PYTHONUNBUFFERED="1", AUDIOSITE_ENABLE_FIXTURE_FAMILY="1")
-        argv = [sys.executable, "manage.py", "serve", "--config", str(workdir / "server.json")]
-        if parallel:
-            argv.append("--parallel-jobs")
-        self.log = workdir / "serve.log"
-        self.proc = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, stdout=open(self.log, "wb"),
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while b"listening on" not in self.log.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise CommandError("a benchmark server did not start:\n" + self.log.read_text()[-3000:])
-            time.sleep(0.2)
-        try:
-            self.redis_url = EmbeddedRedis.under(workdir / "var").url()
-        except OSError as exc:
-            self.stop()
-            raise CommandError(f"a benchmark server left no embedded Redis password ({exc}):\n"
-                               + self.log.read_text()[-3000:]) from None
-        self.redis: Any = redis.Redis.from_url(self.redis_url, decode_responses=True)  # replies are str
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**env, "REDIS_URL": self.redis_url,
-                    "DATABASE_URL": f"sqlite:///{workdir / 'var' / 'audiosite.sqlite3'}"}
-        if parallel:
-            self.env["AUDIOSITE_PARALLEL_JOBS"] = "1"
-
-    def issue_token(self, user: str) -> str:
-        """``manage.py issue_token <user>`` against this server's database: the user's API token.
-
-        Raises:
-            CommandError: the command failed (its stderr is the message).
-        """
-        done = subprocess.run([sys.executable, "manage.py", "issue_token", user], cwd=settings.BASE_DIR,
-                              env=self.env, capture_output=True, text=True)
-        if done.returncode:
-            raise CommandError(done.stderr)
-        return done.stdout.strip()
-
-    def worker(self) -> psutil.Process:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if "celery" in " ".join(child.cmdline()):
-                return child
-        raise CommandError("no worker process found")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def _task_body(model: str, wav: bytes, **extra) -> dict:
