@@ -68,6 +68,10 @@ def test_validate_slots_on_the_fixture_family_passes_each_count_and_writes_one_r
     # the load failure was real and the retry served exactly
     retry = record["counts"]["2"]["model_checks"]["M4"]["evidence"]["load_failure_then_retry"]
     assert retry["request_after_failure_status"] == 503 and all(r["exact"] for r in retry["after_retry"])
+    # the unloads met a first lazy load in progress (held at the fixture's load barrier)
+    for key in ("targeted_unload_during_lazy_load", "bulk_unload_during_lazy_load"):
+        during = record["counts"]["2"]["model_checks"]["M4"]["evidence"][key]
+        assert during["overlapped_the_load"] is True and during["attempts"][0]["state_when_unload_sent"] == "loading"
     run_dir = path.parent
     logged = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
     assert len(logged) == record["raw"]["requests_logged"] and all(e.get("match", True) for e in logged)

@@ -62,6 +62,9 @@ class Workload:
         invalid: a request body's ``request`` part that must get a 4xx.
         bad_load: how to make a registration that fails at load: ``"file"`` (a garbage checkpoint
             file), ``"directory"`` (an empty checkpoint folder) or a dict of ``load_options``.
+        hold_load: a load option that holds the load at a named barrier (the fixture family's
+            ``load_barrier``), so an unload can be sent while a load is surely in progress; None for
+            real models (their own load time is the window).
     """
 
     family: str
@@ -74,6 +77,7 @@ class Workload:
     text_input: bool = False
     invalid: dict = field(default_factory=lambda: {"audio_base64": base64.b64encode(b"not audio at all" * 64).decode()})
     bad_load: str | dict = "file"
+    hold_load: str | None = None
 
     def registration(self, model_id: str, slots: int | None, **extra) -> dict:
         """The ``server.json`` / ``POST /v1/models/load`` entry for ``model_id`` (no ``slots`` key when
@@ -249,7 +253,7 @@ WORKLOADS: dict[str, Workload] = {
                   "served_by_this_slot": "a per-slot counter: depends on which slot served",
                   "started_ns": "worker monotonic clock at run start",
                   "finished_ns": "worker monotonic clock at run end"},
-        bad_load={"version": "v1", "fail_load": True}),
+        bad_load={"version": "v1", "fail_load": True}, hold_load="load_barrier"),
 }
 
 
