@@ -477,14 +477,17 @@ async def _m4(run: Run, client: Client, n: int, workdir: Path) -> dict:
     problems += _problem_list(good, "beside invalid input")
     # load failure, then retry with a good registration
     bad_id = "val-badload"
+    broken = workdir / ("broken-checkpoint" if wl.bad_load == "directory" else "broken-checkpoint.onnx")
+    if wl.bad_load == "directory":
+        broken.mkdir(exist_ok=True)
+    else:
+        broken.write_bytes(b"this is not a model checkpoint\n" * 8)
+    if wl.bad_component:  # a pipeline: one of its components cannot load (registered lazily, so it registers)
+        comp = await client.manage("/v1/models/load", {**wl.bad_component, "path": str(broken), "lazy": True})
+        ev["broken_component_registration"] = {"status": comp.status_code, "body": comp.text[:300]}
     if isinstance(wl.bad_load, dict):
         bad_reg = wl.registration(bad_id, n, load_options=dict(wl.bad_load), lazy=False)
     else:
-        broken = workdir / ("broken-checkpoint" if wl.bad_load == "directory" else "broken-checkpoint.onnx")
-        if wl.bad_load == "directory":
-            broken.mkdir(exist_ok=True)
-        else:
-            broken.write_bytes(b"this is not a model checkpoint\n" * 8)
         bad_reg = wl.registration(bad_id, n, path=str(broken), lazy=False)
     load_bad = await client.manage("/v1/models/load", bad_reg)
     entry_bad = await client.entry(bad_id)
@@ -501,8 +504,9 @@ async def _m4(run: Run, client: Client, n: int, workdir: Path) -> dict:
         "request_after_failure_error": (probe.payload or {}).get("error"),
         "good_registration_status": load_good.status_code,
         "after_retry": [{"item": o.item, "status": o.status, "exact": o.match} for o in retry_outs]}
-    if load_bad.status_code == 200 and (entry_bad.get("loaded") or entry_bad.get("state") == "ready"):
-        problems.append("the broken registration loaded")
+    if (not wl.bad_component and load_bad.status_code == 200
+            and (entry_bad.get("loaded") or entry_bad.get("state") == "ready")):
+        problems.append("the broken registration loaded")  # a pipeline has no weights: its components fail
     if load_bad.status_code >= 500 and load_bad.status_code != 503:
         problems.append(f"the failing load answered HTTP {load_bad.status_code}")
     if probe.status == 200 or (probe.status >= 500 and probe.status != 503):

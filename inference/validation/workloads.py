@@ -65,6 +65,9 @@ class Workload:
         hold_load: a load option that holds the load at a named barrier (the fixture family's
             ``load_barrier``), so an unload can be sent while a load is surely in progress; None for
             real models (their own load time is the window).
+        bad_component: for a pipeline, a component registration that gets the garbage checkpoint file;
+            ``bad_load`` then names it among the pipeline's components, so the first request fails
+            to load that component (a real load failure; the pipeline itself has no weights).
     """
 
     family: str
@@ -78,6 +81,7 @@ class Workload:
     invalid: dict = field(default_factory=lambda: {"audio_base64": base64.b64encode(b"not audio at all" * 64).decode()})
     bad_load: str | dict = "file"
     hold_load: str | None = None
+    bad_component: dict | None = None
 
     def registration(self, model_id: str, slots: int | None, **extra) -> dict:
         """The ``server.json`` / ``POST /v1/models/load`` entry for ``model_id`` (no ``slots`` key when
@@ -240,7 +244,8 @@ WORKLOADS: dict[str, Workload] = {
                Item("quiet_threshold", "speech_quiet", {"distance_threshold": 0.4}),
                Item("long_vad", "speech_x2", {"vad_threshold": 0.6, "min_silence_duration_ms": 200})),
         volatile={"timing": TIMING_REASON},
-        bad_load={"vad_model": "val-emb", "embedding_model": "val-vad"}),
+        bad_component={"id": "val-vad-broken", "family": "silero_vad", "task": "vad"},
+        bad_load={"vad_model": "val-vad-broken", "embedding_model": "val-emb"}),
     "fixture": Workload(
         "fixture", "fixture", load_options={"version": "v1"},
         items=(Item("a", "speech", {"tag": "a", "sleep_ms": 300}),
