@@ -16,10 +16,14 @@ from typing import Any
 
 import jsonschema
 
-from audiosite.settings import env_bool
+from audiosite.settings import env_bool, env_str
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "model_specs"
 ADMISSION_DIR = SPEC_DIR / "admission"
+# A validation run (``manage.py validate_slots``) points its own servers at a table of its own, which
+# admits the counts under test: a count must be served before evidence for it can exist (R9.2).
+# Infrastructure only; never set in a deployment.
+ADMISSION_DIR_ENV = "AUDIOSITE_ADMISSION_DIR"
 OPTION_BLOCKS = ("load_options", "session_options", "request_options")
 MAX_SLOTS = 16
 FIXTURE_FAMILY_ENV = "AUDIOSITE_ENABLE_FIXTURE_FAMILY"
@@ -214,9 +218,16 @@ def estimated_footprint_mb(family: str, slots: int, load_options: dict | None = 
     return int(block.get("weights", 0)) + max(1, slots) * int(block.get("per_slot", 0))
 
 
+def admission_dir() -> Path:
+    """Where the admission tables are read: ``model_specs/admission``, or the folder named by
+    ``AUDIOSITE_ADMISSION_DIR`` (set only by the validation gate for the servers it starts)."""
+    override = env_str(ADMISSION_DIR_ENV)
+    return Path(override) if override else ADMISSION_DIR
+
+
 @functools.cache
 def _admission_table(backend: str) -> dict:
-    path = ADMISSION_DIR / f"{backend}.json"
+    path = admission_dir() / f"{backend}.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 

@@ -24,7 +24,7 @@ def experimental_warning() -> str:
     """
     scope = []
     for backend in ("cpu", "cuda"):
-        path = specs.ADMISSION_DIR / f"{backend}.json"
+        path = specs.admission_dir() / f"{backend}.json"
         if not path.exists():
             continue
         for family, rows in sorted(json.loads(path.read_text()).items()):

@@ -108,7 +108,8 @@ def code_revision() -> dict:
     """The code a run exercised: ``{"commit", "dirty", "code_tree"}``.
 
     ``commit`` is ``git rev-parse HEAD`` ('' outside a checkout); ``dirty`` is true when tracked
-    files under ``CODE_PATHS`` differ from it; ``code_tree`` is a SHA-256 over the path and bytes of
+    files under ``CODE_PATHS`` (minus ``CODE_EXCLUDE``: a record being written is not a code change)
+    differ from it; ``code_tree`` is a SHA-256 over the path and bytes of
     every file under ``CODE_PATHS`` as it is on disk (tracked files, minus ``CODE_EXCLUDE``), so two
     records with the same ``code_tree`` ran the same code whatever commits lie between them.
     """
@@ -120,8 +121,10 @@ def code_revision() -> dict:
             continue
         digest.update(name.encode() + b"\0")
         digest.update(hashlib.sha256((base / name).read_bytes()).digest())
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS).splitlines()
+    changed = [line.split(maxsplit=1)[-1].split(" -> ")[-1] for line in status if line.strip()]
     return {"commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)),
+            "dirty": any(not name.startswith(CODE_EXCLUDE) for name in changed),
             "code_tree": digest.hexdigest()}
 
 

@@ -40,7 +40,9 @@ from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
 
-from .bench_slots import Server, _task_body
+from inference.validation.servers import Server
+
+from .bench_slots import _task_body
 
 SAMPLES = Path(settings.BASE_DIR) / "samples"
 READERS = ("librispeech_test_clean_6930-75918-0000.wav", "librispeech_test_other_7902-96591-0000.wav")

@@ -35,7 +35,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference.runtime.context import KEYS
 
-from .bench_slots import SAMPLE, Server, _q, _task_body
+from inference.validation.servers import Server
+
+from .bench_slots import SAMPLE, _q, _task_body
 
 REPEATS = 10
 

@@ -19,6 +19,10 @@ fixture family enabled for the scheduler measurements) and prints:
 - worker RSS after loading whisper with 1 and with 4 slots.
 
 The report is also written as JSON (``--out``, default ``var/bench_slots.json``).
+
+``--family F [--counts 2 4]``: instead, the performance report of VALIDATION.md for one family with
+the validation gate's workload (``inference/validation/performance.py``), written beside the evidence
+records (``--out``, default ``var/evidence``) and separate from admission.
 """
 from __future__ import annotations
 
@@ -27,110 +31,35 @@ import base64
 import json
 import logging
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 import redis
 import redis.asyncio as aioredis
 import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from audiosite.embedded_redis import EmbeddedRedis
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
 from inference.runtime.context import KEYS
 from inference.scheduler import Keys, Listener, Scheduler
+from inference.validation.servers import Server
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 REPEATS = 3
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _q(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-class Server:
-    """One ``manage.py serve`` child on a private embedded Redis and SQLite file."""
-
-    token: str = ""  # a management API token, once ``issue_token`` was called
-
-    def __init__(self, workdir: Path, models: list[dict], parallel: bool, extra_config: dict | None = None):
-        self.workdir = workdir
-        self.port = _port()
-        config = {"port": self.port, "lazy_load": True, "lease_ttl_ms": 5000, "models": models, **(extra_config or {})}
-        (workdir / "server.json").write_text(json.dumps(config))
-        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")
-               and not k.startswith("AUDIOSITE_")}
-        env.update(AUDIOSITE_VAR_DIR=str(workdir / "var"), PYTHONUNBUFFERED="1", AUDIOSITE_ENABLE_FIXTURE_FAMILY="1")
-        argv = [sys.executable, "manage.py", "serve", "--config", str(workdir / "server.json")]
-        if parallel:
-            argv.append("--parallel-jobs")
-        self.log = workdir / "serve.log"
-        self.proc = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, stdout=open(self.log, "wb"),
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while b"listening on" not in self.log.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise CommandError("a benchmark server did not start:\n" + self.log.read_text()[-3000:])
-            time.sleep(0.2)
-        try:
-            self.redis_url = EmbeddedRedis.under(workdir / "var").url()
-        except OSError as exc:
-            self.stop()
-            raise CommandError(f"a benchmark server left no embedded Redis password ({exc}):\n"
-                               + self.log.read_text()[-3000:]) from None
-        self.redis: Any = redis.Redis.from_url(self.redis_url, decode_responses=True)  # replies are str
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**env, "REDIS_URL": self.redis_url,
-                    "DATABASE_URL": f"sqlite:///{workdir / 'var' / 'audiosite.sqlite3'}"}
-        if parallel:
-            self.env["AUDIOSITE_PARALLEL_JOBS"] = "1"
-
-    def issue_token(self, user: str) -> str:
-        """``manage.py issue_token <user>`` against this server's database: the user's API token.
-
-        Raises:
-            CommandError: the command failed (its stderr is the message).
-        """
-        done = subprocess.run([sys.executable, "manage.py", "issue_token", user], cwd=settings.BASE_DIR,
-                              env=self.env, capture_output=True, text=True)
-        if done.returncode:
-            raise CommandError(done.stderr)
-        return done.stdout.strip()
-
-    def worker(self) -> psutil.Process:
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            if "celery" in " ".join(child.cmdline()):
-                return child
-        raise CommandError("no worker process found")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def _task_body(model: str, wav: bytes, **extra) -> dict:
@@ -145,9 +74,67 @@ class Command(BaseCommand):
     help = "Performance report: admission latency, HTTP overhead, rejection latency, N-slot vs serial, memory."
 
     def add_arguments(self, parser):
-        parser.add_argument("--out", default=str(Path(settings.VAR_DIR) / "bench_slots.json"))
+        parser.add_argument("--out", help="report file (default var/bench_slots.json); with --family the evidence "
+                                          "root the report goes under (default var/evidence)")
+        parser.add_argument("--family", help="the performance report of one family with the validation gate's "
+                                             "workload (inference/validation/workloads.py)")
+        parser.add_argument("--counts", type=int, nargs="+", default=[2, 4], help="with --family: N of the N-slot runs")
+        parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+        parser.add_argument("--repeats", type=int, default=REPEATS, help="warm repeats (at least 3)")
 
     def handle(self, *args, **opts):
+        if opts["family"]:
+            return self._family(opts)
+        opts["out"] = opts["out"] or str(Path(settings.VAR_DIR) / "bench_slots.json")
+        self._all(opts)
+
+    def _family(self, opts) -> None:
+        """``--family``: the per-family report of ``inference/validation/performance.py``, written as
+        ``<out>/<backend>/<family>/<task>-<mode>/performance-<stamp>/performance.json`` (beside the
+        evidence records, never read by admission)."""
+        from inference.validation import evidence
+        from inference.validation.performance import family_report
+        from inference.validation.workloads import get_workload
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        if opts["repeats"] < 3:
+            raise CommandError("--repeats must be at least 3 (VALIDATION.md)")
+        if specs.get_spec(opts["family"]) is None:
+            raise CommandError(f"unknown family {opts['family']!r}")
+        try:
+            workload = get_workload(opts["family"])
+        except KeyError as exc:
+            raise CommandError(str(exc.args[0])) from None
+        counts = sorted({n for n in opts["counts"] if n > 1})
+        cap = specs.advertised_capacity(workload.family, opts["backend"])
+        if not counts or max(counts) > cap:
+            raise CommandError(f"--counts must be 2..{cap} (the advertised capacity of {workload.family})")
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+            report = family_report(workload, counts, opts["backend"], Path(tmp), opts["repeats"])
+        report["manifest"] = evidence.manifest(opts["backend"], family=workload.family, task=workload.task,
+                                               mode=workload.mode)
+        report["duration_s"] = round(time.monotonic() - started, 1)
+        root = Path(opts["out"] or Path(settings.VAR_DIR) / "evidence")
+        folder = (root / opts["backend"] / workload.family / f"{workload.task}-{workload.mode}"
+                  / f"performance-{evidence.run_id(workload.family, opts['backend'])}")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "performance.json").write_text(json.dumps(report, indent=1) + "\n")
+        w = self.stdout.write
+        w(f"{workload.family}: legacy one request {report['legacy']['warm_one_request_ms']['median']} ms "
+          f"(cold {report['legacy']['cold_first_request_ms']} ms); parallel one slot "
+          f"{report['parallel_one_slot']['warm_one_request_ms']['median']} ms "
+          f"(cold {report['parallel_one_slot']['cold_first_request_ms']} ms)")
+        w(f"{'N':>3} {'serial ms':>10} {'N slots ms':>11} {'saved %':>8}")
+        for n, row in report["n_requests"].items():
+            w(f"{n:>3} {row['serial_on_one_slot_ms']['median']:>10} {row['on_n_slots_ms']['median']:>11} "
+              f"{row['time_saved_pct']:>8}")
+        w(f"memory (worker RSS MiB): {report['memory_mb']}")
+        w(f"failures: {len(report['failures'])}" + (f" ({report['failures'][:3]})" if report["failures"] else ""))
+        w("rejection latency is reported on its own by bench_slots without --family")
+        w(f"report written to {folder / 'performance.json'}")
+
+    def _all(self, opts) -> None:
 
         logging.getLogger("httpx").setLevel(logging.WARNING)
         samples, rate = soundfile.read(SAMPLE, dtype="float32")

@@ -2,7 +2,7 @@
 
 Starts its own ``manage.py serve --parallel-jobs --ui-management`` (embedded
 Redis, a temporary SQLite database, lazy loading, no configured model; see
-``bench_slots.Server``) and runs ``--cycles`` cycles of, through the HTTP API:
+``inference.validation.servers.Server``) and runs ``--cycles`` cycles of, through the HTTP API:
 
 1. ``POST /v1/models/load`` of one model of ``--family`` with ``--slots``
    slots (a management token from ``manage.py issue_token``);
@@ -41,7 +41,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference.runtime.context import KEYS
 
-from .bench_slots import SAMPLE, Server, _task_body
+from inference.validation.servers import Server
+
+from .bench_slots import SAMPLE, _task_body
 
 BASELINE_CYCLE = 5  # the issue's reference point: the allocator has settled after a few cycles
 TOLERANCE_PCT = 15.0  # issue 9 item 9: last-cycle RSS within 15 % of the cycle-5 RSS

@@ -1,0 +1,113 @@
+"""``python manage.py validate_slots``: the model checks M1–M6 of the validation gate for one family.
+
+    python manage.py validate_slots --family whisper --counts 1 2 4 [--task asr] [--mode offline]
+        [--starts 3] [--backend cpu|cuda] [--out model_specs/evidence] [--memory-cycles 20]
+
+Starts real ``manage.py serve`` processes (embedded Redis, a temporary SQLite file; fresh servers
+per count and start; see ``inference/validation/model_checks.py`` for the procedure and
+``inference/validation/workloads.py`` for each family's requests and comparison rule), writes one
+evidence record (``record.json``, the shape of ``../shared/spec/VALIDATION.md``) with the raw request
+log, references and mismatching answers beside it, and prints a table of every check per count and
+the record's path. The record's ``counts[n].admission_ready`` is what ``manage.py admission`` reads.
+The framework checks F1–F6 are copied from the newest framework record (``validate_slots
+--framework``) of the backend under ``model_specs/evidence``; without one they stay PENDING and no
+count is admission-ready.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+from inference import specs
+from inference.validation import evidence
+
+MODEL_ROWS = ("M1", "M2", "M3", "M4", "M5", "M6")
+
+
+class Command(BaseCommand):
+    help = "Validation gate, model checks M1-M6 for one family at several slot counts (writes an evidence record)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--family", help="model family (model_specs/<family>.json)")
+        parser.add_argument("--task", help="task (default: the family's first)")
+        parser.add_argument("--mode", default="offline", help="mode (default offline)")
+        parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4], help="slot counts to validate")
+        parser.add_argument("--starts", type=int, default=3, help="fresh server starts per count (default 3)")
+        parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+        parser.add_argument("--out", default=str(Path(settings.VAR_DIR) / "evidence"),
+                            help="evidence root (default var/evidence; committed records: model_specs/evidence)")
+        parser.add_argument("--memory-cycles", type=int, default=20, help="M5 cycles (default 20, at least 10)")
+        parser.add_argument("--framework", action="store_true",
+                            help="the framework record F1-F6 instead (runs manage.py validate_framework)")
+
+    def handle(self, *args, **opts):
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        if opts["framework"]:
+            # the framework checks F1-F6 are their own command; this flag is the spelling of issue 15
+            try:
+                return call_command("validate_framework", "--backend", opts["backend"], "--out", opts["out"],
+                                    stdout=self.stdout, stderr=self.stderr)
+            except CommandError as exc:
+                if "Unknown command" in str(exc):
+                    raise CommandError("the framework checks (manage.py validate_framework) are not part of "
+                                       "this build") from None
+                raise
+        from inference.validation.model_checks import MEMORY_WINDOW, Plan, run_model_validation
+        from inference.validation.workloads import get_workload
+
+        family = opts["family"]
+        if not family:
+            raise CommandError("--family is required (one of: " + ", ".join(sorted(specs.all_specs())) + ")")
+        if family == "fixture" and not specs.fixture_family_enabled():
+            raise CommandError("the fixture family is test-only: set AUDIOSITE_ENABLE_FIXTURE_FAMILY=1")
+        spec = specs.get_spec(family)
+        if spec is None:
+            raise CommandError(f"unknown family {family!r}; known: {', '.join(sorted(specs.all_specs()))}")
+        try:
+            workload = get_workload(family)
+        except KeyError as exc:
+            raise CommandError(str(exc.args[0])) from None
+        task = opts["task"] or spec["tasks"][0]
+        if task not in spec["tasks"]:
+            raise CommandError(f"family {family} serves tasks {spec['tasks']}, not {task!r}")
+        counts = sorted(set(opts["counts"]))
+        if any(n < 1 or n > specs.MAX_SLOTS for n in counts):
+            raise CommandError(f"--counts must be 1..{specs.MAX_SLOTS}")
+        if opts["starts"] < 1:
+            raise CommandError("--starts must be at least 1")
+        if opts["memory_cycles"] < MEMORY_WINDOW:
+            raise CommandError(f"--memory-cycles must be at least {MEMORY_WINDOW} (the M5 window)")
+        plan = Plan(family, task, opts["mode"], counts, opts["starts"], opts["backend"], Path(opts["out"]),
+                    opts["memory_cycles"])
+        if opts["mode"] not in spec.get("modes", []):
+            self.stdout.write(f"family {family} does not serve mode {opts['mode']!r} "
+                              f"(modes {spec.get('modes')}): M6 will say UNSUPPORTED")
+        self.stdout.write(f"validate_slots: {family} {task}/{opts['mode']} on {opts['backend']}, counts {counts}, "
+                          f"{opts['starts']} start(s) per count, {opts['memory_cycles']} memory cycles")
+        path, record = run_model_validation(plan, workload, print_line=self.stdout.write)
+        self.print_table(record)
+        self.stdout.write(f"record written to {path} (run took {record['duration_s']} s)")
+
+    def print_table(self, record: dict) -> None:
+        counts = list(record["counts"])
+        width = 16
+        self.stdout.write("entry  " + "".join(f"{'count ' + n:<{width}}" for n in counts))
+        for ident in evidence.FRAMEWORK_IDS:
+            status = record["framework_checks"][ident]["status"]
+            self.stdout.write(f"{ident:<7}" + "".join(f"{status:<{width}}" for _ in counts))
+        for ident in MODEL_ROWS:
+            cells = []
+            for n in counts:
+                entry = record["counts"][n]["model_checks"].get(ident) or record["model_checks"][ident]
+                cells.append(f"{entry['status']:<{width}}")
+            self.stdout.write(f"{ident:<7}" + "".join(cells))
+        ready = [str(record["counts"][n]["admission_ready"]) for n in counts]
+        self.stdout.write("ready  " + "".join(f"{r:<{width}}" for r in ready))
+        for n in counts:
+            for ident, entry in record["counts"][n]["model_checks"].items():
+                if entry["status"] not in (evidence.PASS, evidence.NOT_APPLICABLE) and entry["limits"]:
+                    self.stdout.write(f"count {n} {ident}: {entry['limits'][:400]}")
