@@ -49,7 +49,7 @@ import httpx
 import numpy as np
 import soundfile
 
-from inference.management.commands.bench_slots import Server
+from .servers import Server
 from inference.runtime.context import KEYS
 
 DOCUMENTED = {200, 400, 404, 409, 503}
