@@ -52,6 +52,9 @@ from inference.adapters.base import AudioRequest, LoadContext
 from inference.runtime.context import KEYS
 from inference.scheduler import Keys, Listener, Scheduler
 from inference.validation.servers import Server
+from inference.validation import evidence
+from inference.validation.performance import family_report
+from inference.validation.workloads import get_workload
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 REPEATS = 3
@@ -92,9 +95,6 @@ class Command(BaseCommand):
         """``--family``: the per-family report of ``inference/validation/performance.py``, written as
         ``<out>/<backend>/<family>/<task>-<mode>/performance-<stamp>/performance.json`` (beside the
         evidence records, never read by admission)."""
-        from inference.validation import evidence
-        from inference.validation.performance import family_report
-        from inference.validation.workloads import get_workload
 
         logging.getLogger("httpx").setLevel(logging.WARNING)
         if opts["repeats"] < 3:

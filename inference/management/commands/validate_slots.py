@@ -24,6 +24,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference import specs
 from inference.validation import evidence
+from inference.validation.model_checks import MEMORY_WINDOW, Plan, run_model_validation
+from inference.validation.workloads import get_workload
 
 MODEL_ROWS = ("M1", "M2", "M3", "M4", "M5", "M6")
 
@@ -41,6 +43,8 @@ class Command(BaseCommand):
         parser.add_argument("--out", default=str(Path(settings.VAR_DIR) / "evidence"),
                             help="evidence root (default var/evidence; committed records: model_specs/evidence)")
         parser.add_argument("--memory-cycles", type=int, default=20, help="M5 cycles (default 20, at least 10)")
+        parser.add_argument("--strict", action="store_true",
+                            help="exit 1 unless every model check of every count passes (CI; F1-F6 not judged)")
         parser.add_argument("--framework", action="store_true",
                             help="the framework record F1-F6 instead (runs manage.py validate_framework)")
 
@@ -56,8 +60,6 @@ class Command(BaseCommand):
                     raise CommandError("the framework checks (manage.py validate_framework) are not part of "
                                        "this build") from None
                 raise
-        from inference.validation.model_checks import MEMORY_WINDOW, Plan, run_model_validation
-        from inference.validation.workloads import get_workload
 
         family = opts["family"]
         if not family:
@@ -91,6 +93,12 @@ class Command(BaseCommand):
         path, record = run_model_validation(plan, workload, print_line=self.stdout.write)
         self.print_table(record)
         self.stdout.write(f"record written to {path} (run took {record['duration_s']} s)")
+        if opts["strict"]:
+            failed = sorted({f"{ident} at count {n}" for n, entry in record["counts"].items()
+                             for ident, check in {**record["model_checks"], **entry["model_checks"]}.items()
+                             if check["status"] not in (evidence.PASS, evidence.NOT_APPLICABLE)})
+            if failed:
+                raise CommandError("--strict: model checks that did not pass: " + ", ".join(failed))
 
     def print_table(self, record: dict) -> None:
         counts = list(record["counts"])
