@@ -45,7 +45,7 @@ class Command(BaseCommand):
         document = admission.render(table, decisions, backend, label, framework)
         where = f" ({framework.record}, code tree {(framework.code_tree or '?')[:12]})" if framework.record else ""
         self.stdout.write(f"framework: {framework.reason}{where}")
-        for other in other_code:
+        for other in other_code if framework.record else []:
             self.stdout.write(f"note: {other} ran other code than the framework record (code tree differs)")
         lines = admission.diff(current, document, decisions)
         same = current == document

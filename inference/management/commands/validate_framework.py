@@ -23,9 +23,11 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-        parser.add_argument("--out", default=str(evidence.EVIDENCE_DIR), help="evidence root (default: %(default)s)")
+        parser.add_argument("--out", default=str(evidence.EVIDENCE_DIR),
+                            help="evidence root (default: model_specs/evidence)")
         parser.add_argument("--seed", type=int, default=None, help="stress seed (default: a random one, printed)")
-        parser.add_argument("--stress-steps", type=int, default=framework.DEFAULT_STRESS_STEPS)
+        parser.add_argument("--stress-steps", type=int, default=framework.DEFAULT_STRESS_STEPS,
+                            help="steps of the seeded stress run (default %(default)s)")
         parser.add_argument("--quick", action="store_true",
                             help="only the mapped F1-F5 tests; F6 is then PENDING")
         parser.add_argument("--stress-only", action="store_true", help="only the stress run; print its report")

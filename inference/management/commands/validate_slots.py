@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
@@ -40,8 +39,8 @@ class Command(BaseCommand):
         parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4], help="slot counts to validate")
         parser.add_argument("--starts", type=int, default=3, help="fresh server starts per count (default 3)")
         parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
-        parser.add_argument("--out", default=str(Path(settings.VAR_DIR) / "evidence"),
-                            help="evidence root (default var/evidence; committed records: model_specs/evidence)")
+        parser.add_argument("--out", default=None,
+                            help="evidence root (default model_specs/evidence, as admission and validate_framework)")
         parser.add_argument("--memory-cycles", type=int, default=20, help="M5 cycles (default 20, at least 10)")
         parser.add_argument("--strict", action="store_true",
                             help="exit 1 unless every model check of every count passes (CI; F1-F6 not judged)")
@@ -49,6 +48,7 @@ class Command(BaseCommand):
                             help="the framework record F1-F6 instead (runs manage.py validate_framework)")
 
     def handle(self, *args, **opts):
+        opts["out"] = str(Path(opts["out"]) if opts["out"] else evidence.EVIDENCE_DIR)
         logging.getLogger("httpx").setLevel(logging.WARNING)
         if opts["framework"]:
             # the framework checks F1-F6 are their own command; this flag is the spelling of issue 15
@@ -115,6 +115,15 @@ class Command(BaseCommand):
             self.stdout.write(f"{ident:<7}" + "".join(cells))
         ready = [str(record["counts"][n]["admission_ready"]) for n in counts]
         self.stdout.write("ready  " + "".join(f"{r:<{width}}" for r in ready))
+        for n in counts:
+            blocked = record["counts"][n].get("blocked_by") or []
+            if not record["counts"][n]["admission_ready"] and blocked:
+                self.stdout.write(f"count {n} not admission-ready: {', '.join(blocked)} did not pass")
+        framework = [entry for ident, entry in record["framework_checks"].items() if entry["status"] != evidence.PASS]
+        if framework:
+            source = framework[0].get("record") or "none"
+            self.stdout.write(f"framework checks from record {source}: {framework[0]['limits'][:300]}"
+                              f" (manage.py admission judges F1-F6 again from the newest framework record)")
         for n in counts:
             for ident, entry in record["counts"][n]["model_checks"].items():
                 if entry["status"] not in (evidence.PASS, evidence.NOT_APPLICABLE) and entry["limits"]:
