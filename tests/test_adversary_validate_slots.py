@@ -1,0 +1,80 @@
+"""Adversary cases for ``manage.py validate_slots`` run as an operator runs it (a real child process).
+
+Found against main at a214faa:
+- SIGTERM (``kill PID``, a CI job timeout, systemd stop) ends validate_slots at once; the
+  ``finally: server.stop()`` blocks never run, so the ``manage.py serve`` it started (with its embedded
+  Redis, web and worker) keeps running, orphaned, with its temporary folder left in /tmp.
+- ``--backend cuda`` on a machine without a usable CUDA provider is not refused up front (as
+  ``validate_framework --backend cuda`` is, docs/validation.md "On a GPU"): it starts servers, every
+  load fails, it writes a record of FAILs into the cuda evidence tree and exits 0.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from django.conf import settings
+
+import onnxruntime
+
+
+def _validate_slots(out: Path, *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+    return subprocess.Popen([sys.executable, "manage.py", "validate_slots", "--family", "silero_vad", "--counts", "2",
+                             "--starts", "1", "--memory-cycles", "10", "--out", str(out), *args],
+                            cwd=settings.BASE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _serve_children(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return [c for c in psutil.Process(proc.pid).children(recursive=True)
+                if "serve" in " ".join(c.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def test_sigterm_during_a_run_leaves_no_server_behind(tmp_path):
+    proc = _validate_slots(tmp_path / "out")
+    deadline = time.monotonic() + 120
+    servers: list[psutil.Process] = []
+    while not servers and time.monotonic() < deadline and proc.poll() is None:
+        servers = _serve_children(proc)
+        time.sleep(0.5)
+    assert servers, "validate_slots started no server within 120 s"
+    tree = [p for s in servers for p in [s, *s.children(recursive=True)]]
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=90)
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    described = []
+    for leftover in alive:
+        try:
+            described.append(" ".join(leftover.cmdline())[:120])
+        except psutil.Error:
+            pass
+    for leftover in alive:  # clean up what the command left, by pid, before failing
+        try:
+            leftover.send_signal(signal.SIGINT if leftover in servers else signal.SIGTERM)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=60)
+    assert not alive, f"left running 60 s after SIGTERM (now stopped by the test): {described}"
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in onnxruntime.get_available_providers()
+                    and os.path.exists("/dev/nvidia0"), reason="a GPU machine: cuda is a valid backend here")
+def test_backend_cuda_without_a_gpu_is_refused_before_any_server_starts(tmp_path):
+    started = time.monotonic()
+    proc = _validate_slots(tmp_path / "out", "--backend", "cuda")
+    output, _ = proc.communicate(timeout=600)
+    text = output.decode(errors="replace")
+    assert proc.returncode != 0, text[-2000:]
+    assert "Traceback" not in text
+    assert not list((tmp_path / "out").rglob("record.json")), "a record of a backend this machine cannot run"
+    assert time.monotonic() - started < 30, "it ran the checks instead of refusing"
