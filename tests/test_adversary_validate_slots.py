@@ -4,6 +4,8 @@ Found against main at a214faa:
 - SIGTERM (``kill PID``, a CI job timeout, systemd stop) ends validate_slots at once; the
   ``finally: server.stop()`` blocks never run, so the ``manage.py serve`` it started (with its embedded
   Redis, web and worker) keeps running, orphaned, with its temporary folder left in /tmp.
+- a run with ``--starts 1 --memory-cycles 10`` (below VALIDATION.md's 3 starts and 20 cycles)
+  records M2 and M5 PASS and admission admits its count.
 - ``--backend cuda`` on a machine without a usable CUDA provider is not refused up front (as
   ``validate_framework --backend cuda`` is, docs/validation.md "On a GPU"): it starts servers, every
   load fails, it writes a record of FAILs into the cuda evidence tree and exits 0.
@@ -78,3 +80,18 @@ def test_backend_cuda_without_a_gpu_is_refused_before_any_server_starts(tmp_path
     assert "Traceback" not in text
     assert not list((tmp_path / "out").rglob("record.json")), "a record of a backend this machine cannot run"
     assert time.monotonic() - started < 30, "it ran the checks instead of refusing"
+
+
+def test_a_run_below_the_spec_minimums_does_not_admit_a_count(tmp_path):
+    """VALIDATION.md: M2 needs three fresh server starts per count, M5 at least 20 memory cycles.
+    A real run with --starts 1 --memory-cycles 10 records M2 PASS and M5 PASS, and admission admits
+    its count (with a passing framework record beside it)."""
+    from tests.test_admission import admission, framework_record, rows
+
+    out = tmp_path / "out"
+    proc = _validate_slots(out)  # --starts 1 --memory-cycles 10
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and list(out.rglob("record.json")), output.decode(errors="replace")[-2000:]
+    framework_record(out, "2026-12-01T00:00:00Z")  # F1-F6 PASS, older than the model run
+    admission(out, tmp_path / "cpu.json", "--write")
+    assert rows(tmp_path / "cpu.json")["silero_vad"] == {"vad/offline": [1]}
