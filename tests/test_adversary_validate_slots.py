@@ -6,6 +6,7 @@ Found against main at a214faa:
   Redis, web and worker) keeps running, orphaned, with its temporary folder left in /tmp.
 - a run with ``--starts 1 --memory-cycles 10`` (below VALIDATION.md's 3 starts and 20 cycles)
   records M2 and M5 PASS and admission admits its count.
+- ``--mode`` is not checked: "../" in it writes the run folder outside ``--out``.
 - ``--backend cuda`` on a machine without a usable CUDA provider is not refused up front (as
   ``validate_framework --backend cuda`` is, docs/validation.md "On a GPU"): it starts servers, every
   load fails, it writes a record of FAILs into the cuda evidence tree and exits 0.
@@ -95,3 +96,15 @@ def test_a_run_below_the_spec_minimums_does_not_admit_a_count(tmp_path):
     framework_record(out, "2026-12-01T00:00:00Z")  # F1-F6 PASS, older than the model run
     admission(out, tmp_path / "cpu.json", "--write")
     assert rows(tmp_path / "cpu.json")["silero_vad"] == {"vad/offline": [1]}
+
+
+def test_a_mode_with_a_path_in_it_writes_nothing_outside_out(tmp_path):
+    """--mode is not checked against the family's modes (only a warning); it is joined into the record
+    folder ``<out>/<backend>/<family>/<task>-<mode>/``, so '../' in it writes files outside --out
+    (manifest.json, requests.jsonl, outputs/) before the first server even fails to start."""
+    out, outside = tmp_path / "out", tmp_path / "escaped"
+    proc = _validate_slots(out, "--mode", f"../../../../../{'../' * 10}{outside}/x")
+    output, _ = proc.communicate(timeout=600)
+    text = output.decode(errors="replace")
+    assert not outside.exists(), f"files written outside --out: {sorted(p.name for p in outside.rglob('*'))[:5]}"
+    assert proc.returncode != 0 and "Traceback" not in text, text[-1500:]
