@@ -13,6 +13,7 @@ Found against main at a214faa:
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -108,3 +109,24 @@ def test_a_mode_with_a_path_in_it_writes_nothing_outside_out(tmp_path):
     text = output.decode(errors="replace")
     assert not outside.exists(), f"files written outside --out: {sorted(p.name for p in outside.rglob('*'))[:5]}"
     assert proc.returncode != 0 and "Traceback" not in text, text[-1500:]
+
+
+@pytest.mark.parametrize("bad", ["record_is_a_list", "framework_record_without_revision"])
+def test_a_bad_record_under_out_is_a_clear_error_before_any_server(tmp_path, bad):
+    """validate_slots reads --out's newest framework record first (framework_root); a record that
+    evidence.validate lets through without manifest.revision, or a JSON list, is a bare traceback."""
+    from tests.test_admission import framework_record
+
+    out = tmp_path / "out"
+    path = framework_record(out, "2026-12-01T00:00:00Z")
+    rec = json.loads(path.read_text())
+    if bad == "record_is_a_list":
+        path.write_text("[1]")
+    else:
+        del rec["manifest"]["revision"]
+        path.write_text(json.dumps(rec))
+    proc = _validate_slots(out)
+    output, _ = proc.communicate(timeout=300)
+    text = output.decode(errors="replace")
+    assert proc.returncode != 0
+    assert "Traceback" not in text and "record.json" in text, text[-1500:]
