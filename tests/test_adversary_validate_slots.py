@@ -27,6 +27,8 @@ from django.conf import settings
 
 import onnxruntime
 
+from tests.test_admission import admission, framework_record, rows
+
 
 def _validate_slots(out: Path, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
@@ -88,8 +90,6 @@ def test_a_run_below_the_spec_minimums_does_not_admit_a_count(tmp_path):
     """VALIDATION.md: M2 needs three fresh server starts per count, M5 at least 20 memory cycles.
     A real run with --starts 1 --memory-cycles 10 records M2 PASS and M5 PASS, and admission admits
     its count (with a passing framework record beside it)."""
-    from tests.test_admission import admission, framework_record, rows
-
     out = tmp_path / "out"
     proc = _validate_slots(out)  # --starts 1 --memory-cycles 10
     output, _ = proc.communicate(timeout=600)
@@ -115,8 +115,6 @@ def test_a_mode_with_a_path_in_it_writes_nothing_outside_out(tmp_path):
 def test_a_bad_record_under_out_is_a_clear_error_before_any_server(tmp_path, bad):
     """validate_slots reads --out's newest framework record first (framework_root); a record that
     evidence.validate lets through without manifest.revision, or a JSON list, is a bare traceback."""
-    from tests.test_admission import framework_record
-
     out = tmp_path / "out"
     path = framework_record(out, "2026-12-01T00:00:00Z")
     rec = json.loads(path.read_text())
