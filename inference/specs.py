@@ -225,10 +225,52 @@ def admission_dir() -> Path:
     return Path(override) if override else ADMISSION_DIR
 
 
+class AdmissionTableError(ValueError):
+    """An admission table that cannot be read (the message names the file or folder)."""
+
+
+def admission_table_path(backend: str) -> Path:
+    """The table file of ``backend`` that this process reads (see :func:`admission_dir`)."""
+    return admission_dir() / f"{backend}.json"
+
+
 @functools.cache
 def _admission_table(backend: str) -> dict:
-    path = admission_dir() / f"{backend}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    """The family rows of ``backend``'s table: ``{family: {"task/mode": [counts]}}`` ({} when the default
+    folder has no file for the backend: one slot everywhere).
+
+    Raises:
+        AdmissionTableError: ``AUDIOSITE_ADMISSION_DIR`` names no folder, or the file is not JSON or
+            not the table's shape.
+    """
+    folder = admission_dir()
+    if not folder.is_dir():
+        raise AdmissionTableError(f"{ADMISSION_DIR_ENV}={folder}: no such folder")
+    path = folder / f"{backend}.json"
+    if not path.exists():
+        return {}
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdmissionTableError(f"admission table {path}: not a readable JSON file ({exc})") from None
+    rows = {k: v for k, v in document.items() if not k.startswith("_")} if isinstance(document, dict) else None
+    if rows is None or not all(
+            isinstance(by_mode, dict) and all(isinstance(key, str) and "/" in key and isinstance(counts, list)
+                                              and all(isinstance(n, int) for n in counts)
+                                              for key, counts in by_mode.items())
+            for by_mode in rows.values()):
+        raise AdmissionTableError(f"admission table {path}: not of the shape "
+                                  '{family: {"task/mode": [counts]}} (python manage.py admission writes it)')
+    return rows
+
+
+def admission_rows(backend: str) -> dict:
+    """``{family: {"task/mode": [counts]}}`` of ``backend``'s admission table, read once per process.
+
+    Raises:
+        AdmissionTableError: see :func:`_admission_table`.
+    """
+    return _admission_table(backend)
 
 
 def admitted_counts(family: str, task: str, mode: str, backend: str) -> int:
@@ -243,6 +285,14 @@ def consecutive_count(validated) -> int:
     while k + 1 in validated:
         k += 1
     return max(k, 1)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the checkout when it is inside it (``model_specs/admission/cpu.json``)."""
+    try:
+        return str(path.resolve().relative_to(SPEC_DIR.parent))
+    except ValueError:
+        return str(path)
 
 
 def slots_value_problem(slots) -> str | None:
@@ -262,7 +312,7 @@ def slots_count_problem(family: str, task: str, mode: str, slots: int, backend: 
     admitted = admitted_counts(family, task, mode, backend)
     if slots > admitted:
         return (f"key 'slots': {slots} slots are not validated for {family} {task}/{mode} on {backend}; "
-                f"admitted counts are 1..{admitted} (model_specs/admission/{backend}.json)")
+                f"admitted counts are 1..{admitted} ({_shown(admission_table_path(backend))})")
     return None
 
 

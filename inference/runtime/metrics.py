@@ -156,11 +156,13 @@ FLUSH_INTERVAL_S = 0.1
 
 
 class _Batch:
-    """Events waiting on one event loop for their write (see :func:`record_soon`)."""
+    """Events waiting on one event loop for their write (see :func:`record_soon`): ``task`` sleeps
+    ``FLUSH_INTERVAL_S`` and then writes; ``writing`` is a write in flight (what :func:`flush` waits for)."""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.task: asyncio.Task | None = None
+        self.writing: asyncio.Task | None = None
 
 
 _BATCHES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batch] = weakref.WeakKeyDictionary()
@@ -172,7 +174,8 @@ def record_soon(*events: Event) -> None:
     never waits for its metrics (call it on the web process's event loop).
 
     A scrape sees an answer's events within ``FLUSH_INTERVAL_S`` plus one round trip (tests poll);
-    :func:`flush` writes what is queued at once (the drain calls it before the process stops).
+    :func:`flush` writes what is queued at once and waits for a write in flight (the drain calls it
+    before the process stops).
     """
     if not events:
         return
@@ -188,29 +191,43 @@ def record_soon(*events: Event) -> None:
 async def _flush_later(batch: _Batch) -> None:
     try:
         await asyncio.sleep(FLUSH_INTERVAL_S)
-    finally:
-        batch.task = None
-        events, batch.events = batch.events, []
-        if events:
-            ctx = await async_context()
-            await record(ctx.redis, *events)
+    except asyncio.CancelledError:
+        pass  # flush() wants the write now
+    batch.task = None
+    await _write(batch)
+
+
+async def _write(batch: _Batch) -> None:
+    """Write the batch's queued events, after any write already in flight (one at a time, in order)."""
+    while batch.writing is not None:
+        await asyncio.shield(batch.writing)
+    events, batch.events = batch.events, []
+    if events:
+        batch.writing = asyncio.ensure_future(_record_events(events))
+        try:
+            await asyncio.shield(batch.writing)
+        finally:
+            batch.writing = None
+
+
+async def _record_events(events: list[Event]) -> None:
+    ctx = await async_context()
+    await record(ctx.redis, *events)
 
 
 async def flush() -> None:
-    """Write the events :func:`record_soon` queued on this event loop now (no-op when none)."""
+    """Write the events :func:`record_soon` queued on this event loop now, and return once every
+    write of this loop's batch, in flight or new, has ended (no-op when there is none)."""
     batch = _BATCHES.get(asyncio.get_running_loop())
     if batch is None:
         return
     if batch.task is not None:
-        batch.task.cancel()  # its finally: block writes the batch
-        try:
-            await batch.task
-        except asyncio.CancelledError:
-            pass
-    elif batch.events:
-        events, batch.events = batch.events, []
-        ctx = await async_context()
-        await record(ctx.redis, *events)
+        batch.task.cancel()  # its handler goes straight to the write
+        await batch.task
+    else:
+        await _write(batch)
+    while batch.writing is not None:
+        await asyncio.shield(batch.writing)
 
 
 def record_sync(redis_client: Any, *events: Event) -> None:

@@ -2,7 +2,6 @@
 parallel runtime's warning (R1.5)."""
 from __future__ import annotations
 
-import json
 import logging
 
 from audiosite.serverconfig import get_config
@@ -24,11 +23,8 @@ def experimental_warning() -> str:
     """
     scope = []
     for backend in ("cpu", "cuda"):
-        path = specs.admission_dir() / f"{backend}.json"
-        if not path.exists():
-            continue
-        for family, rows in sorted(json.loads(path.read_text()).items()):
-            if family.startswith("_") or family not in specs.all_specs():
+        for family, rows in sorted(specs.admission_rows(backend).items()):
+            if family not in specs.all_specs():
                 continue
             for task_mode in sorted(rows):
                 task, mode = task_mode.split("/")

@@ -52,27 +52,61 @@ class Decision:
     record: str | None = None
 
 
-def _ok(checks: dict) -> bool:
-    return bool(checks) and all(c["status"] in (evidence.PASS, evidence.NOT_APPLICABLE) for c in checks.values())
+#: The procedure's minimums (../shared/spec/VALIDATION.md): M2 "three fresh server starts per count",
+#: M5 "no monotonic growth over >= 20 cycles". A shorter run (CI's, an operator's trial) is evidence
+#: of what it ran, but admits nothing.
+MIN_STARTS = 3
+MIN_MEMORY_CYCLES = 20
+RUN_MODEL_IDS = ("M1", "M6")  # judged once per run (scope and quality, modes)
+COUNT_MODEL_IDS = ("M2", "M3", "M4", "M5")  # judged per count
 
 
-def _count_backed(path: Path, record: dict, count: str) -> bool:
-    """Whether the model checks of ``count`` in ``record`` (the count's own and the run's) all pass.
+def _shortfall(record: dict, count: str) -> str | None:
+    """Why the model checks of ``count`` in ``record`` do not validate it, or None when they do.
+
+    Every one of M1 and M6 (the run's) and M2-M5 (the count's own) must be there, each PASS or
+    NOT_APPLICABLE, M2 and M3 PASS (concurrency shown, not assumed); the run must meet
+    ``MIN_STARTS`` and ``MIN_MEMORY_CYCLES``; a CUDA record must name a GPU (``manifest.gpu``).
+    """
+    man = record["manifest"]
+    entry = record["counts"][count]
+    checks = {**{k: record["model_checks"].get(k) for k in RUN_MODEL_IDS},
+              **{k: entry.get("model_checks", {}).get(k) for k in COUNT_MODEL_IDS}}
+    missing = [k for k, c in checks.items() if c is None]
+    if missing:
+        return f"no {', '.join(missing)} in the record"
+    bad = [f"{k} {c['status']}" for k, c in checks.items()
+           if c["status"] not in (evidence.PASS, evidence.NOT_APPLICABLE)]
+    bad += [f"{k} {checks[k]['status']}" for k in ("M2", "M3") if checks[k]["status"] != evidence.PASS]
+    if bad:
+        return "model checks that did not pass: " + ", ".join(sorted(set(bad)))
+    starts, cycles = man.get("starts"), man.get("memory_cycles")
+    if not (isinstance(starts, int) and starts >= MIN_STARTS and isinstance(cycles, int)
+            and cycles >= MIN_MEMORY_CYCLES):
+        return (f"a run below the procedure's minimums (starts {starts!r}, memory cycles {cycles!r}; "
+                f"needs >= {MIN_STARTS} and >= {MIN_MEMORY_CYCLES})")
+    if man["backend"] == "cuda" and not man.get("gpu"):
+        return "a cuda record whose manifest names no GPU"
+    return None
+
+
+def _count_backed(path: Path, record: dict, count: str) -> str | None:
+    """None when the model checks of ``count`` in ``record`` validate it, else why not (see
+    :func:`_shortfall`).
 
     Raises:
         evidence.EvidenceError: the record says ``admission_ready`` while one of its checks (its copy of
             the framework checks included) is not PASS/NOT_APPLICABLE: a record that contradicts itself.
     """
     entry = record["counts"][count]
-    model = {**record["model_checks"], **entry.get("model_checks", {})}
     if entry["admission_ready"]:
-        checks = {**record["framework_checks"], **model}
+        checks = {**record["framework_checks"], **record["model_checks"], **entry.get("model_checks", {})}
         bad = sorted(f"{ident} {c['status']}" for ident, c in checks.items()
                      if c["status"] not in (evidence.PASS, evidence.NOT_APPLICABLE))
         if bad or not checks:
             raise evidence.EvidenceError(f"{path}: counts[{count}] says admission_ready but "
                                          f"{', '.join(bad) if bad else 'it has no checks'}")
-    return _ok(model)
+    return _shortfall(record, count)
 
 
 @dataclass(frozen=True)
@@ -117,7 +151,7 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]], Fr
     root = Path(root)
     known = specs._read_specs()  # every spec, the test-only family included
     framework = framework_verdict(root, backend)
-    newest: dict[tuple[str, str, int], tuple[Path, bool]] = {}
+    newest: dict[tuple[str, str, int], tuple[Path, str | None]] = {}
     trees: dict[Path, str | None] = {}
     for path, record in evidence.load_all(root):  # oldest first: later entries overwrite
         if record["kind"] != "model" or record["manifest"]["backend"] != backend:
@@ -129,9 +163,9 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]], Fr
         for count in record["counts"]:
             if not 1 <= int(count) <= specs.MAX_SLOTS:
                 raise evidence.EvidenceError(f"{path}: count {count} is outside 1..{specs.MAX_SLOTS}")
-            ready = _count_backed(path, record, count)
+            shortfall = _count_backed(path, record, count)
             trees[path] = record["manifest"].get("revision", {}).get("code_tree")
-            newest[(man["family"], f"{man['task']}/{man['mode']}", int(count))] = (path, ready)
+            newest[(man["family"], f"{man['task']}/{man['mode']}", int(count))] = (path, shortfall)
     table: dict = {}
     decisions: dict[str, list[Decision]] = {}
     for family, spec in sorted(known.items()):
@@ -148,12 +182,11 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]], Fr
                 ran = sorted(n for (f, k, n) in newest if f == family and k == key and n > 1)
                 gap = False
                 for n in ran:
-                    path, ready = newest[(family, key, n)]
+                    path, shortfall = newest[(family, key, n)]
                     where = str(path.relative_to(root))
-                    if not ready:
+                    if shortfall:
                         gap = True
-                        rows.append(Decision(n, False, "the newest record that ran it has a model check that "
-                                                       "did not pass", where))
+                        rows.append(Decision(n, False, f"the newest record that ran it: {shortfall}", where))
                     elif not framework.passed:
                         gap = True
                         rows.append(Decision(n, False, f"model checks pass, but {framework.reason}"
@@ -169,7 +202,7 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]], Fr
                                                       "and the newest framework record passes F1-F6", where))
                 table[family][key] = admitted
                 decisions[f"{family} {key}"] = rows
-    deciding = {path for path, _ready in newest.values()}
+    deciding = {path for path, _shortfall in newest.values()}
     other_code = sorted(str(p.relative_to(root)) for p in deciding if trees.get(p) != framework.code_tree)
     return table, decisions, framework, other_code
 
@@ -226,11 +259,18 @@ def read_table(path: Path) -> dict:
     """The current table at ``path`` ({} when there is none).
 
     Raises:
-        evidence.EvidenceError: the file is not JSON.
+        evidence.EvidenceError: not a readable file, not JSON, or not the table's shape (an object whose
+            family keys map ``"task/mode"`` to a list of counts).
     """
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise evidence.EvidenceError(f"{path}: not JSON ({exc})") from None
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise evidence.EvidenceError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(document, dict) or not all(
+            isinstance(rows, dict) and all(isinstance(v, list) for v in rows.values())
+            for rows in families_of(document).values()):
+        raise evidence.EvidenceError(f"{path}: not an admission table (an object of family -> "
+                                     "{\"task/mode\": [counts]})")
+    return document

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -175,16 +176,51 @@ def _version(name: str) -> str:
         return ""
 
 
+#: A record may say it finished at most this long after the clock of the machine reading it (clock skew
+#: between machines); later is refused: a record dated in the future would stay "newest" for ever.
+FUTURE_SLACK = _dt.timedelta(days=1)
+_COUNT_KEY = re.compile(r"[0-9]{1,2}")  # ASCII digits only: "²".isdigit() is true, int("²") fails
+
+
+def finished(record: dict) -> _dt.datetime:
+    """A record's ``finished_at`` as an aware UTC datetime (ISO 8601 with an offset or ``Z``).
+
+    Raises:
+        EvidenceError: not a string, not ISO 8601, no UTC offset, or later than now + ``FUTURE_SLACK``.
+    """
+    value = record.get("finished_at")
+    try:
+        when = _dt.datetime.fromisoformat(value) if isinstance(value, str) else None
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise EvidenceError(f"record {record.get('run_id', '?')}: finished_at {value!r} is not an ISO 8601 "
+                            "time with a UTC offset")
+    if when > _dt.datetime.now(_dt.UTC) + FUTURE_SLACK:
+        raise EvidenceError(f"record {record.get('run_id', '?')}: finished_at {value!r} is in the future")
+    return when.astimezone(_dt.UTC)
+
+
 def validate(record: dict) -> None:
-    """Check a record's shape (keys, statuses, per-count entries).
+    """Check a record's shape: keys and their types, ``finished_at``, statuses, per-count entries (count
+    keys of one or two ASCII digits), and a framework record's ``manifest.revision.code_tree``.
 
     Raises:
         EvidenceError: the first problem found.
     """
+    if not isinstance(record, dict):
+        raise EvidenceError(f"a record must be a JSON object, not {type(record).__name__}")
     for key in ("procedure_version", "kind", "run_id", "manifest", "framework_checks", "model_checks",
                 "counts", "admission_ready", "performance"):
         if key not in record:
             raise EvidenceError(f"record {record.get('run_id', '?')}: missing key {key!r}")
+    for key in ("manifest", "framework_checks", "model_checks", "counts"):
+        if not isinstance(record[key], dict):
+            raise EvidenceError(f"record {record['run_id']}: {key} must be an object")
+    finished(record)
+    if record["kind"] == "framework" and not isinstance(record["manifest"].get("revision"), dict) or (
+            record["kind"] == "framework" and "code_tree" not in record["manifest"]["revision"]):
+        raise EvidenceError(f"record {record['run_id']}: a framework record needs manifest.revision.code_tree")
     if record["kind"] not in ("model", "framework"):
         raise EvidenceError(f"record {record['run_id']}: kind must be 'model' or 'framework'")
     if "backend" not in record["manifest"]:
@@ -195,7 +231,8 @@ def validate(record: dict) -> None:
                 raise EvidenceError(f"record {record['run_id']}: manifest has no {key!r}")
     blocks = [("framework_checks", record["framework_checks"]), ("model_checks", record["model_checks"])]
     for count, entry in record["counts"].items():
-        if not str(count).isdigit() or "admission_ready" not in entry:
+        if not _COUNT_KEY.fullmatch(count) or not isinstance(entry, dict) or "admission_ready" not in entry \
+                or not isinstance(entry.get("model_checks", {}), dict):
             raise EvidenceError(f"record {record['run_id']}: counts[{count!r}] needs an integer key "
                                 f"and admission_ready")
         blocks.append((f"counts[{count}].model_checks", entry.get("model_checks", {})))
@@ -237,6 +274,8 @@ def load_all(root: Path) -> list[tuple[Path, dict]]:
     """
     found = []
     for path in sorted(Path(root).rglob(RECORD_NAME)):
+        if not path.is_file():
+            raise EvidenceError(f"{path}: not a file")
         try:
             record = json.loads(path.read_text())
         except ValueError as exc:
@@ -245,8 +284,12 @@ def load_all(root: Path) -> list[tuple[Path, dict]]:
             validate(record)
         except EvidenceError as exc:
             raise EvidenceError(f"{path}: {exc}") from None
+        expected = record_dir(Path(root), record) / RECORD_NAME
+        if path != expected:
+            raise EvidenceError(f"{path}: stored outside its place; a {record['kind']} record of backend "
+                                f"{record['manifest'].get('backend')!r} belongs at {expected}")
         found.append((path, record))
-    return sorted(found, key=lambda item: (item[1].get("finished_at", ""), str(item[0])))
+    return sorted(found, key=lambda item: (finished(item[1]), str(item[0])))
 
 
 def latest_framework(root: Path, backend: str) -> tuple[Path, dict] | None:

@@ -64,6 +64,9 @@ class Command(BaseCommand):
             raise CommandError(f"{path} differs from what the records under {root} give; "
                                f"run `python manage.py admission --backend {backend} --write`")
         if opts["write"]:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(document, indent=2) + "\n")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(document, indent=2) + "\n")
+            except OSError as exc:
+                raise CommandError(f"cannot write {path}: {exc}") from None
             self.stdout.write(f"wrote {path}")

@@ -16,17 +16,23 @@ count is admission-ready.
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from inference import specs
+from inference.backend import resolve_backend
 from inference.validation import evidence
 from inference.validation.model_checks import MEMORY_WINDOW, Plan, run_model_validation
 from inference.validation.workloads import get_workload
 
 MODEL_ROWS = ("M1", "M2", "M3", "M4", "M5", "M6")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 class Command(BaseCommand):
@@ -85,12 +91,24 @@ class Command(BaseCommand):
             raise CommandError(f"--memory-cycles must be at least {MEMORY_WINDOW} (the M5 window)")
         plan = Plan(family, task, opts["mode"], counts, opts["starts"], opts["backend"], Path(opts["out"]),
                     opts["memory_cycles"])
-        if opts["mode"] not in spec.get("modes", []):
-            self.stdout.write(f"family {family} does not serve mode {opts['mode']!r} "
-                              f"(modes {spec.get('modes')}): M6 will say UNSUPPORTED")
+        if opts["mode"] not in spec.get("modes", []):  # also keeps the run folder inside --out
+            raise CommandError(f"family {family} serves modes {spec.get('modes')}, not {opts['mode']!r}")
+        found = resolve_backend("auto")
+        if opts["backend"] != found:
+            raise CommandError(f"backend {opts['backend']!r} requested but this machine runs models on {found!r}; "
+                               "a record must be made on the backend it names")
         self.stdout.write(f"validate_slots: {family} {task}/{opts['mode']} on {opts['backend']}, counts {counts}, "
                           f"{opts['starts']} start(s) per count, {opts['memory_cycles']} memory cycles")
-        path, record = run_model_validation(plan, workload, print_line=self.stdout.write)
+        # SIGTERM (a CI timeout, kill, systemd) unwinds like Ctrl-C, so the servers of the run are stopped
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            path, record = run_model_validation(plan, workload, print_line=self.stdout.write)
+        except evidence.EvidenceError as exc:
+            raise CommandError(f"an evidence record cannot be read: {exc}") from None
+        except KeyboardInterrupt:
+            raise CommandError("interrupted: the run's servers were stopped; no record was written") from None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         self.print_table(record)
         self.stdout.write(f"record written to {path} (run took {record['duration_s']} s)")
         if opts["strict"]:

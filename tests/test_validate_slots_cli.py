@@ -27,7 +27,7 @@ from django.conf import settings
 
 import onnxruntime
 
-from tests.test_admission import admission, framework_record, rows
+from .helpers import admission, framework_record, rows
 
 
 def _validate_slots(out: Path, *args: str) -> subprocess.Popen:
