@@ -1,5 +1,5 @@
-"""Adversary cases for how the server reads an admission table (``inference/specs.py``,
-``inference/runtime/startup.py``) and ``AUDIOSITE_ADMISSION_DIR``. Found against main at a214faa.
+"""How the server reads an admission table (``inference/specs.py``, ``inference/runtime/startup.py``)
+and ``AUDIOSITE_ADMISSION_DIR``: failures an adversarial run found against a214faa, fixed since.
 
 Repro by hand (each fails at start-up, see the report):
   AUDIOSITE_ADMISSION_DIR=/nonexistent manage.py serve --parallel-jobs --config <silero_vad slots 2>
@@ -45,8 +45,8 @@ def test_a_missing_admission_dir_is_an_error_not_an_empty_table(tmp_path, monkey
 
 @pytest.mark.parametrize("table", ['{"silero_vad": {"vad": [1, 2]}}', '{"silero_vad": [1, 2]}', "not json"])
 def test_a_malformed_table_is_a_clear_error_naming_the_file(admission_dir, table):
-    """Today the web process and the worker die at start-up with a bare ValueError/AttributeError/
-    JSONDecodeError traceback from experimental_warning() (serve: "web exited with code 1")."""
+    """A malformed table is an error naming the file (it was a bare ValueError/AttributeError/
+    JSONDecodeError from experimental_warning(), and serve said only "web exited with code 1")."""
     (admission_dir / "cpu.json").write_text(table)
     try:
         startup.experimental_warning()

@@ -1,6 +1,5 @@
-"""Adversary cases for ``manage.py validate_slots`` run as an operator runs it (a real child process).
-
-Found against main at a214faa:
+"""``manage.py validate_slots`` run as an operator runs it (a real child process): the failures an
+adversarial run found against a214faa, fixed since, each kept as a test:
 - SIGTERM (``kill PID``, a CI job timeout, systemd stop) ends validate_slots at once; the
   ``finally: server.stop()`` blocks never run, so the ``manage.py serve`` it started (with its embedded
   Redis, web and worker) keeps running, orphaned, with its temporary folder left in /tmp.
