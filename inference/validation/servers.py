@@ -68,11 +68,14 @@ class Server:
         self.proc = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, stdout=open(self.log, "wb"),
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while b"listening on" not in self.log.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise CommandError("a server did not start:\n" + self.log.read_text()[-3000:])
-            time.sleep(0.2)
+        try:
+            while b"listening on" not in self.log.read_bytes():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise CommandError("a server did not start:\n" + self.log.read_text()[-3000:])
+                time.sleep(0.2)
+        except BaseException:  # also Ctrl-C or validate_slots' SIGTERM while it starts: no orphan
+            self.stop()
+            raise
         self.start_s = time.monotonic() - self.started
         try:
             self.redis_url = EmbeddedRedis.under(workdir / "var").url()
@@ -138,3 +141,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+            except BaseException:  # interrupted while waiting (a second Ctrl-C, SIGTERM): the server has
+                self.proc.wait(timeout=60)  # its SIGINT; give it the same time to drain, then go on
+                raise
