@@ -1,10 +1,11 @@
 """The metrics batching of web processes (``inference/runtime/metrics.py``).
 
-``flush()`` is what the drain awaits before the process stops (audiosite/web.py). It must return only
-once every event queued by ``record_soon`` is in Redis. An adversarial run found (against a214faa, fixed since) that when the
-batch's timer task has already taken the events and is in the middle of its write, ``flush()`` sees
-no task and no events and returns at once; the process then stops with the write in flight.
-A ``CLIENT PAUSE ... WRITE`` on the real Redis holds that write open so the window is deterministic.
+``flush()`` is what the drain awaits before the process stops (audiosite/web.py). It must return
+only once every event queued by ``record_soon`` is in Redis. An adversarial run found (against
+a214faa, fixed since) that when the batch's timer task has already taken the events and is in the
+middle of its write, ``flush()`` saw no task and no events and returned at once; the process then
+stopped with the write in flight. A ``CLIENT PAUSE ... WRITE`` on the real Redis holds that write
+open so the window is deterministic.
 """
 from __future__ import annotations
 
