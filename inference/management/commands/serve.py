@@ -182,11 +182,12 @@ class Command(BaseCommand):
             self._spawn("web", [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
-            if self._eager_count(redis_url, config.lazy_load):  # a load_models child only if it has work
+            metas = self._published(redis_url)
+            if published.eager_ids(metas, config.lazy_load):  # a load_models child only if it has work
                 self._run_once(env, ["load_models"])
             self.stdout.write(self.style.SUCCESS(
                 f"audiosite listening on http://{config.host}:{config.port} (runtime {config.runtime}, "
-                f"{self._published_count(redis_url)} model(s)); Ctrl-C stops it"))
+                f"{len(metas)} model(s)); Ctrl-C stops it"))
             self.stdout.flush()
             while not self.stopping:
                 for name, proc in self.children:
@@ -281,21 +282,11 @@ class Command(BaseCommand):
         client.close()
 
     @staticmethod
-    def _eager_count(redis_url: str, lazy_default: bool) -> int:
-        """How many published registrations load at start-up (not lazy: ``published.eager_ids``)."""
+    def _published(redis_url: str) -> dict[str, dict]:
+        """Every published registration by id (the config file's plus those registered through the API)."""
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         try:
-            metas = {str(model_id): json.loads(raw) for model_id, raw in client.hgetall(KEYS.models_meta).items()}
-        finally:
-            client.close()
-        return len(published.eager_ids(metas, lazy_default))
-
-    @staticmethod
-    def _published_count(redis_url: str) -> int:
-        """Registered models as published (the config file's plus those registered through the API)."""
-        client = redis.Redis.from_url(redis_url)
-        try:
-            return int(client.hlen(KEYS.models_meta))
+            return {str(model_id): json.loads(raw) for model_id, raw in client.hgetall(KEYS.models_meta).items()}
         finally:
             client.close()
 
