@@ -164,7 +164,7 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
             return _run(worker, pool, request_id, sample_rate_hz, options)
         with sync_scheduler().keep_alive(model_id, lease_id):
             return _run(worker, pool, request_id, sample_rate_hz, options)
-    except Exception as exc:  # a bug in an adapter: report it, keep the worker
+    except Exception as exc:  # the adapter refused the input (a 400), or a bug in it: report it, keep the worker
         return failure(exc, f"run of {model_id}")
 
 
@@ -176,10 +176,7 @@ def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, 
     del raw
     with pool.slot() as slot:
         started = time.monotonic()
-        try:
-            result = pool.sessions[slot].run(request)
-        except InvalidInput as exc:
-            return failure(exc, "")
+        result = pool.sessions[slot].run(request)  # InvalidInput: run_request's failure() answers it
         inference_ms = (time.monotonic() - started) * 1000
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
             "worker": worker.hostname}
