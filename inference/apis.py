@@ -56,8 +56,9 @@ def _data(request):
 
 
 async def _model(model_id: str, request_timeout_ms: int | None,
-                 view: APIView | None = None) -> tuple[dict, AsyncContext]:
-    """``(meta, ctx)``: the published metadata of ``model_id`` (checked by an input serializer) and the context.
+                 view: APIView | None = None) -> tuple[dict, AsyncContext, bool]:
+    """``(meta, ctx, slot_free)``: the published metadata of ``model_id`` (checked by an input serializer),
+    the context, and whether the admission probe found a slot free (``services.run``'s ``slot_free``).
 
     Args:
         view: a view counted in the metrics: its ``metrics_model`` becomes ``model_id`` once the
@@ -69,14 +70,16 @@ async def _model(model_id: str, request_timeout_ms: int | None,
     """
     ctx = await async_context()
     try:
-        meta = await services.model_for_request(ctx, model_id, request_timeout_ms)
+        probe = await services.probe_for_request(ctx, model_id, request_timeout_ms)
     except ServerBusy:  # a refusal of a registered model
         if view is not None:
             view.metrics_model = model_id
         raise
+    meta = probe.entry
+    assert meta is not None  # probe_for_request refuses a missing entry
     if view is not None:
         view.metrics_model = meta["id"]
-    return meta, ctx
+    return meta, ctx, probe.free
 
 
 def _read_local(path_value: str, param: str) -> bytes:
@@ -199,7 +202,7 @@ class TranscriptionApi(APIView):
         check_length(request)
         data = validated(TranscriptionInputSerializer(data=_data(request),
                                                       context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"], data["busy_timeout_ms"], self)
+        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self)
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         response_format = data["response_format"]
@@ -214,7 +217,7 @@ class TranscriptionApi(APIView):
             response = StreamingHttpResponse(_transcription_events(stream), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"
             return response
-        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
+        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, slot_free)
         result = outcome.result
         timing = _timing(started, outcome)
         if response_format == "text":
@@ -247,7 +250,7 @@ class TranscriptionDetailsApi(APIView):
         check_length(request)
         data = validated(DetailsInputSerializer(data=_data(request), context={"query_params": request.query_params}))
         timeout_ms = data["busy_timeout_ms"]
-        meta, ctx = await _model(data["model"], timeout_ms)
+        meta, ctx, _slot_free = await _model(data["model"], timeout_ms)
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         if data["stream"]:
@@ -286,7 +289,7 @@ class TaskRunApi(APIView):
         started = time.monotonic()
         check_length(request)
         data = validated(TaskRunInputSerializer(data=_data(request), context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"], data["busy_timeout_ms"], self)
+        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self)
         options = data["request"]["options"]
         _check_options(meta["family"], options, lambda keys: ".".join(["request.options", *keys]))
         timeout_ms = data["busy_timeout_ms"]
@@ -297,8 +300,11 @@ class TaskRunApi(APIView):
                                  "'audio_base64'", param="request.audio_base64")
         param, source = data["request"]["source"]
         raw = source if isinstance(source, bytes) else _read_local(source, param)
-        serve = services.diarize if specs.is_pipeline(meta["family"]) else services.run
-        outcome = await serve(ctx, meta, services.AudioInput(raw, param), options, timeout_ms)
+        audio_input = services.AudioInput(raw, param)
+        if specs.is_pipeline(meta["family"]):
+            outcome = await services.diarize(ctx, meta, audio_input, options, timeout_ms)
+        else:
+            outcome = await services.run(ctx, meta, audio_input, options, timeout_ms, slot_free)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)
 
@@ -403,7 +409,7 @@ class SpeechApi(APIView):
     async def post(self, request):
         check_length(request)
         data = validated(SpeechInputSerializer(data=_data(request), context={"query_params": request.query_params}))
-        meta, ctx = await _model(data["model"], data["busy_timeout_ms"], self)
+        meta, ctx, _slot_free = await _model(data["model"], data["busy_timeout_ms"], self)
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not speech synthesis",
                                  param="model")
@@ -435,7 +441,7 @@ class VoicesApi(APIView):
         model_id = request.query_params.get("model")
         if not model_id:
             raise InvalidRequest("model is required (?model=<id>)", param="model")
-        meta, _ctx = await _model(model_id, None)
+        meta, _ctx, _slot_free = await _model(model_id, None)
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}: it has no voices",
                                  param="model")

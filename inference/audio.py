@@ -173,7 +173,7 @@ def decode_peak_bytes(header: AudioHeader, target_rate_hz: int) -> int:
 
 
 def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
-           cancel: threading.Event | None = None) -> tuple[np.ndarray, int]:
+           cancel: threading.Event | None = None, keep_pcm16: bool = False) -> tuple[np.ndarray, int]:
     """Decode an audio file in memory to mono float32 at ``target_rate_hz``.
 
     The header is checked before any frame is decoded (:func:`read_header`'s
@@ -191,12 +191,17 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
         max_seconds: longest accepted audio, in seconds.
         cancel: when set (by another thread), decoding stops at the next block:
             a client that left frees the decoder.
+        keep_pcm16: when the file is mono 16-bit PCM (``subtype`` ``PCM_16``) at
+            ``target_rate_hz``, return its int16 samples as they are: exactly the
+            float32 result times :data:`PCM16_SCALE` (see :func:`is_pcm16_exact`),
+            in half the bytes (what a web process sends to its worker).
 
     Returns:
         ``(samples, source_rate_hz)``: contiguous float32 ``(n,)`` in about
         [-1, 1] at ``target_rate_hz`` (a view of the output array, which may
         be a few samples longer, or longer still when the stream ended before
-        its stated length), and the file's own rate.
+        its stated length), or int16 ``(n,)`` with ``keep_pcm16`` (above), and
+        the file's own rate.
 
     Raises:
         EmptyAudio: no bytes, no frames, or nothing left after resampling.
@@ -211,7 +216,8 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as handle:
             header = _checked_header(handle, max_seconds)
-            samples, frames = _decode_blocks(handle, header, target_rate_hz, max_seconds, cancel)
+            pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
+            samples, frames = _decode_blocks(handle, header, target_rate_hz, max_seconds, cancel, pcm16)
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
@@ -223,11 +229,26 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
     return samples, header.sample_rate_hz
 
 
+PCM16_SCALE = 32768
+"""libsndfile reads 16-bit PCM as float32 ``x / 0x8000`` (its default normalisation): a power of
+two, so int16 samples and their float32 reading convert into each other exactly."""
+
+
+def is_pcm16_exact(handle: soundfile.SoundFile, header: AudioHeader, target_rate_hz: int) -> bool:
+    """Whether the file's decoded float32 samples are exactly its int16 samples / :data:`PCM16_SCALE`
+    with nothing else done to them: 16-bit PCM (WAV, FLAC, AIFF, ...), mono, already at
+    ``target_rate_hz`` (no mix, no resampling). Checked bit for bit by tests/test_audio.py."""
+    return handle.subtype == "PCM_16" and header.channels == 1 and header.sample_rate_hz == target_rate_hz
+
+
 def _decode_blocks(handle: soundfile.SoundFile, header: AudioHeader, target_rate_hz: int, max_seconds: float,
-                   cancel: threading.Event | None) -> tuple[np.ndarray, int]:
-    """The body of :func:`decode`: ``(samples, source frames read)``."""
+                   cancel: threading.Event | None, pcm16: bool = False) -> tuple[np.ndarray, int]:
+    """The body of :func:`decode`: ``(samples, source frames read)``; int16 samples when ``pcm16``
+    (the caller checked :func:`is_pcm16_exact`: no mix, no resampling, no non-finite value possible)."""
     rate, channels = header.sample_rate_hz, header.channels
     max_frames = int(max_seconds * rate)
+    if pcm16:
+        return _read_pcm16(handle, header, max_frames, max_seconds, cancel)
     out = np.empty(output_frames_bound(header.frames, rate, target_rate_hz), dtype=np.float32)
     block_buffer = np.empty((BLOCK_FRAMES, channels), dtype=np.float32)
     finite_mask = np.empty((BLOCK_FRAMES, channels), dtype=bool)
@@ -259,6 +280,24 @@ def _decode_blocks(handle: soundfile.SoundFile, header: AudioHeader, target_rate
     return out[:filled], frames
 
 
+def _read_pcm16(handle: soundfile.SoundFile, header: AudioHeader, max_frames: int, max_seconds: float,
+                cancel: threading.Event | None) -> tuple[np.ndarray, int]:
+    """Mono 16-bit PCM at the target rate read as int16 ``(n,)``, block by block into one output
+    array sized from the header (as :func:`_decode_blocks`); ``(samples, frames read)``."""
+    out = np.empty(header.frames, dtype=np.int16)
+    filled = 0
+    while filled < out.shape[0]:
+        if cancel is not None and cancel.is_set():
+            raise DecodeCancelled("decoding was cancelled")
+        count = handle.buffer_read_into(out[filled:filled + BLOCK_FRAMES], dtype="int16")
+        if count == 0:
+            break
+        filled += count
+        if filled > max_frames:
+            raise AudioTooLong(f"the audio lasts more than max_audio_seconds={max_seconds:g}")
+    return out[:filled], filled
+
+
 def _append(out: np.ndarray, filled: int, piece: np.ndarray) -> tuple[np.ndarray, int]:
     """Copy ``piece`` into ``out`` after its first ``filled`` samples; ``(out, filled)`` afterwards.
 
@@ -282,19 +321,43 @@ def resample(samples: np.ndarray, source_rate_hz: int, target_rate_hz: int) -> n
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
+F32LE, S16LE = "f32le", "s16le"
+"""Sample formats of a Redis input key: little-endian float32, or little-endian int16 standing for
+float32 ``x / PCM16_SCALE`` (16-bit PCM decoded with ``keep_pcm16``: half the bytes, same values)."""
+
+
+def sample_format(samples: np.ndarray) -> str:
+    """:data:`S16LE` for int16 samples (from :func:`decode` with ``keep_pcm16``), else :data:`F32LE`."""
+    return S16LE if samples.dtype == np.int16 else F32LE
+
+
 def to_bytes(samples: np.ndarray) -> memoryview:
-    """A byte view of float32 ``(n,)`` for a Redis input key (raw little-endian float32).
+    """A byte view of ``(n,)`` samples for a Redis input key, in :func:`sample_format`'s format.
 
-    No copy when ``samples`` already is contiguous little-endian float32 (what
-    :func:`decode` returns): the view shares the array's memory, and redis-py
-    writes it to the socket as it is. Inverse: :func:`from_bytes`.
+    No copy when ``samples`` already is contiguous little-endian float32 or
+    int16 (what :func:`decode` returns): the view shares the array's memory,
+    and redis-py writes it to the socket as it is. Inverse: :func:`from_bytes`.
     """
-    return np.ascontiguousarray(samples, dtype="<f4").data.cast("B")
+    dtype = "<i2" if sample_format(samples) == S16LE else "<f4"
+    return np.ascontiguousarray(samples, dtype=dtype).data.cast("B")
 
 
-def from_bytes(data: bytes) -> np.ndarray:
-    """Inverse of :func:`to_bytes`: a writable float32 ``(n,)`` array (one copy of ``data``)."""
-    return np.frombuffer(data, dtype="<f4").copy()
+def from_bytes(data: bytes, fmt: str = F32LE) -> np.ndarray:
+    """Inverse of :func:`to_bytes`: a writable float32 ``(n,)`` array (one copy of ``data``).
+
+    ``fmt`` :data:`S16LE`: the int16 samples scaled by ``1 / PCM16_SCALE`` (exact: the same float32
+    values :func:`decode` gives without ``keep_pcm16``).
+
+    Raises:
+        ValueError: an unknown ``fmt``.
+    """
+    if fmt == F32LE:
+        return np.frombuffer(data, dtype="<f4").copy()
+    if fmt == S16LE:
+        out = np.frombuffer(data, dtype="<i2").astype(np.float32)
+        out *= np.float32(1 / PCM16_SCALE)
+        return out
+    raise ValueError(f"unknown sample format {fmt!r}")
 
 
 # -- speech output -----------------------------------------------------------------------------------

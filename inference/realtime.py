@@ -40,7 +40,6 @@ finishes (it is not pre-empted, R8.2) and then the lease is released: at most on
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import difflib
 import logging
@@ -55,6 +54,7 @@ import soxr
 
 from audiosite.errors import ApplicationError, InvalidRequest, NotFound
 from audiosite.serverconfig import LiveIngest
+from audiosite.validation import b64decode_strict
 from inference import services, specs
 from inference.adapters import silero_vad
 from inference.runtime import leases, published
@@ -369,7 +369,7 @@ class LiveSession:
             raise ClientError("input_audio_buffer.append needs 'audio': base64 of PCM s16le", "invalid_audio",
                               param="audio")
         try:
-            pcm = base64.b64decode(data, validate=True)
+            pcm = b64decode_strict(data)
         except (binascii.Error, ValueError):
             raise ClientError("'audio' is not valid base64", "invalid_audio", param="audio") from None
         if len(pcm) % 2:

@@ -8,7 +8,6 @@ model is known. Errors name the field path (``audiosite.validation``).
 """
 from __future__ import annotations
 
-import base64
 import binascii
 
 from django.core.files.uploadedfile import UploadedFile
@@ -16,7 +15,7 @@ from rest_framework import serializers
 from rest_framework.fields import empty
 
 from audiosite.validation import (BooleanField, ChoiceField, InputField, InputSerializer, IntegerField,
-                                  NumberField, ObjectField, TextField, text_problem)
+                                  NumberField, ObjectField, TextField, b64decode_strict, text_problem)
 from audiosite.serverconfig import get_config
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -48,7 +47,8 @@ class AudioFileField(LocalPathField):
 
 
 class Base64Field(InputField):
-    """Base64 text (standard alphabet, padded; no whitespace) → the decoded bytes."""
+    """Base64 text (standard alphabet, padded; no whitespace) → the decoded bytes
+    (:func:`audiosite.validation.b64decode_strict`)."""
 
     default_error_messages = {"type": "{name} must be a string", "base64": "{name} is not valid base64"}
 
@@ -56,7 +56,7 @@ class Base64Field(InputField):
         if not isinstance(data, str):
             self.fail("type")
         try:
-            return base64.b64decode(data, validate=True)
+            return b64decode_strict(data)
         except (binascii.Error, ValueError):  # ValueError: non-ASCII text
             self.fail("base64")
 

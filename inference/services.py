@@ -57,7 +57,14 @@ from inference import audio, diarization, specs
 from inference.runtime import decoding, leases, metrics, published, rpc
 from inference.runtime.context import KEYS, AsyncContext
 from inference.runtime.teardown import TeardownResult, teardown_held
-from inference.scheduler import AdmissionOverdue, Lease, ModelState, effective_timeout_ms
+from inference.scheduler import (
+    AdmissionOverdue,
+    AdmissionProbe,
+    Lease,
+    ModelState,
+    ProbeVerdict,
+    effective_timeout_ms,
+)
 from registry import services as records
 
 log = logging.getLogger(__name__)
@@ -131,6 +138,12 @@ async def inspect_audio(audio_input: AudioInput, family: str) -> audio.AudioHead
         header = await decoding.read_header(audio_input.data, config.max_audio_seconds)
     except audio.AudioError as exc:
         raise _audio_refusal(exc, audio_input.param) from None
+    _check_decodable(header, family, audio_input.param)
+    return header
+
+
+def _check_decodable(header: audio.AudioHeader, family: str, param: str) -> None:
+    """Refuse (413) audio whose decode needs more than the whole decode budget (see :func:`inspect_audio`)."""
     needed_bytes = decoded_bytes_needed(header, specs.require_spec(family)["sample_rate_hz"])
     budget = decoding.budget()
     if not budget.fits_alone(needed_bytes):
@@ -138,8 +151,30 @@ async def inspect_audio(audio_input: AudioInput, family: str) -> audio.AudioHead
             f"decoding this audio ({header.duration_s:.0f} s, {header.channels} channel(s) at "
             f"{header.sample_rate_hz} Hz) needs about {_mib(needed_bytes)}, more than this server decodes at once "
             f"(max_decoded_bytes_in_flight = {_mib(budget.limit_bytes)}); send shorter audio",
-            param=audio_input.param)
-    return header
+            param=param)
+
+
+async def inspect_and_decode_audio(audio_input: AudioInput, family: str,
+                                   options: dict) -> tuple[audio.AudioHeader, rpc.RunInput | None]:
+    """:func:`inspect_audio` and, for small audio that fits in the decode budget now, :func:`decode_audio`
+    too, in one pool hop (``inference.runtime.decoding.inspect_and_decode``): for a request that will
+    most likely be granted at once. Returns the header and the run's input, or None when the audio is
+    to be decoded after the grant as usual.
+
+    Raises:
+        UnsupportedMedia, PayloadTooLarge, InvalidRequest: as :func:`inspect_audio` and
+            :func:`decode_audio` (no ticket is held yet).
+    """
+    rate = specs.require_spec(family)["sample_rate_hz"]
+    try:
+        inspected = await decoding.inspect_and_decode(audio_input.data, rate, get_config().max_audio_seconds,
+                                                      lambda header: decoded_bytes_needed(header, rate))
+    except audio.AudioError as exc:
+        raise _audio_refusal(exc, audio_input.param) from None
+    if inspected.samples is None or inspected.reservation is None:
+        _check_decodable(inspected.header, family, audio_input.param)
+        return inspected.header, None
+    return inspected.header, rpc.RunInput(inspected.samples, rate, options, on_release=inspected.reservation.release)
 
 
 async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, family: str,
@@ -389,13 +424,17 @@ async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None =
 
 # -- one request ---------------------------------------------------------------------------------
 
-async def model_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> dict:
-    """The published entry of ``model_id`` for a request, refusing it at once when it would be (R3.3).
+async def probe_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> AdmissionProbe:
+    """The admission probe of ``model_id`` for a request, refusing it at once when it would be (R3.3).
 
     One Redis round trip (``admission_probe.lua``): a request the model would
     refuse as overdue is answered 503 before anything else is done for it (its
     options are not checked, its audio not decoded). ``run`` still enqueues
     through ``enqueue.lua``, the authority, for every other request.
+
+    Returns:
+        The probe: ``entry`` (the published registration, never None here) and ``free`` (pass it to
+        :func:`run` as ``slot_free``).
 
     Raises:
         NotFound: not registered (404, ``param`` "model").
@@ -404,20 +443,36 @@ async def model_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms
     probe = await ctx.scheduler.admission_probe(model_id, request_timeout_ms, get_config().busy_timeout_ms)
     if probe.entry is None:
         raise NotFound(f"model {model_id!r} is not registered", param="model")
-    if probe.verdict == "overdue":
+    if probe.verdict == ProbeVerdict.OVERDUE:
         raise leases.busy_error(AdmissionOverdue(model_id, probe.timeout_ms, probe.age_ms))
+    return probe
+
+
+async def model_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> dict:
+    """The published entry of ``model_id`` for a request (:func:`probe_for_request`'s ``entry``).
+
+    Raises:
+        NotFound, ServerBusy: see :func:`probe_for_request`.
+    """
+    probe = await probe_for_request(ctx, model_id, request_timeout_ms)
+    assert probe.entry is not None  # probe_for_request refuses a missing entry
     return probe.entry
 
 
 async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
-              request_timeout_ms: int | None) -> Outcome:
+              request_timeout_ms: int | None, slot_free: bool = False) -> Outcome:
     """Serve one request (either runtime).
 
     Args:
         meta: published registration of the model.
-        audio_input: the uploaded audio, decoded once the request holds its slot.
+        audio_input: the uploaded audio, decoded once the request holds its slot; or, with
+            ``slot_free`` and when it is small, decoded with its header before the request queues
+            (:func:`inspect_and_decode_audio`: one pool hop instead of two, for a request that is
+            most likely granted at once; should it queue after all, it holds its decoded samples,
+            counted in the decode budget, while it waits).
         options: validated request options (merged with defaults on the worker).
         request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
+        slot_free: the admission probe found a free slot and nobody queued (:func:`probe_for_request`).
 
     Raises:
         ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), the
@@ -432,10 +487,18 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
     """
     model_id = meta["id"]
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
-    header = await inspect_audio(audio_input, meta["family"])
-    lease = await leases.acquire(ctx, model_id, timeout_ms)
-    handover = rpc.Handover()
     run_input: rpc.RunInput | None = None
+    if slot_free:
+        header, run_input = await inspect_and_decode_audio(audio_input, meta["family"], options)
+    else:
+        header = await inspect_audio(audio_input, meta["family"])
+    try:
+        lease = await leases.acquire(ctx, model_id, timeout_ms)
+    except BaseException:
+        if run_input is not None:
+            run_input.release_samples()
+        raise
+    handover = rpc.Handover()
     try:
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
             # A manager ahead of us may have unregistered or reconfigured the model (R2.3). A lease
@@ -450,7 +513,8 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                 raise Conflict(f"model {model_id!r} was reconfigured to {current['family']}/{current['task']} "
                                "while the request waited; its input was prepared for the old family; retry",
                                param="model")
-            run_input = await decode_audio(audio_input, header, current["family"], options)
+            if run_input is None:
+                run_input = await decode_audio(audio_input, header, current["family"], options)
             load_ms = 0.0
             ready_on = lease.ready_on
             for _attempt in range(2):

@@ -113,6 +113,40 @@ def test_bytes_roundtrip_without_a_copy_on_the_sending_side():
     assert np.array_equal(restored, samples) and restored.flags.writeable
 
 
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC", "AIFF"])
+def test_16_bit_pcm_at_the_model_rate_travels_as_int16_and_reads_back_to_the_same_floats(fmt):
+    """The request path sends mono 16-bit PCM at the model's rate as its int16 samples (half the bytes,
+    issue 8 item 7); the worker's float32 are bit for bit what decoding to float32 gives."""
+    rng = np.random.default_rng(8)
+    ints = np.concatenate([np.array([-32768, 32767, 0, 1, -1], np.int16),
+                           rng.integers(-32768, 32768, 3 * audio.BLOCK_FRAMES + 17).astype(np.int16)])
+    data = wav_bytes(ints, 16000, fmt, "PCM_16")
+    floats, _ = audio.decode(data, 16000)
+    kept, _ = audio.decode(data, 16000, keep_pcm16=True)
+    assert kept.dtype == np.int16 and np.array_equal(kept, ints)
+    assert audio.sample_format(kept) == audio.S16LE and audio.sample_format(floats) == audio.F32LE
+    view = audio.to_bytes(kept)
+    assert view.nbytes == ints.nbytes and np.shares_memory(np.frombuffer(view, dtype="<i2"), kept)
+    restored = audio.from_bytes(bytes(view), audio.S16LE)
+    assert restored.dtype == np.float32 and np.array_equal(restored, floats) and restored.flags.writeable
+
+
+@pytest.mark.parametrize("data, why", [
+    (wav_bytes(np.zeros((1600, 2), np.int16), 16000, "WAV", "PCM_16"), "stereo: mixed to mono"),
+    (wav_bytes(np.zeros(1600, np.int16), 8000, "WAV", "PCM_16"), "another rate: resampled"),
+    (wav_bytes(np.zeros(1600, np.float32), 16000, "WAV", "FLOAT"), "float samples"),
+    (wav_bytes(np.zeros(1600, np.float32), 16000, "WAV", "PCM_24"), "24-bit samples"),
+])
+def test_only_exact_16_bit_pcm_is_kept_as_int16(data, why):
+    samples, _ = audio.decode(data, 16000, keep_pcm16=True)
+    assert samples.dtype == np.float32, why
+
+
+def test_an_unknown_sample_format_is_refused():
+    with pytest.raises(ValueError, match="unknown sample format"):
+        audio.from_bytes(b"\0\0", "u8")
+
+
 def test_a_cancelled_decode_stops_at_the_next_block():
     """A client that leaves while its audio decodes frees the decoder (found by an adversarial run:
     abandoned decodes kept the shared pool busy for their whole length)."""

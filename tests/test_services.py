@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import os
 
+import numpy as np
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
 
+from audiosite.errors import UnsupportedMedia
 from audiosite.serverconfig import parse_config
 from inference import services as inference_services
+from inference.runtime import decoding
 from inference.runtime.context import KEYS, async_context
 from inference.runtime.teardown import TeardownOutcome
 from inference.scheduler import (
@@ -22,10 +25,13 @@ from inference.scheduler import (
     LeaseKind,
     LeaseNotHeld,
     ModelState,
+    ProbeVerdict,
     effective_timeout_ms,
 )
 from registry import services
 from registry.models import LifecycleEvent, ModelRegistration
+
+from . import helpers
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -167,6 +173,7 @@ def test_the_admission_probe_reads_the_entry_and_refuses_exactly_when_enqueue_wo
         for model_id, own in ceilings.items():
             await ctx.scheduler.publish_entry(dict(meta, id=model_id, busy_timeout_ms=own), 1)
         missing = await ctx.scheduler.admission_probe("nobody", None, 300)
+        free_before: dict = {}
         # R3.1, the same table as effective_timeout_ms: the request's value against the model's ceiling.
         timeouts = {}
         for model_id, ceiling in (("probe", 300), ("probe-own", 100), ("probe-zero", 0)):
@@ -174,6 +181,7 @@ def test_the_admission_probe_reads_the_entry_and_refuses_exactly_when_enqueue_wo
                 probe = await ctx.scheduler.admission_probe(model_id, request, 300)
                 timeouts[(model_id, request)] = (probe.timeout_ms, effective_timeout_ms(request, ceiling),
                                                  probe.verdict)
+                free_before[(model_id, request)] = probe.free
         holder = await ctx.scheduler.acquire(ctx.listener, "probe", 0)
         young = await ctx.scheduler.admission_probe("probe", 5000, 300)
         await asyncio.sleep(0.12)
@@ -182,11 +190,54 @@ def test_the_admission_probe_reads_the_entry_and_refuses_exactly_when_enqueue_wo
             await ctx.scheduler.acquire(ctx.listener, "probe", 100)
         unbounded = await ctx.scheduler.admission_probe("probe", 0, 0)
         await ctx.scheduler.release("probe", holder.lease_id)
-        return missing, timeouts, young, old, unbounded
+        return missing, timeouts, young, old, unbounded, free_before
 
-    missing, timeouts, young, old, unbounded = _run(scenario)
-    assert missing.verdict == "not_found" and missing.entry is None
-    assert all(got == want and verdict == "admit" for got, want, verdict in timeouts.values()), timeouts
+    missing, timeouts, young, old, unbounded, free_before = _run(scenario)
+    assert missing.verdict == "not_found" and missing.entry is None and not missing.free
+    assert all(probe_free for probe_free in free_before.values()), free_before  # nobody holds or waits
+    assert not young.free and not old.free and not unbounded.free  # the one slot is held
+    assert all(got == want and verdict == ProbeVerdict.ADMIT for got, want, verdict in timeouts.values()), timeouts
     assert young.verdict == "admit" and young.entry["id"] == "probe"  # the holder is younger than 5 s
     assert old.verdict == "overdue" and old.timeout_ms == 100 and old.age_ms > 100
     assert unbounded.verdict == "admit"  # 0 = unbounded: no fail-fast (R3.5)
+
+
+def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_queues_and_leaves(redis_client):
+    """The probe saw a free slot, so the request decoded its (small) audio with the header in one pool hop
+    before it queued (issue 8 item 7); another request took the slot first, and the client left while
+    queued: the ticket goes (R8.1) and so does the decode budget's reservation, and a 415 found in that hop
+    holds nothing."""
+    meta = _register("eager")
+    wav = helpers.wav_bytes(np.zeros(16000, dtype=np.float32), 16000, "WAV", "PCM_16")
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        probe = await inference_services.probe_for_request(ctx, "eager", None)
+        holder = await ctx.scheduler.acquire(ctx.listener, "eager", 0)  # someone else gets there first
+        budget = decoding.budget()
+        request = asyncio.ensure_future(inference_services.run(
+            ctx, probe.entry, inference_services.AudioInput(wav, "file"), {}, 0, slot_free=probe.free))
+        queued = None
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            queued = (await ctx.scheduler.snapshot(["eager"]))["eager"]
+            if queued["queued"] == 1:
+                break
+        held_while_queued = budget.in_flight_bytes
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        after = (await ctx.scheduler.snapshot(["eager"]))["eager"]
+        with pytest.raises(UnsupportedMedia):
+            await inference_services.run(ctx, probe.entry, inference_services.AudioInput(b"RIFF" + b"x" * 64, "file"),
+                                         {}, 0, slot_free=True)
+        refused = (await ctx.scheduler.snapshot(["eager"]))["eager"]
+        await ctx.scheduler.release("eager", holder.lease_id)
+        return probe, queued, held_while_queued, after, refused, budget.in_flight_bytes
+
+    probe, queued, held_while_queued, after, refused, in_flight = _run(scenario)
+    assert probe.free and queued is not None and queued["queued"] == 1
+    assert held_while_queued > 0  # decoded before it queued: its reservation waits with it
+    assert after["queued"] == 0 and after["active_leases"] == 1  # only the other holder
+    assert refused["queued"] == 0 and refused["active_leases"] == 1
+    assert in_flight == 0

@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,7 +49,7 @@ _BULK_POOL = ThreadPoolExecutor(max_workers=BULK_THREADS, thread_name_prefix="de
 
 
 class Reservation:
-    """``nbytes`` of a :class:`DecodeBudget`, held until :meth:`release` (idempotent; on the loop only)."""
+    """``nbytes`` of a :class:`DecodeBudget`, held until :meth:`release` (idempotent, any thread)."""
 
     def __init__(self, budget: DecodeBudget, nbytes: int):
         self.budget = budget
@@ -56,9 +58,10 @@ class Reservation:
 
     def release(self) -> None:
         """Give the bytes back (a second call does nothing)."""
-        if self._held:
-            self._held = False
-            self.budget.in_flight_bytes -= self.nbytes
+        with self.budget.lock:
+            if self._held:
+                self._held = False
+                self.budget.in_flight_bytes -= self.nbytes
 
 
 class DecodeBudget:
@@ -69,15 +72,15 @@ class DecodeBudget:
     ``in_flight_bytes`` counts decodes queued in a pool, running, and
     decoded samples not yet handed over.
 
-    Thread safety: a web process runs one event loop (daphne), and
-    :meth:`reserve` and :meth:`Reservation.release` are only called on it,
-    with no ``await`` between the check and the update: a plain integer is
-    enough, no lock. The decode threads never touch it.
+    Thread safety: reservations are taken on the event loop and, for an eager
+    decode (:func:`inspect_and_decode`), in a quick-pool thread, and given back
+    on either; ``lock`` makes each check-and-update one step.
     """
 
     def __init__(self, limit_bytes: int):
         self.limit_bytes = limit_bytes
         self.in_flight_bytes = 0
+        self.lock = threading.Lock()
 
     def fits_alone(self, nbytes: int) -> bool:
         """Whether a decode of ``nbytes`` could ever be admitted (it fits in the empty budget)."""
@@ -85,9 +88,10 @@ class DecodeBudget:
 
     def reserve(self, nbytes: int) -> Reservation | None:
         """Reserve ``nbytes``, or return None when they do not fit beside what is in flight now."""
-        if self.limit_bytes and self.in_flight_bytes + nbytes > self.limit_bytes:
-            return None
-        self.in_flight_bytes += nbytes
+        with self.lock:
+            if self.limit_bytes and self.in_flight_bytes + nbytes > self.limit_bytes:
+                return None
+            self.in_flight_bytes += nbytes
         return Reservation(self, nbytes)
 
 
@@ -111,9 +115,76 @@ async def read_header(data: bytes, max_seconds: float) -> audio.AudioHeader:
     return await asyncio.get_running_loop().run_in_executor(_QUICK_POOL, audio.read_header, data, max_seconds)
 
 
+@dataclass(frozen=True)
+class Inspected:
+    """What :func:`inspect_and_decode` found: the upload's ``header`` and, when it decoded it at once,
+    the ``samples`` (as :func:`decode` returns them) with the budget ``reservation`` they hold."""
+
+    header: audio.AudioHeader
+    samples: np.ndarray | None = None
+    reservation: Reservation | None = None
+
+
+def _inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
+                        bytes_needed: Callable[[audio.AudioHeader], int], cancel: threading.Event) -> Inspected:
+    header = audio.read_header(data, max_seconds)
+    if header.frames * header.channels > QUICK_DECODE_MAX_SAMPLES:
+        return Inspected(header)
+    needed_bytes = bytes_needed(header)
+    spent = budget()
+    if not spent.fits_alone(needed_bytes):
+        return Inspected(header)
+    reservation = spent.reserve(needed_bytes)
+    if reservation is None:
+        return Inspected(header)
+    try:
+        samples, _source_rate_hz = audio.decode(data, target_rate_hz, max_seconds, cancel, True)
+    except BaseException:
+        reservation.release()
+        raise
+    return Inspected(header, samples, reservation)
+
+
+async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
+                             bytes_needed: Callable[[audio.AudioHeader], int]) -> Inspected:
+    """Read the header of ``data`` and, when it is small, decode it too: one quick-pool hop instead of
+    :func:`read_header` now and :func:`decode` after the grant (for a request that will most likely be
+    granted at once: ``admission_probe.lua``'s ``free``).
+
+    Decodes only inputs of at most ``QUICK_DECODE_MAX_SAMPLES`` source samples whose
+    ``bytes_needed(header)`` fits in the budget now (reserved before decoding, as :func:`decode`'s
+    caller does); otherwise returns the header alone and the caller decodes later as usual. A
+    cancelled caller stops the decoder at its next block, and samples decoded for a caller that
+    is gone give their reservation back.
+
+    Raises:
+        inference.audio.AudioError: see :func:`inference.audio.read_header` and :func:`inference.audio.decode`.
+    """
+    cancel = threading.Event()
+    future = _QUICK_POOL.submit(_inspect_and_decode, data, target_rate_hz, max_seconds, bytes_needed, cancel)
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        cancel.set()
+        future.add_done_callback(_release_abandoned)
+        raise
+
+
+def _release_abandoned(future: Future) -> None:
+    """Done callback of an eager decode whose caller left: give back what it reserved, if anything."""
+    if not future.cancelled() and future.exception() is None:
+        reservation = future.result().reservation
+        if reservation is not None:
+            reservation.release()
+
+
 async def decode(data: bytes, header: audio.AudioHeader, target_rate_hz: int, max_seconds: float) -> np.ndarray:
-    """Decode ``data`` (whose header is ``header``) to mono float32 ``(n,)`` at ``target_rate_hz``,
-    in the quick pool when it is small, else in the bulk pool. The caller holds the reservation.
+    """Decode ``data`` (whose header is ``header``) to mono ``(n,)`` at ``target_rate_hz``, in the quick
+    pool when it is small, else in the bulk pool. The caller holds the reservation.
+
+    The samples are float32, or int16 where that is exact (mono 16-bit PCM at the target rate,
+    :func:`inference.audio.decode`'s ``keep_pcm16``): half the bytes to send to the worker, which
+    reads them back as the same float32 values (:func:`inference.audio.from_bytes`).
 
     A cancelled caller (client gone) stops the decoder at its next block.
 
@@ -124,7 +195,7 @@ async def decode(data: bytes, header: audio.AudioHeader, target_rate_hz: int, ma
     cancel = threading.Event()
     try:
         samples, _source_rate_hz = await asyncio.get_running_loop().run_in_executor(
-            pool, audio.decode, data, target_rate_hz, max_seconds, cancel)
+            pool, audio.decode, data, target_rate_hz, max_seconds, cancel, True)
     except asyncio.CancelledError:
         cancel.set()
         raise

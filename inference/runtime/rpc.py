@@ -366,8 +366,9 @@ class Handover:
 
 
 class RunInput:
-    """What one run needs besides the model: decoded ``samples`` (float32 ``(n,)``) at
-    ``sample_rate_hz`` and the request's validated ``options`` (merged with defaults on the worker).
+    """What one run needs besides the model: decoded ``samples`` (``(n,)`` float32, or int16 standing
+    for float32 ``x / 32768``, see :func:`inference.audio.sample_format`) at ``sample_rate_hz`` and the
+    request's validated ``options`` (merged with defaults on the worker).
 
     The samples go to Redis once, under ``Keys.input(request_id)``, on the first
     :func:`run_on_worker`; the object then forgets them (``samples`` None,
@@ -381,6 +382,7 @@ class RunInput:
     def __init__(self, samples: np.ndarray, sample_rate_hz: int, options: dict,
                  on_release: Callable[[], None] | None = None):
         self.samples: np.ndarray | None = samples
+        self.sample_format = audio.sample_format(samples)
         self.sample_rate_hz = sample_rate_hz
         self.options = options
         self.audio_ms = len(samples) / sample_rate_hz * 1000
@@ -467,7 +469,7 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
     ``INPUT_TTL_MS``; from the array's own memory when they are large, see
     ``BLOCKING_SEND_MIN_BYTES``) and a JSON header ``{"model_id",
     "request_id", "lease_id", "boot", "channel", "sample_rate_hz",
-    "options"}`` is pushed on the worker's run queue (``Keys.run_queue(owner,
+    "sample_format", "options"}`` is pushed on the worker's run queue (``Keys.run_queue(owner,
     boot)``), which its run dispatcher pops (``inference.worker.runs``). Then
     ``run_input`` forgets its samples (:meth:`RunInput.release_samples`); a
     second call for the same input sends only the header and refreshes the
@@ -487,8 +489,8 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
     request_id = run_input.request_id
     header = json.dumps({"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
                          "boot": placement.boot, "channel": ctx.listener.channel,
-                         "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options,
-                         "held": held})
+                         "sample_rate_hz": run_input.sample_rate_hz, "sample_format": run_input.sample_format,
+                         "options": run_input.options, "held": held})
     wake = ctx.listener.expect(f"done:{request_id}")
 
     try:
@@ -605,7 +607,7 @@ class WorkerStream:
 
     async def start_transcription(self, lease_id: str, run_input: RunInput) -> None:
         """Send ``run_input``'s samples and push the header ``{"stream": "transcription", "model_id",
-        "request_id", "lease_id", "boot", "channel", "sample_rate_hz", "options"}`` (one round trip,
+        "request_id", "lease_id", "boot", "channel", "sample_rate_hz", "sample_format", "options"}`` (one round trip,
         see :func:`stage_run`); the worker answers with ``j`` frames of JSON per segment
         (``inference.worker.work.stream_transcription``). The stream's ``request_id`` is the input's."""
         self.request_id = run_input.request_id
@@ -613,7 +615,8 @@ class WorkerStream:
         self._wake_key = f"chunk:{self.request_id}"
         header = json.dumps({"stream": "transcription", "model_id": self.model_id, "request_id": self.request_id,
                              "lease_id": lease_id, "boot": self.placement.boot, "channel": self.ctx.listener.channel,
-                             "sample_rate_hz": run_input.sample_rate_hz, "options": run_input.options})
+                             "sample_rate_hz": run_input.sample_rate_hz, "sample_format": run_input.sample_format,
+                             "options": run_input.options})
         await stage_run(self.ctx, run_input, self.placement, header)
 
     async def discard(self, keep_input: bool = False) -> None:

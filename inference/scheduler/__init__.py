@@ -32,6 +32,7 @@ from .types import (
     LoadWait,
     ModelState,
     ModelStatus,
+    ProbeVerdict,
     ReapResult,
     RequestStats,
     TicketStatus,
@@ -39,6 +40,7 @@ from .types import (
 
 __all__ = [
     "AdmissionProbe",
+    "ProbeVerdict",
     "ClaimStatus",
     "LIVENESS_EVERY_S",
     "LIVENESS_TTL_MS",

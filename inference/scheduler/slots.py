@@ -33,6 +33,7 @@ from .types import (
     LoadWait,
     ModelState,
     ModelStatus,
+    ProbeVerdict,
     ReapResult,
     RequestStats,
     TicketStatus,
@@ -459,8 +460,9 @@ class Scheduler:
         request = -1 if request_timeout_ms is None else request_timeout_ms
         return _then(self._run("admission_probe", [self.keys.model(model_id), self.keys.models_meta],
                                [model_id, request, server_ceiling_ms]),
-                     lambda r: AdmissionProbe(_text(r[0]), json.loads(_text(r[1])) if _text(r[1]) else None,
-                                              int(r[2]), int(r[3])))
+                     lambda r: AdmissionProbe(ProbeVerdict(_text(r[0])),
+                                              json.loads(_text(r[1])) if _text(r[1]) else None,
+                                              int(r[2]), int(r[3]), bool(int(r[4]))))
 
     def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0):
         """Take the model's manager lease only if it is free right now (R6.1, R6.4).

@@ -166,15 +166,25 @@ class LoadWait(NamedTuple):
     now_ms: int
 
 
-class AdmissionProbe(NamedTuple):
-    """Result of ``admission_probe.lua``: ``verdict`` 'admit', 'overdue' or 'not_found'; the published
-    ``entry`` (None when not found); the effective ``timeout_ms`` (R3.1); for 'overdue', the age of the
-    youngest holder in ms (R3.3)."""
+class ProbeVerdict(StrEnum):
+    """What ``admission_probe.lua`` says of a request sent now."""
 
-    verdict: str
+    ADMIT = "admit"          # enqueue it (enqueue.lua decides)
+    OVERDUE = "overdue"      # enqueue.lua would refuse it at once (R3.3)
+    NOT_FOUND = "not_found"  # the model is not registered
+
+
+class AdmissionProbe(NamedTuple):
+    """Result of ``admission_probe.lua``: the :class:`ProbeVerdict`; the published ``entry`` (None when
+    not found); the effective ``timeout_ms`` (R3.1); for ``OVERDUE``, the age of the youngest holder in
+    ms (R3.3); ``free``: nobody was queued and a slot was free (a request enqueued now is granted at
+    once unless another gets there first; a hint, never a reservation)."""
+
+    verdict: ProbeVerdict
     entry: dict | None
     timeout_ms: int
     age_ms: int
+    free: bool
 
 
 class Census(NamedTuple):

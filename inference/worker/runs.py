@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from inference import audio
 from inference.runtime.context import KEYS, redis_url, sync_scheduler
 from inference.runtime.rpc import RunFailure
 
@@ -154,7 +155,8 @@ def serve_run(worker: WorkerState, header: dict) -> None:
     replied = False
     try:
         payload = work.run_request(worker, pool, model_id, request_id, lease_id,
-                                   int(header["sample_rate_hz"]), header["options"], held=held)
+                                   int(header["sample_rate_hz"]), header["options"], held=held,
+                                   sample_format=header.get("sample_format", audio.F32LE))
         # A held run's lease stays with its sender (a live turn spans several runs).
         work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
                    release=None if held else (model_id, lease_id), inline=True)
