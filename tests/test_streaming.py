@@ -67,6 +67,10 @@ def sse_events(stack: Stack, wav: bytes, **fields) -> list[dict]:
 
 
 def test_sse_deltas_concatenate_to_the_done_text_which_equals_the_plain_text(live, speech):
+    """R8.3 (and R2.4 for a stream): a streamed transcription read with httpx-sse, a parser we did not write, is
+    ``transcript.text.delta`` events then one ``transcript.text.done`` whose ``text`` is the deltas concatenated,
+    the plain (non-streamed) text and the fixtures' reference (WER), with ``usage`` in seconds of the audio; the
+    slot the stream held is free once it has ended."""
     wav = two_utterances(speech)
     plain = sdk(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en").text
     events = sse_events(live, wav)
