@@ -13,6 +13,7 @@ audio that then fails to decode gives the lease back with its 400/415.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -32,6 +33,7 @@ from audiosite.serverconfig import get_config
 from audiosite.validation import check_length, validated
 from inference import audio, services, specs, voices
 from inference.runtime.context import AsyncContext, async_context
+from inference.scheduler import AdmissionProbe
 
 from .serializers import (
     DetailsInputSerializer,
@@ -55,22 +57,74 @@ def _data(request):
         raise InvalidRequest("malformed request body: nested too deeply or not UTF-8") from None
 
 
+class EarlyProbe:
+    """The admission probe of a request, sent before its body is validated, so that the round trip
+    runs while the serializer works (base64 decoding included; issue 8 item 7).
+
+    Sent only when its answer cannot depend on validation: the body names its ``model`` as a string
+    and sends no ``busy_timeout_ms`` anywhere (not at the top, not in ``request``, not in the query
+    string), so the validated timeout is None, as the probe assumes. :func:`_model` uses it when the
+    validated model id is the same string; a probe nobody uses (the body was refused) is awaited by
+    nobody and its outcome dropped. The probe reads and reserves nothing.
+    """
+
+    def __init__(self, model_id: str):
+        self.model_id = model_id
+        self.task = asyncio.ensure_future(self._probe(model_id))
+        self.task.add_done_callback(_drop_outcome)
+
+    @staticmethod
+    async def _probe(model_id: str) -> tuple[AsyncContext, AdmissionProbe]:
+        ctx = await async_context()
+        return ctx, await services.probe_for_request(ctx, model_id, None)
+
+    @staticmethod
+    def model_to_probe(body, query_params) -> str | None:
+        """The model id an early probe may be sent for, given ``body`` (a parsed JSON value or form)
+        and the query string, or None when the request needs validating first (class doc)."""
+        if not hasattr(body, "get") or TIMEOUT_FIELD in query_params or TIMEOUT_FIELD in body:
+            return None
+        model_id, nested = body.get("model"), body.get("request")
+        if not isinstance(model_id, str) or not model_id or (hasattr(nested, "get") and TIMEOUT_FIELD in nested):
+            return None
+        return model_id
+
+    @classmethod
+    def start(cls, body, query_params) -> EarlyProbe | None:
+        """An early probe for the request (:meth:`model_to_probe`), or None."""
+        model_id = cls.model_to_probe(body, query_params)
+        return None if model_id is None else cls(model_id)
+
+
+TIMEOUT_FIELD = "busy_timeout_ms"
+
+
+def _drop_outcome(task: asyncio.Task) -> None:
+    """Mark an early probe's exception as retrieved (its view may have refused the body first)."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def _model(model_id: str, request_timeout_ms: int | None,
-                 view: APIView | None = None) -> tuple[dict, AsyncContext, bool]:
+                 view: APIView | None = None, early: EarlyProbe | None = None) -> tuple[dict, AsyncContext, bool]:
     """``(meta, ctx, slot_free)``: the published metadata of ``model_id`` (checked by an input serializer),
     the context, and whether the admission probe found a slot free (``services.run``'s ``slot_free``).
 
     Args:
         view: a view counted in the metrics: its ``metrics_model`` becomes ``model_id`` once the
             model is known to be registered (an unknown id never becomes a label value).
+        early: the request's :class:`EarlyProbe`, used when it probed this model with no timeout.
 
     Raises:
         NotFound: ``model_id`` is not registered (404, ``param`` "model").
         ServerBusy: the model would refuse the request at once (overdue fail-fast, R3.3).
     """
-    ctx = await async_context()
     try:
-        probe = await services.probe_for_request(ctx, model_id, request_timeout_ms)
+        if early is not None and early.model_id == model_id and request_timeout_ms is None:
+            ctx, probe = await early.task
+        else:
+            ctx = await async_context()
+            probe = await services.probe_for_request(ctx, model_id, request_timeout_ms)
     except ServerBusy:  # a refusal of a registered model
         if view is not None:
             view.metrics_model = model_id
@@ -200,9 +254,10 @@ class TranscriptionApi(APIView):
     async def post(self, request):
         started = time.monotonic()
         check_length(request)
-        data = validated(TranscriptionInputSerializer(data=_data(request),
-                                                      context={"query_params": request.query_params}))
-        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self)
+        body = _data(request)
+        early = EarlyProbe.start(body, request.query_params)
+        data = validated(TranscriptionInputSerializer(data=body, context={"query_params": request.query_params}))
+        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self, early)
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         response_format = data["response_format"]
@@ -288,8 +343,10 @@ class TaskRunApi(APIView):
     async def post(self, request):
         started = time.monotonic()
         check_length(request)
-        data = validated(TaskRunInputSerializer(data=_data(request), context={"query_params": request.query_params}))
-        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self)
+        body = _data(request)
+        early = EarlyProbe.start(body, request.query_params)
+        data = validated(TaskRunInputSerializer(data=body, context={"query_params": request.query_params}))
+        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self, early)
         options = data["request"]["options"]
         _check_options(meta["family"], options, lambda keys: ".".join(["request.options", *keys]))
         timeout_ms = data["busy_timeout_ms"]

@@ -13,6 +13,7 @@ from django.http import QueryDict
 
 from audiosite.errors import ERROR_TEXT_MAX_CHARS, ApplicationError, InvalidRequest, clip_text
 from audiosite.validation import JSONParser, validated
+from inference.apis import EarlyProbe
 from inference.serializers import SpeechInputSerializer, TaskRunInputSerializer, TranscriptionInputSerializer
 from registry.serializers import ModelLoadInputSerializer, ModelUnloadInputSerializer, UnloadModelsInputSerializer
 
@@ -114,6 +115,32 @@ def test_http_errors_carry_the_field_path(stack, speech):
     assert error["message"].startswith("key 'request.options.threshold': 7 is greater than the maximum")
     error = bad_temperature.json()["error"]
     assert bad_temperature.status_code == 400 and error["param"] == "temperature", error
+
+
+@pytest.mark.parametrize("body, query, probed", [
+    ({"model": "vad", "request": {"audio_base64": "QUJD"}}, "", "vad"),
+    (QueryDict("model=whisper&language=en"), "", "whisper"),
+    ({"model": "vad", "busy_timeout_ms": 5, "request": {}}, "", None),
+    ({"model": "vad", "request": {"busy_timeout_ms": None}}, "", None),
+    (QueryDict("model=whisper&busy_timeout_ms="), "", None),
+    ({"model": "vad", "request": {}}, "busy_timeout_ms=9", None),
+    ({"model": 7, "request": {}}, "", None),
+    ({"model": "", "request": {}}, "", None),
+    ([{"model": "vad"}], "", None),
+])
+def test_the_admission_probe_is_sent_before_validation_only_when_validation_cannot_change_it(body, query, probed):
+    """The early probe (issue 8 item 7) assumes no busy_timeout_ms: any trace of one waits for validation."""
+    assert EarlyProbe.model_to_probe(body, QueryDict(query)) == probed
+
+
+@pytest.mark.stack
+def test_an_unknown_model_in_a_bad_body_is_refused_for_the_body_first(stack):
+    """Validation comes before the registry's answer, also when the probe was sent while the body was validated."""
+    with stack.client() as c:
+        bad_body = c.post("/v1/tasks/run", json={"model": "nobody", "request": {"audio_base64": "@@"}})
+        unknown = c.post("/v1/tasks/run", json={"model": "nobody", "request": {"audio_base64": "QUJD"}})
+    assert bad_body.status_code == 400 and bad_body.json()["error"]["param"] == "request.audio_base64"
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
 
 
 @pytest.mark.parametrize("text, param", [
