@@ -342,7 +342,7 @@ def to_bytes(samples: np.ndarray) -> memoryview:
     return np.ascontiguousarray(samples, dtype=dtype).data.cast("B")
 
 
-def from_bytes(data: bytes, fmt: str = F32LE) -> np.ndarray:
+def from_bytes(data: bytes | memoryview, fmt: str = F32LE) -> np.ndarray:
     """Inverse of :func:`to_bytes`: a writable float32 ``(n,)`` array (one copy of ``data``).
 
     ``fmt`` :data:`S16LE`: the int16 samples scaled by ``1 / PCM16_SCALE`` (exact: the same float32

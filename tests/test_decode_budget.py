@@ -28,6 +28,7 @@ MODELS = [
     {**fx("cold", slots=4, load_barrier="cold-load"), "lazy": True},
     fx("fx", slots=4),
     {**fx("orphan"), "lazy": True},
+    {**fx("orphan-small"), "lazy": True},
     {"id": "vad", "family": "silero_vad"},
 ]
 
@@ -176,23 +177,28 @@ def test_short_requests_to_another_model_keep_their_latency_while_huge_decodes_r
     run(scenario(), QUICK_S * 4)
 
 
-def test_a_run_whose_worker_lost_the_pool_is_served_again_from_the_input_already_in_redis(bstack):
+@pytest.mark.parametrize("model_id, seconds", [("orphan", 120), ("orphan-small", 2)],
+                         ids=["large-input-key", "small-inline"])
+def test_a_run_whose_worker_lost_the_pool_is_served_again_from_the_input_already_in_redis(bstack, model_id,
+                                                                                          seconds):
     """The web process drops decoded samples once they are in Redis, so the retry after a ``not_loaded``
     reply (the published owner holds no pool: here a model marked ready on the live worker that never
     loaded it) must not need them: the model is loaded and the same input key is dispatched again. The
-    answer counts every sample, and no input key is left behind."""
+    answer counts every sample, and no input key is left behind. 120 s decode to 3.8 MB of int16, sent
+    to their input key by the blocking client from the array's memory; 2 s travel inside the run queue
+    element, and the refusing worker leaves them in the input key for the second dispatch."""
     [worker_key] = bstack.redis.keys("as:worker:*")
-    bstack.redis.hset("as:m:{orphan}:load", mapping={"state": "ready", "owner": worker_key.split(":", 2)[2],
-                                                     "boot": bstack.redis.get(worker_key)})
-    data = silent_flac(120)  # 7.7 MB decoded: sent by the blocking client, from the array's memory
+    bstack.redis.hset(f"as:m:{{{model_id}}}:load", mapping={"state": "ready", "owner": worker_key.split(":", 2)[2],
+                                                            "boot": bstack.redis.get(worker_key)})
+    data = silent_flac(seconds)
 
     async def scenario():
         async with mclient(bstack, None, timeout=MODEL_S) as c:
-            resp, _, _ = await within(post(c, "orphan", data))
+            resp, _, _ = await within(post(c, model_id, data))
             assert resp.status_code == 200, resp.text
-            assert resp.json()["samples"] == 120 * 16000
+            assert resp.json()["samples"] == seconds * 16000
             assert resp.json()["timing"]["load_ms"] > 0  # loaded after the not_loaded reply: the second dispatch
 
     run(scenario())
-    assert [event for event, _, _ in events_of(bstack, "orphan")] == ["register", "load"]
+    assert [event for event, _, _ in events_of(bstack, model_id)] == ["register", "load"]
     assert bstack.redis.keys("as:in:*") == []

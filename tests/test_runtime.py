@@ -7,11 +7,14 @@ import json
 import os
 import time
 
+import numpy as np
 import pytest
+import redis
 
 from audiosite.errors import ServerBusy
 from inference.runtime.context import KEYS, async_context
-from inference.runtime.rpc import load_single_flight
+from inference import audio
+from inference.runtime.rpc import INPUT_TTL_MS, inline_element, load_single_flight, split_element
 from inference.scheduler import LoadEnd, Scheduler
 from inference.worker.runs import RunDispatcher
 from inference.worker.state import WorkerState
@@ -182,6 +185,15 @@ def _run_header(request_id: str, channel: str, boot: str, model_id: str = "absen
                        "boot": boot, "channel": channel, "sample_rate_hz": 16000, "options": {}}).encode()
 
 
+def test_a_run_queue_element_carries_its_header_and_optionally_its_samples():
+    header = {"model_id": "m", "request_id": "r", "options": {"prompt": "two\nlines"}}
+    samples = np.linspace(-1, 1, 64, dtype="<f4")
+    parsed, inline = split_element(inline_element(header, audio.to_bytes(samples)))
+    assert parsed == {**header, "input": "inline"} and inline is not None
+    assert np.array_equal(audio.from_bytes(inline), samples)
+    assert split_element(json.dumps(header).encode()) == (header, None)
+
+
 def test_a_stopping_worker_answers_its_queued_runs_not_loaded(redis_client):
     """Warm shutdown of the run queue: runs still queued were never taken, so their senders are told
     ``not_loaded`` (they keep their leases and load again elsewhere) instead of waiting for the
@@ -193,9 +205,19 @@ def test_a_stopping_worker_answers_its_queued_runs_not_loaded(redis_client):
     pubsub = redis_client.pubsub()
     pubsub.subscribe("test-channel")
     assert pubsub.get_message(timeout=2)["type"] == "subscribe"
-    for request_id in ("r1", "r2", "r3"):
+    for request_id in ("r1", "r2"):
         redis_client.lpush(queue_key, _run_header(request_id, "test-channel", worker.boot))
+    # A run whose samples came inside its queue element: they are left in its input key for the
+    # sender's next dispatch, which sends the header alone (rpc.stage_run).
+    samples = np.arange(-8, 8, dtype="<i2")
+    redis_client.lpush(queue_key, inline_element(json.loads(_run_header("r3", "test-channel", worker.boot)),
+                                                 audio.to_bytes(samples)))
     assert dispatcher.stop(timeout_s=5) == 3
+    raw = redis.Redis(connection_pool=redis.ConnectionPool(**{**redis_client.connection_pool.connection_kwargs,
+                                                              "decode_responses": False}))
+    assert raw.get(KEYS.input("r3")) == samples.tobytes() and raw.get(KEYS.input("r1")) is None
+    raw.close()
+    assert 0 < redis_client.pttl(KEYS.input("r3")) <= INPUT_TTL_MS
     assert redis_client.llen(queue_key) == 0
     wakes = [pubsub.get_message(timeout=2)["data"].partition("\n") for _ in range(3)]
     assert [key for key, _, _ in wakes] == ["done:r1", "done:r2", "done:r3"]  # FIFO: first pushed, first answered

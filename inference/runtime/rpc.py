@@ -413,8 +413,9 @@ def send_copies_bytes(nbytes: int) -> int:
     return 2 * nbytes if nbytes < BLOCKING_SEND_MIN_BYTES else 0
 
 
-def queue_header(pipe, placement: Placement, header: str) -> None:
-    """Add to ``pipe`` (a sync or async Redis pipeline) the push of a run ``header`` on
+def queue_header(pipe, placement: Placement, header: str | bytes) -> None:
+    """Add to ``pipe`` (a sync or async Redis pipeline) the push of a run ``header`` (or a whole
+    queue element, :func:`inline_element`) on
     ``placement``'s worker run queue (``Keys.run_queue``), with the queue's TTL refreshed so the
     queue of a worker that died goes away on its own."""
     queue_key = KEYS.run_queue(placement.owner, placement.boot)
@@ -435,26 +436,53 @@ async def drop_input(ctx: AsyncContext, run_input: RunInput) -> None:
         await ctx.redis.delete(KEYS.input(run_input.request_id))
 
 
-async def stage_run(ctx: AsyncContext, run_input: RunInput, placement: Placement, header: str) -> None:
-    """Send ``run_input``'s samples to ``Keys.input(request_id)`` (TTL ``INPUT_TTL_MS``) and push the run
-    ``header`` on ``placement``'s run queue, in one round trip; then ``run_input`` forgets its samples.
+def inline_element(header: dict, samples: memoryview) -> bytes:
+    """A run queue element carrying its input: the JSON ``header`` (with ``"input": "inline"``), a
+    newline, then the samples' bytes (``json.dumps`` never writes a raw newline). Inverse:
+    :func:`split_element`."""
+    return json.dumps({**header, "input": "inline"}).encode() + b"\n" + samples
 
-    Samples already sent by an earlier dispatch (which the worker never took, ``not_loaded``) are
-    not sent again: their TTL is refreshed. Large inputs are sent from the array's own memory by a
-    blocking client in a thread (``BLOCKING_SEND_MIN_BYTES``).
+
+def split_element(element: bytes) -> tuple[dict, memoryview | None]:
+    """A run queue element as ``(header, inline samples or None)`` (see :func:`inline_element`).
+
+    Raises:
+        ValueError: not a JSON header (``json.JSONDecodeError``).
+    """
+    end = element.find(b"\n")
+    if end < 0:
+        return json.loads(element), None
+    return json.loads(element[:end]), memoryview(element)[end + 1:]
+
+
+async def stage_run(ctx: AsyncContext, run_input: RunInput, placement: Placement, header: dict,
+                    inline: bool = False) -> None:
+    """Hand ``run_input`` and the run ``header`` to ``placement``'s run queue in one round trip; then
+    ``run_input`` forgets its samples.
+
+    With ``inline`` and samples under ``BLOCKING_SEND_MIN_BYTES``, the samples travel inside the
+    queue element (:func:`inline_element`): the worker gets them with the header it pops and makes
+    no round trip to read them (0.45 ms of a short run on a 2-core machine, docs/benchmarks.md); a
+    worker that does not take the run (``not_loaded``) writes them to ``Keys.input(request_id)`` for
+    the next dispatch. Otherwise the samples go to ``Keys.input(request_id)`` (TTL ``INPUT_TTL_MS``)
+    beside the header; large ones from the array's own memory by a blocking client in a thread.
+    Samples already sent by an earlier dispatch are not sent again: their key's TTL is refreshed.
     """
     input_key = KEYS.input(run_input.request_id)
     samples = run_input.samples
     if samples is not None and samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
         await asyncio.get_running_loop().run_in_executor(
-            _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), placement, header)
+            _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), placement, json.dumps(header))
     else:
         async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
-            if samples is not None:
-                pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
-            else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
-                pipe.pexpire(input_key, INPUT_TTL_MS)
-            queue_header(pipe, placement, header)
+            if samples is not None and inline:
+                queue_header(pipe, placement, inline_element(header, audio.to_bytes(samples)))
+            else:
+                if samples is not None:
+                    pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
+                else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
+                    pipe.pexpire(input_key, INPUT_TTL_MS)
+                queue_header(pipe, placement, json.dumps(header))
             await pipe.execute()
     del samples
     run_input.staged = True
@@ -465,16 +493,19 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
                         run_input: RunInput, handover: Handover, held: bool = False) -> dict | None:
     """Hand one run to the owning worker and await its reply; None when the worker died meanwhile.
 
-    One round trip hands it over: the samples go to ``Keys.input`` (TTL
-    ``INPUT_TTL_MS``; from the array's own memory when they are large, see
-    ``BLOCKING_SEND_MIN_BYTES``) and a JSON header ``{"model_id",
+    One round trip hands it over (:func:`stage_run`): a JSON header ``{"model_id",
     "request_id", "lease_id", "boot", "channel", "sample_rate_hz",
-    "sample_format", "options"}`` is pushed on the worker's run queue (``Keys.run_queue(owner,
-    boot)``), which its run dispatcher pops (``inference.worker.runs``). Then
-    ``run_input`` forgets its samples (:meth:`RunInput.release_samples`); a
-    second call for the same input sends only the header and refreshes the
-    input's TTL. No Celery message per run: that hop cost about 5 ms of the
-    20 ms overhead of a short request (docs/benchmarks.md).
+    "sample_format", "options", "held"}`` is pushed on the worker's run queue
+    (``Keys.run_queue(owner, boot)``), which its run threads pop
+    (``inference.worker.runs``), with the samples inside the same queue element
+    (:func:`inline_element`) or, when they are large, in ``Keys.input`` (TTL
+    ``INPUT_TTL_MS``, sent from the array's own memory, see
+    ``BLOCKING_SEND_MIN_BYTES``). Then ``run_input`` forgets its samples
+    (:meth:`RunInput.release_samples`); a second call for the same input sends
+    only the header and refreshes the TTL of ``Keys.input``, where the worker
+    that refused the first one left the samples. No Celery message per run:
+    that hop cost about 5 ms of the 20 ms overhead of a short request
+    (docs/benchmarks.md).
 
     Args:
         handover: set to sent once the header is on the worker's queue (the
@@ -487,14 +518,14 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
         The worker's reply (see ``inference.worker.work.run_request``), or None.
     """
     request_id = run_input.request_id
-    header = json.dumps({"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
-                         "boot": placement.boot, "channel": ctx.listener.channel,
-                         "sample_rate_hz": run_input.sample_rate_hz, "sample_format": run_input.sample_format,
-                         "options": run_input.options, "held": held})
+    header = {"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
+              "boot": placement.boot, "channel": ctx.listener.channel,
+              "sample_rate_hz": run_input.sample_rate_hz, "sample_format": run_input.sample_format,
+              "options": run_input.options, "held": held}
     wake = ctx.listener.expect(f"done:{request_id}")
 
     try:
-        send = asyncio.ensure_future(stage_run(ctx, run_input, placement, header))
+        send = asyncio.ensure_future(stage_run(ctx, run_input, placement, header, inline=True))
         try:
             await asyncio.shield(send)
         except asyncio.CancelledError:
@@ -613,10 +644,10 @@ class WorkerStream:
         self.request_id = run_input.request_id
         self._key = KEYS.chunks(self.request_id)
         self._wake_key = f"chunk:{self.request_id}"
-        header = json.dumps({"stream": "transcription", "model_id": self.model_id, "request_id": self.request_id,
-                             "lease_id": lease_id, "boot": self.placement.boot, "channel": self.ctx.listener.channel,
-                             "sample_rate_hz": run_input.sample_rate_hz, "sample_format": run_input.sample_format,
-                             "options": run_input.options})
+        header = {"stream": "transcription", "model_id": self.model_id, "request_id": self.request_id,
+                  "lease_id": lease_id, "boot": self.placement.boot, "channel": self.ctx.listener.channel,
+                  "sample_rate_hz": run_input.sample_rate_hz, "sample_format": run_input.sample_format,
+                  "options": run_input.options}
         await stage_run(self.ctx, run_input, self.placement, header)
 
     async def discard(self, keep_input: bool = False) -> None:

@@ -21,7 +21,6 @@ R7.4) and the list expires on its own.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +29,8 @@ from typing import Any
 import redis
 
 from inference import audio
-from inference.runtime.context import KEYS, redis_url, sync_scheduler
-from inference.runtime.rpc import RunFailure
+from inference.runtime.context import KEYS, redis_url, sync_redis_bytes, sync_scheduler
+from inference.runtime.rpc import INPUT_TTL_MS, RunFailure, split_element
 
 from . import work
 from .state import WorkerState
@@ -83,8 +82,8 @@ class RunDispatcher:
 
     def _serve(self, raw: bytes) -> None:
         try:
-            header = json.loads(raw)
-            serve_run(self.worker, header)
+            header, inline = split_element(raw)
+            serve_run(self.worker, header, inline)
         except Exception:  # never lose the thread; the sender's watchdog covers a missing reply
             log.exception("serving a run failed")
 
@@ -95,7 +94,7 @@ class RunDispatcher:
         client: Any = redis.Redis.from_url(redis_url(), decode_responses=False)
         try:
             while (raw := client.rpop(self.queue_key)) is not None:
-                refuse(json.loads(raw))
+                refuse(*split_element(raw))
                 refused += 1
         finally:
             client.close()
@@ -120,8 +119,14 @@ def not_loaded(model_id: str) -> dict:
     return {"ok": False, "kind": RunFailure.NOT_LOADED, "message": f"model {model_id!r} is not loaded on this worker"}
 
 
-def refuse(header: dict) -> None:
-    """Answer a run this worker never took ``not_loaded``: by reply key, or by end frame for a stream."""
+def refuse(header: dict, inline: memoryview | None = None) -> None:
+    """Answer a run this worker never took ``not_loaded``: by reply key, or by end frame for a stream.
+
+    Samples that came ``inline`` (inside the queue element) are first left in ``Keys.input(request_id)``
+    (TTL ``INPUT_TTL_MS``), where the sender's next dispatch expects them (``rpc.stage_run``).
+    """
+    if inline is not None:
+        sync_redis_bytes().set(KEYS.input(header["request_id"]), inline, px=INPUT_TTL_MS)
     if header.get("stream"):
         work.push_frame(header["channel"], header["request_id"], work.end_frame(not_loaded(header["model_id"])))
     else:
@@ -129,7 +134,7 @@ def refuse(header: dict) -> None:
                    not_loaded(header["model_id"]), inline=True)
 
 
-def serve_run(worker: WorkerState, header: dict) -> None:
+def serve_run(worker: WorkerState, header: dict, inline: memoryview | None = None) -> None:
     """Serve the run described by ``header`` (see ``inference.runtime.rpc.run_on_worker``) and reply.
 
     Reply in ``Keys.result(request_id)``, wake-up ``done:<request_id>`` on the
@@ -143,7 +148,7 @@ def serve_run(worker: WorkerState, header: dict) -> None:
     model_id, request_id = header["model_id"], header["request_id"]
     pool = worker.get(model_id)
     if pool is None or header["boot"] != worker.boot:
-        refuse(header)
+        refuse(header, inline)
         return
     if header.get("stream") == "transcription":
         work.stream_transcription(worker, pool, header)
@@ -156,7 +161,7 @@ def serve_run(worker: WorkerState, header: dict) -> None:
     try:
         payload = work.run_request(worker, pool, model_id, request_id, lease_id,
                                    int(header["sample_rate_hz"]), header["options"], held=held,
-                                   sample_format=header.get("sample_format", audio.F32LE))
+                                   sample_format=header.get("sample_format", audio.F32LE), inline=inline)
         # A held run's lease stays with its sender (a live turn spans several runs).
         work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
                    release=None if held else (model_id, lease_id), inline=True)

@@ -143,7 +143,8 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
 
 
 def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str, lease_id: str,
-                sample_rate_hz: int, options: dict, held: bool = False, sample_format: str = audio.F32LE) -> dict:
+                sample_rate_hz: int, options: dict, held: bool = False, sample_format: str = audio.F32LE,
+                inline: memoryview | None = None) -> dict:
     """Serve one request on ``pool`` under ``lease_id``, renewing it meanwhile (unless ``held``). The
     caller releases the lease (``reply(..., release=...)`` gives it back in the reply's round trip).
 
@@ -151,6 +152,8 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
         request_id: its samples wait in ``Keys.input(request_id)`` (see ``inference.audio.to_bytes``).
         sample_rate_hz: their rate.
         sample_format: their format (``inference.audio.F32LE`` or ``S16LE``).
+        inline: the samples themselves, when they came inside the run queue element
+            (``inference.runtime.rpc.inline_element``): nothing is read from Redis.
         options: the request's validated options, overlaid on the pool's defaults.
         held: the sender keeps (renews and releases) the lease itself: one decode of a live
             transcription turn, whose lease spans several runs (``inference.realtime``). The
@@ -162,16 +165,16 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
     """
     try:
         if held:
-            return _run(worker, pool, request_id, sample_rate_hz, options, sample_format)
+            return _run(worker, pool, request_id, sample_rate_hz, options, sample_format, inline)
         with sync_scheduler().keep_alive(model_id, lease_id):
-            return _run(worker, pool, request_id, sample_rate_hz, options, sample_format)
+            return _run(worker, pool, request_id, sample_rate_hz, options, sample_format, inline)
     except Exception as exc:  # the adapter refused the input (a 400), or a bug in it: report it, keep the worker
         return failure(exc, f"run of {model_id}")
 
 
 def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, options: dict,
-         sample_format: str) -> dict:
-    raw = sync_redis_bytes().getdel(KEYS.input(request_id))
+         sample_format: str, inline: memoryview | None) -> dict:
+    raw = inline if inline is not None else sync_redis_bytes().getdel(KEYS.input(request_id))
     if raw is None:
         return dict(INPUT_EXPIRED)
     request = AudioRequest(audio.from_bytes(raw, sample_format), sample_rate_hz, {**pool.request_defaults, **options})
