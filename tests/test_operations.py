@@ -18,11 +18,13 @@ from pathlib import Path
 
 import httpx
 import httpx_sse
+import numpy as np
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .helpers import FIXTURE_ENV, QUICK_S, ROOT, body, mclient, post, run, run_cluster, run_stack, until, within
+from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, mclient, post, run, run_cluster, run_stack, until,
+                      wav_bytes, within)
 
 pytestmark = pytest.mark.stack
 
@@ -402,5 +404,60 @@ def test_a_speech_stream_cut_by_the_drain_deadline_ends_with_an_error_event(tmp_
         assert kinds.count("error") == 1
         assert stack.proc.wait(timeout=60) == 0, stack.log_tail()
         assert stack.counters("tts") == {"leases": 0, "queued": 0}
+    finally:
+        next(stacks, None)
+
+
+def test_a_transcription_stream_cut_by_the_drain_deadline_ends_with_an_error_event(tmp_path, speech):
+    """R8.4 and R7.3 for a streamed transcription: a ``stream=true`` transcription (``POST
+    /v1/audio/transcriptions``, read with ``httpx-sse``) of about 10 min of speech, still being decoded
+    when the window (1 s) after SIGTERM ends, has had its ``transcript.text.delta`` events (the signal
+    is sent once the first one is read; the slot is held meanwhile), gets no ``transcript.text.done``
+    but exactly one final ``error`` event in the API's error shape (``server_busy``, code
+    ``shutting_down``), not before the deadline, and then ends cleanly: its chunked body is complete
+    (no reset) and daphne cancelled nothing. The slot is given back and serve exits 0."""
+    rate = speech[0].rate
+    gap = np.zeros(rate, dtype=np.float32)
+    tile = np.concatenate([np.concatenate([u.samples, gap]) for u in speech])  # about 7.6 s
+    # about 10 min, 20 of faster-whisper's 30 s windows: each takes ~1 s here, and the worker stops the
+    # stream after its current window, so the length only bounds how fast a machine may be
+    wav = wav_bytes(np.tile(tile, 80), rate)
+    models = [{"id": "asr", "family": "whisper", "task": "asr", "slots": 1}]
+    stacks = run_stack(tmp_path, models, redis_db=8, name="drainasr", parallel=True,
+                       extra_config={"shutdown_timeout_ms": 1000, "max_request_body_bytes": len(wav) + 100_000})
+    stack = next(stacks)
+    try:
+        events, arrived, held, signalled = [], [], None, None
+        with httpx.Client(base_url=stack.url, timeout=MODEL_S) as c:
+            with httpx_sse.connect_sse(c, "POST", "/v1/audio/transcriptions", files={"file": ("long.wav", wav)},
+                                       data={"model": "asr", "stream": "true", "language": "en"}) as source:
+                assert source.response.status_code == 200, source.response.read()
+                assert source.response.headers["content-type"].startswith("text/event-stream")
+                # a chunked body ends with its last chunk: h11 raises if the connection closes before it
+                assert source.response.headers.get("transfer-encoding") == "chunked", source.response.headers
+                for event in source.iter_sse():  # raises on a reset or an incomplete body
+                    events.append(json.loads(event.data))
+                    arrived.append(time.monotonic())
+                    if signalled is None:
+                        signalled = time.monotonic()
+                        stack.proc.send_signal(signal.SIGTERM)
+                        held = stack.counters("asr")
+                    assert arrived[-1] - signalled < QUICK_S, "the stream went on long past the drain deadline"
+            assert source.response.is_stream_consumed
+        kinds = [e["type"] for e in events]
+        assert held == {"leases": 1, "queued": 0}, "the slot is held while the stream is read"
+        assert kinds[0] == "transcript.text.delta", kinds
+        assert kinds[:-1] == ["transcript.text.delta"] * (len(kinds) - 1), kinds[-3:]  # cut before its done
+        assert all(e["delta"].strip() for e in events[:-1]), events[:-1]
+        error = events[-1]
+        assert kinds[-1] == "error" and set(error) == {"type", "error"}, error
+        assert set(error["error"]) == {"message", "type", "param", "code"}, error
+        assert error["error"]["type"] == "server_busy" and error["error"]["code"] == "shutting_down", error
+        assert "shutting down" in error["error"]["message"], error
+        assert arrived[-1] - signalled >= 1.0, "cut before the drain deadline"
+        assert stack.proc.wait(timeout=60) == 0, stack.log_tail()
+        log = stack.log_path.read_text()
+        assert "Killed 0 pending application instances" in log, log[-3000:]  # daphne had nothing left to cancel
+        assert stack.counters("asr") == {"leases": 0, "queued": 0}
     finally:
         next(stacks, None)
