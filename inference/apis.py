@@ -29,7 +29,7 @@ from rest_framework.response import Response
 
 from audiosite.drain import DRAIN, DrainExpired, refusal
 from audiosite.errors import ApplicationError, InvalidRequest, NotFound, PayloadTooLarge, ServerBusy
-from audiosite.serverconfig import get_config
+from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
 from audiosite.validation import check_length, validated
 from inference import audio, services, specs, voices
 from inference.runtime.context import AsyncContext, async_context
@@ -61,39 +61,48 @@ class EarlyProbe:
     """The admission probe of a request, sent before its body is validated, so that the round trip
     runs while the serializer works (base64 decoding included; issue 8 item 7).
 
-    Sent only when its answer cannot depend on validation: the body names its ``model`` as a string
-    and sends no ``busy_timeout_ms`` anywhere (not at the top, not in ``request``, not in the query
-    string), so the validated timeout is None, as the probe assumes. :func:`_model` uses it when the
-    validated model id is the same string; a probe nobody uses (the body was refused) is awaited by
-    nobody and its outcome dropped. The probe reads and reserves nothing.
+    Sent only when its answer cannot depend on validation: the body names its ``model`` as a string,
+    and its ``busy_timeout_ms`` is either a JSON integer in range at the top of the body (which
+    takes precedence over the query string and ``request.busy_timeout_ms``) or sent nowhere (not
+    at the top, not in ``request``, not in the query string: None). :func:`_model` uses it when the
+    validated model id and timeout are the ones probed; a probe nobody uses (the body was refused)
+    is awaited by nobody and its outcome dropped. The probe reads and reserves nothing.
     """
 
-    def __init__(self, model_id: str):
+    def __init__(self, model_id: str, timeout_ms: int | None):
         self.model_id = model_id
-        self.task = asyncio.ensure_future(self._probe(model_id))
+        self.timeout_ms = timeout_ms
+        self.task = asyncio.ensure_future(self._probe(model_id, timeout_ms))
         self.task.add_done_callback(_drop_outcome)
 
     @staticmethod
-    async def _probe(model_id: str) -> tuple[AsyncContext, AdmissionProbe]:
+    async def _probe(model_id: str, timeout_ms: int | None) -> tuple[AsyncContext, AdmissionProbe]:
         ctx = await async_context()
-        return ctx, await services.probe_for_request(ctx, model_id, None)
+        return ctx, await services.probe_for_request(ctx, model_id, timeout_ms)
 
     @staticmethod
-    def model_to_probe(body, query_params) -> str | None:
-        """The model id an early probe may be sent for, given ``body`` (a parsed JSON value or form)
-        and the query string, or None when the request needs validating first (class doc)."""
-        if not hasattr(body, "get") or TIMEOUT_FIELD in query_params or TIMEOUT_FIELD in body:
+    def what_to_probe(body, query_params) -> tuple[str, int | None] | None:
+        """``(model id, busy_timeout_ms)`` an early probe may be sent for, given ``body`` (a parsed JSON
+        value or form) and the query string, or None when the request needs validating first (class doc)."""
+        if not hasattr(body, "get"):
             return None
         model_id, nested = body.get("model"), body.get("request")
-        if not isinstance(model_id, str) or not model_id or (hasattr(nested, "get") and TIMEOUT_FIELD in nested):
+        if not isinstance(model_id, str) or not model_id:
             return None
-        return model_id
+        if TIMEOUT_FIELD in body:
+            timeout_ms = body[TIMEOUT_FIELD]
+            if type(timeout_ms) is int and 0 <= timeout_ms <= MAX_BUSY_TIMEOUT_MS:
+                return model_id, timeout_ms
+            return None
+        if TIMEOUT_FIELD in query_params or (hasattr(nested, "get") and TIMEOUT_FIELD in nested):
+            return None
+        return model_id, None
 
     @classmethod
     def start(cls, body, query_params) -> EarlyProbe | None:
-        """An early probe for the request (:meth:`model_to_probe`), or None."""
-        model_id = cls.model_to_probe(body, query_params)
-        return None if model_id is None else cls(model_id)
+        """An early probe for the request (:meth:`what_to_probe`), or None."""
+        found = cls.what_to_probe(body, query_params)
+        return None if found is None else cls(*found)
 
 
 TIMEOUT_FIELD = "busy_timeout_ms"
@@ -113,14 +122,14 @@ async def _model(model_id: str, request_timeout_ms: int | None,
     Args:
         view: a view counted in the metrics: its ``metrics_model`` becomes ``model_id`` once the
             model is known to be registered (an unknown id never becomes a label value).
-        early: the request's :class:`EarlyProbe`, used when it probed this model with no timeout.
+        early: the request's :class:`EarlyProbe`, used when it probed this model with this timeout.
 
     Raises:
         NotFound: ``model_id`` is not registered (404, ``param`` "model").
         ServerBusy: the model would refuse the request at once (overdue fail-fast, R3.3).
     """
     try:
-        if early is not None and early.model_id == model_id and request_timeout_ms is None:
+        if early is not None and (early.model_id, early.timeout_ms) == (model_id, request_timeout_ms):
             ctx, probe = await early.task
         else:
             ctx = await async_context()

@@ -118,19 +118,30 @@ def test_http_errors_carry_the_field_path(stack, speech):
 
 
 @pytest.mark.parametrize("body, query, probed", [
-    ({"model": "vad", "request": {"audio_base64": "QUJD"}}, "", "vad"),
-    (QueryDict("model=whisper&language=en"), "", "whisper"),
-    ({"model": "vad", "busy_timeout_ms": 5, "request": {}}, "", None),
+    ({"model": "vad", "request": {"audio_base64": "QUJD"}}, "", ("vad", None)),
+    (QueryDict("model=whisper&language=en"), "", ("whisper", None)),
+    ({"model": "vad", "busy_timeout_ms": 5, "request": {"busy_timeout_ms": 9}}, "busy_timeout_ms=7", ("vad", 5)),
+    ({"model": "vad", "busy_timeout_ms": 0, "request": {}}, "", ("vad", 0)),
+    ({"model": "vad", "busy_timeout_ms": -1, "request": {}}, "", None),
+    ({"model": "vad", "busy_timeout_ms": 2**31, "request": {}}, "", None),
+    ({"model": "vad", "busy_timeout_ms": 5.0, "request": {}}, "", None),
+    ({"model": "vad", "busy_timeout_ms": True, "request": {}}, "", None),
+    ({"model": "vad", "busy_timeout_ms": None, "request": {}}, "", None),
     ({"model": "vad", "request": {"busy_timeout_ms": None}}, "", None),
     (QueryDict("model=whisper&busy_timeout_ms="), "", None),
+    (QueryDict("model=whisper&busy_timeout_ms=5"), "", None),
     ({"model": "vad", "request": {}}, "busy_timeout_ms=9", None),
     ({"model": 7, "request": {}}, "", None),
     ({"model": "", "request": {}}, "", None),
     ([{"model": "vad"}], "", None),
 ])
 def test_the_admission_probe_is_sent_before_validation_only_when_validation_cannot_change_it(body, query, probed):
-    """The early probe (issue 8 item 7) assumes no busy_timeout_ms: any trace of one waits for validation."""
-    assert EarlyProbe.model_to_probe(body, QueryDict(query)) == probed
+    """The early probe (issue 8 item 7) is sent for exactly the model and busy_timeout_ms validation will give."""
+    assert EarlyProbe.what_to_probe(body, QueryDict(query)) == probed
+    if probed is not None and type(body) is dict:  # a JSON body (a QueryDict is a dict too)
+        sent = {**body, "request": {"audio": "x", **body["request"]}}
+        data = validated(TaskRunInputSerializer(data=sent, context={"query_params": QueryDict(query)}))
+        assert (data["model"], data["busy_timeout_ms"]) == probed
 
 
 @pytest.mark.stack
