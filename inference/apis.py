@@ -115,9 +115,10 @@ def _drop_outcome(task: asyncio.Task) -> None:
 
 
 async def _model(model_id: str, request_timeout_ms: int | None,
-                 view: APIView | None = None, early: EarlyProbe | None = None) -> tuple[dict, AsyncContext, bool]:
-    """``(meta, ctx, slot_free)``: the published metadata of ``model_id`` (checked by an input serializer),
-    the context, and whether the admission probe found a slot free (``services.run``'s ``slot_free``).
+                 view: APIView | None = None,
+                 early: EarlyProbe | None = None) -> tuple[dict, AsyncContext, AdmissionProbe]:
+    """``(meta, ctx, probe)``: the published metadata of ``model_id`` (checked by an input serializer),
+    the context, and the admission probe that found it (``services.run``'s ``probe``).
 
     Args:
         view: a view counted in the metrics: its ``metrics_model`` becomes ``model_id`` once the
@@ -142,7 +143,7 @@ async def _model(model_id: str, request_timeout_ms: int | None,
     assert meta is not None  # probe_for_request refuses a missing entry
     if view is not None:
         view.metrics_model = meta["id"]
-    return meta, ctx, probe.free
+    return meta, ctx, probe
 
 
 def _read_local(path_value: str, param: str) -> bytes:
@@ -266,7 +267,7 @@ class TranscriptionApi(APIView):
         body = _data(request)
         early = EarlyProbe.start(body, request.query_params)
         data = validated(TranscriptionInputSerializer(data=body, context={"query_params": request.query_params}))
-        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self, early)
+        meta, ctx, probe = await _model(data["model"], data["busy_timeout_ms"], self, early)
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         response_format = data["response_format"]
@@ -281,7 +282,7 @@ class TranscriptionApi(APIView):
             response = StreamingHttpResponse(_transcription_events(stream), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"
             return response
-        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, slot_free)
+        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, probe)
         result = outcome.result
         timing = _timing(started, outcome)
         if response_format == "text":
@@ -314,7 +315,7 @@ class TranscriptionDetailsApi(APIView):
         check_length(request)
         data = validated(DetailsInputSerializer(data=_data(request), context={"query_params": request.query_params}))
         timeout_ms = data["busy_timeout_ms"]
-        meta, ctx, _slot_free = await _model(data["model"], timeout_ms)
+        meta, ctx, _probe = await _model(data["model"], timeout_ms)
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         if data["stream"]:
@@ -355,7 +356,7 @@ class TaskRunApi(APIView):
         body = _data(request)
         early = EarlyProbe.start(body, request.query_params)
         data = validated(TaskRunInputSerializer(data=body, context={"query_params": request.query_params}))
-        meta, ctx, slot_free = await _model(data["model"], data["busy_timeout_ms"], self, early)
+        meta, ctx, probe = await _model(data["model"], data["busy_timeout_ms"], self, early)
         options = data["request"]["options"]
         _check_options(meta["family"], options, lambda keys: ".".join(["request.options", *keys]))
         timeout_ms = data["busy_timeout_ms"]
@@ -370,7 +371,7 @@ class TaskRunApi(APIView):
         if specs.is_pipeline(meta["family"]):
             outcome = await services.diarize(ctx, meta, audio_input, options, timeout_ms)
         else:
-            outcome = await services.run(ctx, meta, audio_input, options, timeout_ms, slot_free)
+            outcome = await services.run(ctx, meta, audio_input, options, timeout_ms, probe)
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)
 
@@ -475,7 +476,7 @@ class SpeechApi(APIView):
     async def post(self, request):
         check_length(request)
         data = validated(SpeechInputSerializer(data=_data(request), context={"query_params": request.query_params}))
-        meta, ctx, _slot_free = await _model(data["model"], data["busy_timeout_ms"], self)
+        meta, ctx, _probe = await _model(data["model"], data["busy_timeout_ms"], self)
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not speech synthesis",
                                  param="model")
@@ -507,7 +508,7 @@ class VoicesApi(APIView):
         model_id = request.query_params.get("model")
         if not model_id:
             raise InvalidRequest("model is required (?model=<id>)", param="model")
-        meta, _ctx, _slot_free = await _model(model_id, None)
+        meta, _ctx, _probe = await _model(model_id, None)
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}: it has no voices",
                                  param="model")

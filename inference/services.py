@@ -434,7 +434,7 @@ async def probe_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms
 
     Returns:
         The probe: ``entry`` (the published registration, never None here) and ``free`` (pass it to
-        :func:`run` as ``slot_free``).
+        :func:`run` as ``probe``).
 
     Raises:
         NotFound: not registered (404, ``param`` "model").
@@ -460,19 +460,24 @@ async def model_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms
 
 
 async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
-              request_timeout_ms: int | None, slot_free: bool = False) -> Outcome:
+              request_timeout_ms: int | None, probe: AdmissionProbe | None = None) -> Outcome:
     """Serve one request (either runtime).
+
+    The short path (issue 8 item 7), when the admission probe found a free slot and nobody
+    queued: small audio is decoded with its header before the request queues
+    (:func:`inspect_and_decode_audio`: one pool hop instead of two; should the request queue
+    after all, it holds its decoded samples, counted in the decode budget, while it waits), and
+    the run is offered with the enqueue (``rpc.run_offer``): granted at once on a model ready on a
+    live worker whose registration is still the probed one, it is on that worker's queue in the
+    grant's own step, one round trip instead of two.
 
     Args:
         meta: published registration of the model.
-        audio_input: the uploaded audio, decoded once the request holds its slot; or, with
-            ``slot_free`` and when it is small, decoded with its header before the request queues
-            (:func:`inspect_and_decode_audio`: one pool hop instead of two, for a request that is
-            most likely granted at once; should it queue after all, it holds its decoded samples,
-            counted in the decode budget, while it waits).
+        audio_input: the uploaded audio, decoded once the request holds its slot (or before it
+            queues, above).
         options: validated request options (merged with defaults on the worker).
         request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
-        slot_free: the admission probe found a free slot and nobody queued (:func:`probe_for_request`).
+        probe: the request's admission probe (:func:`probe_for_request`), for the short path.
 
     Raises:
         ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), the
@@ -488,17 +493,27 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
     model_id = meta["id"]
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
     run_input: rpc.RunInput | None = None
-    if slot_free:
+    offer = None
+    if probe is not None and probe.free:
         header, run_input = await inspect_and_decode_audio(audio_input, meta["family"], options)
+        if run_input is not None:
+            offer = rpc.run_offer(ctx, model_id, run_input, probe.entry_json)
     else:
         header = await inspect_audio(audio_input, meta["family"])
+    handover = rpc.Handover()
+    wake = ctx.listener.expect(f"done:{run_input.request_id}") if offer is not None and run_input else None
     try:
-        lease = await leases.acquire(ctx, model_id, timeout_ms)
+        lease = await leases.acquire(ctx, model_id, timeout_ms, offer=offer)
     except BaseException:
         if run_input is not None:
             run_input.release_samples()
+            ctx.listener.forget(f"done:{run_input.request_id}")
         raise
-    handover = rpc.Handover()
+    if lease.dispatched:
+        assert run_input is not None and wake is not None and lease.ready_on is not None
+        rpc.handed_over_with_grant(run_input, handover)
+    elif run_input is not None:
+        ctx.listener.forget(f"done:{run_input.request_id}")
     try:
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
             # A manager ahead of us may have unregistered or reconfigured the model (R2.3). A lease
@@ -517,7 +532,7 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                 run_input = await decode_audio(audio_input, header, current["family"], options)
             load_ms = 0.0
             ready_on = lease.ready_on
-            for _attempt in range(2):
+            for attempt in range(2):
                 if ready_on is not None:  # ready on a live worker when granted: nothing to load
                     placement = rpc.Placement(*ready_on, load_ms=0.0)
                     ready_on = None
@@ -525,7 +540,13 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                     left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
                     placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
                 load_ms += placement.load_ms
-                reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, handover)
+                if attempt == 0 and lease.dispatched and wake is not None:  # handed over with the grant
+                    try:
+                        reply = await rpc.run_reply(ctx, run_input.request_id, placement, wake)
+                    finally:
+                        ctx.listener.forget(f"done:{run_input.request_id}")
+                else:
+                    reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, handover)
                 if reply is None:
                     # The owner stopped beating while it ran our request. It may be
                     # frozen rather than dead, so its run could still finish and

@@ -216,7 +216,7 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
         holder = await ctx.scheduler.acquire(ctx.listener, "eager", 0)  # someone else gets there first
         budget = decoding.budget()
         request = asyncio.ensure_future(inference_services.run(
-            ctx, probe.entry, inference_services.AudioInput(wav, "file"), {}, 0, slot_free=probe.free))
+            ctx, probe.entry, inference_services.AudioInput(wav, "file"), {}, 0, probe=probe))
         queued = None
         for _ in range(200):
             await asyncio.sleep(0.01)
@@ -230,7 +230,7 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
         after = (await ctx.scheduler.snapshot(["eager"]))["eager"]
         with pytest.raises(UnsupportedMedia):
             await inference_services.run(ctx, probe.entry, inference_services.AudioInput(b"RIFF" + b"x" * 64, "file"),
-                                         {}, 0, slot_free=True)
+                                         {}, 0, probe=probe)
         refused = (await ctx.scheduler.snapshot(["eager"]))["eager"]
         await ctx.scheduler.release("eager", holder.lease_id)
         return probe, queued, held_while_queued, after, refused, budget.in_flight_bytes

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from audiosite.errors import ServerBusy
-from inference.scheduler import AdmissionExpired, AdmissionOverdue, AdmissionTimeout, Lease, LeaseKind
+from inference.scheduler import AdmissionExpired, AdmissionOverdue, AdmissionTimeout, Lease, LeaseKind, RunOffer
 
 from . import metrics
 from .context import KEYS, AsyncContext
@@ -39,8 +39,9 @@ def busy_error(exc: Exception) -> ServerBusy:
 
 
 async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
-                  kind: LeaseKind = LeaseKind.REQUEST) -> Lease:
-    """Take a request slot or the manager lease of ``model_id`` under ``timeout_ms`` (0 = unbounded).
+                  kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None) -> Lease:
+    """Take a request slot or the manager lease of ``model_id`` under ``timeout_ms`` (0 = unbounded),
+    handing ``offer`` to the worker in the same step when it can (``inference.scheduler.Scheduler.acquire``).
 
     A granted request's wait is observed in ``audiosite_queue_wait_seconds``.
 
@@ -48,7 +49,7 @@ async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
         ServerBusy: admission timeout, fail-fast or an expired grant (R3.2–R3.4).
     """
     try:
-        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind)
+        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind, offer)
     except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise busy_error(exc) from None
     if kind is LeaseKind.REQUEST:

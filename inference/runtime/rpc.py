@@ -31,6 +31,7 @@ from inference.scheduler import (
     LoadEnd,
     LoadLost,
     LoadOutcome,
+    RunOffer,
 )
 
 from .context import KEYS, AsyncContext, sync_redis_bytes
@@ -518,10 +519,8 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
         The worker's reply (see ``inference.worker.work.run_request``), or None.
     """
     request_id = run_input.request_id
-    header = {"model_id": model_id, "request_id": request_id, "lease_id": lease_id,
-              "boot": placement.boot, "channel": ctx.listener.channel,
-              "sample_rate_hz": run_input.sample_rate_hz, "sample_format": run_input.sample_format,
-              "options": run_input.options, "held": held}
+    header = run_header(ctx, model_id, lease_id, run_input, held)
+    header["boot"] = placement.boot
     wake = ctx.listener.expect(f"done:{request_id}")
 
     try:
@@ -538,16 +537,56 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
                 pass
             raise
         handover.sent = True
-        if not await await_reply(ctx, wake, KEYS.result(request_id),
-                                 lambda: until_worker_lost(ctx, placement.owner, placement.boot)):
-            await ctx.redis.delete(KEYS.input(request_id))
-            return None
-        inline = wake.result() if wake.done() and not wake.cancelled() else None
-        if inline is not None:  # carried by the wake-up (inference.worker.work.reply): no round trip
-            return json.loads(inline)
-        return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
+        return await run_reply(ctx, request_id, placement, wake)
     finally:
         ctx.listener.forget(f"done:{request_id}")
+
+
+def run_header(ctx: AsyncContext, model_id: str, lease_id: str, run_input: RunInput, held: bool = False) -> dict:
+    """The run header of :func:`run_on_worker` without ``boot`` (the queue it is pushed on names the
+    worker's boot; :func:`run_on_worker` adds it as a second check)."""
+    return {"model_id": model_id, "request_id": run_input.request_id, "lease_id": lease_id,
+            "channel": ctx.listener.channel, "sample_rate_hz": run_input.sample_rate_hz,
+            "sample_format": run_input.sample_format, "options": run_input.options, "held": held}
+
+
+def run_offer(ctx: AsyncContext, model_id: str, run_input: RunInput, meta_json: str) -> RunOffer | None:
+    """The :class:`inference.scheduler.RunOffer` of a short run, to hand it over with its grant
+    (``enqueue.lua``): its queue element carries the samples (:func:`inline_element`). None for
+    samples of ``BLOCKING_SEND_MIN_BYTES`` or more, which go to their input key as usual.
+
+    Args:
+        meta_json: the registration (as published) the run was prepared for.
+    """
+    samples = run_input.samples
+    if samples is None or samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
+        return None
+    data = audio.to_bytes(samples)
+    return RunOffer(meta_json, lambda lease_id: inline_element(run_header(ctx, model_id, lease_id, run_input), data),
+                    INPUT_TTL_MS)
+
+
+def handed_over_with_grant(run_input: RunInput, handover: Handover) -> None:
+    """Record that ``enqueue.lua`` pushed ``run_input`` with its grant (:attr:`Lease.dispatched`): the
+    worker owns the lease and the samples (a worker that does not take the run leaves them in
+    ``Keys.input``, as after :func:`stage_run`)."""
+    handover.sent = True
+    run_input.staged = True
+    run_input.release_samples()
+
+
+async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wake: asyncio.Future) -> dict | None:
+    """Await the reply of a run handed to ``placement``'s worker (by :func:`run_on_worker` or with its
+    grant): the worker's reply (see ``inference.worker.work.run_request``), or None when the worker
+    died meanwhile. ``wake``: ``listener.expect(f"done:{request_id}")``, registered before the hand-over."""
+    if not await await_reply(ctx, wake, KEYS.result(request_id),
+                             lambda: until_worker_lost(ctx, placement.owner, placement.boot)):
+        await ctx.redis.delete(KEYS.input(request_id))
+        return None
+    inline = wake.result() if wake.done() and not wake.cancelled() else None
+    if inline is not None:  # carried by the wake-up (inference.worker.work.reply): no round trip
+        return json.loads(inline)
+    return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
 
 
 STOP_TTL_MS = 600000  # a stop request outlives any sentence

@@ -34,6 +34,7 @@ from .types import (
     ModelStatus,
     ProbeVerdict,
     ReapResult,
+    RunOffer,
     RequestStats,
     TicketStatus,
 )
@@ -41,6 +42,7 @@ from .types import (
 __all__ = [
     "AdmissionProbe",
     "ProbeVerdict",
+    "RunOffer",
     "ClaimStatus",
     "LIVENESS_EVERY_S",
     "LIVENESS_TTL_MS",

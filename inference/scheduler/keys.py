@@ -125,8 +125,14 @@ class Keys:
         return channel + ":live"
 
     def input(self, request_id: str) -> str:
-        """Key holding a request's decoded audio: raw float32 samples, native byte order (with a TTL)."""
+        """Key holding a request's decoded audio (with a TTL): raw little-endian samples, float32 or
+        int16 as the run header's ``sample_format`` says (``inference.audio.to_bytes``)."""
         return f"{self.prefix}in:{request_id}"
+
+    @property
+    def run_queue_prefix(self) -> str:
+        """Prefix of every :meth:`run_queue` key (``enqueue.lua`` appends ``<hostname>:<boot>``)."""
+        return f"{self.prefix}runs:"
 
     def run_queue(self, hostname: str, boot: str) -> str:
         """LIST of run headers (JSON) for one worker process, ``hostname`` with boot id ``boot``.
@@ -135,7 +141,7 @@ class Keys:
         One list per boot, so a restarted worker never takes a run meant for
         its predecessor (the sender is told ``worker_lost`` instead, R7.4).
         """
-        return f"{self.prefix}runs:{hostname}:{boot}"
+        return f"{self.run_queue_prefix}{hostname}:{boot}"
 
     def chunks(self, request_id: str) -> str:
         """LIST of a streamed run's frames (with a TTL): the worker ``RPUSH``es, the web ``LPOP``s.

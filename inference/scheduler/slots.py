@@ -35,6 +35,7 @@ from .types import (
     ModelStatus,
     ProbeVerdict,
     ReapResult,
+    RunOffer,
     RequestStats,
     TicketStatus,
 )
@@ -353,7 +354,7 @@ class Scheduler:
 
     # -- async admission (web processes) --------------------------------------
     async def acquire(self, listener: Listener, model_id: str, timeout_ms: int,
-                      kind: LeaseKind = LeaseKind.REQUEST) -> Lease:
+                      kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None) -> Lease:
         """Enter the model's FIFO queue and wait for a slot (request) or the whole model (manager).
 
         Args:
@@ -362,6 +363,9 @@ class Scheduler:
             timeout_ms: effective busy timeout (R3.1); 0 = unbounded.
             kind: ``REQUEST`` (one slot, R2.2) or ``MANAGER`` (exclusive: waits for
                 every older lease; a barrier for later tickets).
+            offer: a request's run, pushed on its worker's queue in the same step when the
+                grant comes at once and the model is ready (:class:`RunOffer`); the lease
+                then says ``dispatched`` and the worker releases it.
 
         Returns:
             The granted :class:`Lease` (the caller must release it on every path).
@@ -383,10 +387,12 @@ class Scheduler:
         base = self.keys.model(model_id)
         grant_key = f"grant:{ticket}"
         future = listener.expect(grant_key)
-        enqueue = asyncio.ensure_future(
-            self._run("enqueue", [base, self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix],
-                      [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id])
-        )
+        keys = [base, self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix]
+        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id]
+        if offer is not None:
+            keys.append(self.keys.run_queue_prefix)
+            args += [offer.expected_meta, offer.element_for(ticket), offer.queue_ttl_ms]
+        enqueue = asyncio.ensure_future(self._run("enqueue", keys, args))
         try:
             reply = await asyncio.shield(enqueue)
         except BaseException:
@@ -400,7 +406,7 @@ class Scheduler:
             listener.forget(grant_key)
             owner, boot = _text(reply[3]), _text(reply[4])
             return Lease(model_id, ticket, int(reply[1]), 0.0, kind, meta_json=_text(reply[2]),
-                         ready_on=(owner, boot) if owner else None)
+                         ready_on=(owner, boot) if owner else None, dispatched=bool(int(reply[5])))
         if status == "overdue":
             listener.forget(grant_key)
             raise AdmissionOverdue(model_id, timeout_ms, int(reply[1]))
@@ -462,7 +468,7 @@ class Scheduler:
                                [model_id, request, server_ceiling_ms]),
                      lambda r: AdmissionProbe(ProbeVerdict(_text(r[0])),
                                               json.loads(_text(r[1])) if _text(r[1]) else None,
-                                              int(r[2]), int(r[3]), bool(int(r[4]))))
+                                              int(r[2]), int(r[3]), bool(int(r[4])), _text(r[1])))
 
     def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0):
         """Take the model's manager lease only if it is free right now (R6.1, R6.4).
@@ -550,7 +556,9 @@ class Scheduler:
         async def undo():
             if enqueue is not None:
                 try:
-                    await enqueue
+                    reply = await enqueue
+                    if _text(reply[0]) == "granted" and len(reply) > 5 and int(reply[5]):
+                        return  # the run went to its worker with the grant: the worker releases the lease
                 except Exception:
                     pass
             try:

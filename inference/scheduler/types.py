@@ -5,6 +5,7 @@ the HTTP API use (``ModelState.READY == "ready"``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, TypedDict
@@ -118,6 +119,22 @@ class Lease:
     kind: LeaseKind = LeaseKind.REQUEST
     meta_json: str | None = None
     ready_on: tuple[str, str] | None = None
+    dispatched: bool = False
+
+
+class RunOffer(NamedTuple):
+    """A run a request hands over in its grant's own step (``enqueue.lua``), when it is granted at once
+    and its model is ready on a live worker (:attr:`Lease.dispatched` then says it went).
+
+    ``expected_meta``: the registration (JSON text, exactly as published) the run was prepared for;
+    no other one is dispatched. ``element_for(lease_id)``: the bytes to push on that worker's run
+    queue (their format is the caller's, ``inference.runtime.rpc.inline_element``);
+    ``queue_ttl_ms``: the queue's TTL, refreshed by the push.
+    """
+
+    expected_meta: str
+    element_for: Callable[[str], bytes]
+    queue_ttl_ms: int
 
 
 @dataclass(frozen=True)
@@ -178,13 +195,15 @@ class AdmissionProbe(NamedTuple):
     """Result of ``admission_probe.lua``: the :class:`ProbeVerdict`; the published ``entry`` (None when
     not found); the effective ``timeout_ms`` (R3.1); for ``OVERDUE``, the age of the youngest holder in
     ms (R3.3); ``free``: nobody was queued and a slot was free (a request enqueued now is granted at
-    once unless another gets there first; a hint, never a reservation)."""
+    once unless another gets there first; a hint, never a reservation); ``entry_json``: the entry as
+    published (JSON text, "" when not found)."""
 
     verdict: ProbeVerdict
     entry: dict | None
     timeout_ms: int
     age_ms: int
     free: bool
+    entry_json: str = ""
 
 
 class Census(NamedTuple):

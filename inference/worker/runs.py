@@ -147,7 +147,8 @@ def serve_run(worker: WorkerState, header: dict, inline: memoryview | None = Non
     """
     model_id, request_id = header["model_id"], header["request_id"]
     pool = worker.get(model_id)
-    if pool is None or header["boot"] != worker.boot:
+    # A run handed over with its grant (enqueue.lua) names no boot: its queue's key names this one.
+    if pool is None or header.get("boot", worker.boot) != worker.boot:
         refuse(header, inline)
         return
     if header.get("stream") == "transcription":

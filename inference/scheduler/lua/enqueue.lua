@@ -8,14 +8,22 @@
 -- ARGV[4] lease TTL in ms
 -- ARGV[5] kind: 'request' (one slot) or 'manager' (the whole model)
 -- ARGV[6] the model id (its field in KEYS[3])
+-- A request may offer its run, to be handed to the worker in the grant's own step:
+-- KEYS[5] run queue key prefix (the worker's queue is KEYS[5] .. owner .. ':' .. boot)
+-- ARGV[7] the registration (JSON text) the run was prepared for
+-- ARGV[8] the run queue element (header naming lease id = ARGV[1], and its input)
+-- ARGV[9] the run queue's TTL in ms
 -- Returns one of:
---   {'granted', granted_at_ms, meta, owner, boot}
+--   {'granted', granted_at_ms, meta, owner, boot, dispatched}
 --                                         nobody queued and the kind is grantable;
 --                                         meta: the model's published registration
 --                                         (JSON, '' when unregistered) read in the
 --                                         same step as the grant; owner/boot: where
 --                                         its pool is ready on a live worker, as
---                                         begin_load's 'ready' says ('' when not)
+--                                         begin_load's 'ready' says ('' when not);
+--                                         dispatched 1: the offered run was pushed
+--                                         on that worker's queue (ready, and meta is
+--                                         exactly ARGV[7]), else 0
 --   {'overdue', age_ms}                   refused at once: for a request, every
 --                                         occupied slot has run longer than the
 --                                         timeout (unoccupied slots are ignored);
@@ -40,7 +48,14 @@ if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager) th
   if load[1] == 'ready' and load[2] and redis.call('GET', KEYS[4] .. load[2]) == load[3] then
     owner, boot = load[2], load[3]
   end
-  return {'granted', now, meta, owner, boot}
+  local dispatched = 0
+  if owner ~= '' and KEYS[5] and meta == ARGV[7] then
+    local queue = KEYS[5] .. owner .. ':' .. boot
+    redis.call('LPUSH', queue, ARGV[8])
+    redis.call('PEXPIRE', queue, tonumber(ARGV[9]))
+    dispatched = 1
+  end
+  return {'granted', now, meta, owner, boot, dispatched}
 end
 
 if timeout_ms > 0 then
