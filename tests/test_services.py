@@ -26,6 +26,7 @@ from inference.scheduler import (
     LeaseNotHeld,
     ModelState,
     ProbeVerdict,
+    RunOffer,
     effective_timeout_ms,
 )
 from registry import services
@@ -241,3 +242,54 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
     assert after["queued"] == 0 and after["active_leases"] == 1  # only the other holder
     assert refused["queued"] == 0 and refused["active_leases"] == 1
     assert in_flight == 0
+
+
+def test_a_run_offered_with_its_enqueue_goes_to_the_ready_worker_only_when_granted_at_once(redis_client):
+    """enqueue.lua hands an offered run to the worker in the grant's own step (issue 8 item 7) exactly when
+    the request is granted at once, the model is ready on a live worker, and its registration is the one the
+    run was prepared for; otherwise nothing is pushed and the caller stages the run itself. A caller that
+    leaves while such an enqueue is in flight does not release the lease: the worker owns it."""
+    meta = _register("offer")
+    element = b'{"lease": "?"}\n\x00\x01'
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 2)
+        probe = await ctx.scheduler.admission_probe("offer", None, 300)
+        queue = KEYS.run_queue("w@offer", "boot-1")
+
+        def offer(expected=probe.entry_json):
+            return RunOffer(expected, lambda lease_id: element.replace(b"?", lease_id.encode()), 60000)
+
+        not_ready = await ctx.scheduler.acquire(ctx.listener, "offer", 0, offer=offer())
+        await ctx.redis.set(KEYS.worker_live("w@offer"), "boot-1", px=30000)
+        await ctx.redis.hset(KEYS.load("offer"), mapping={"state": "ready", "owner": "w@offer", "boot": "boot-1"})
+        stale = await ctx.scheduler.acquire(ctx.listener, "offer", 0, offer=offer(probe.entry_json + " "))
+        await ctx.scheduler.release("offer", stale.lease_id)
+        sent = await ctx.scheduler.acquire(ctx.listener, "offer", 0, offer=offer())
+        pushed = await ctx.redis_bytes.lrange(queue, 0, -1)
+        ttl = await ctx.redis.pttl(queue)
+        # Both slots are held now: a third request queues, and its offer is not pushed when it is granted later.
+        queued = asyncio.ensure_future(ctx.scheduler.acquire(ctx.listener, "offer", 0, offer=offer()))
+        await asyncio.sleep(0.2)
+        await ctx.scheduler.release("offer", not_ready.lease_id)
+        later = await asyncio.wait_for(queued, 5)
+        after_queueing = await ctx.redis.llen(queue)
+        for lease in (sent, later):
+            await ctx.scheduler.release("offer", lease.lease_id)
+        # The caller leaves while a dispatching enqueue is in flight: the lease stays, held for the worker.
+        leaving = asyncio.ensure_future(ctx.scheduler.acquire(ctx.listener, "offer", 0, offer=offer()))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await asyncio.sleep(0.2)
+        held = (await ctx.scheduler.snapshot(["offer"]))["offer"]["active_leases"]
+        return not_ready, stale, sent, pushed, ttl, later, after_queueing, held
+
+    not_ready, stale, sent, pushed, ttl, later, after_queueing, held = _run(scenario)
+    assert not not_ready.dispatched and not_ready.ready_on is None  # not loaded: nothing pushed
+    assert not stale.dispatched and stale.ready_on == ("w@offer", "boot-1")  # another registration
+    assert sent.dispatched and pushed == [element.replace(b"?", sent.lease_id.encode())]
+    assert 0 < ttl <= 60000
+    assert not later.dispatched and after_queueing == 1  # granted after queueing: the caller stages it
+    assert held == 1
