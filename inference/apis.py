@@ -99,10 +99,18 @@ class EarlyProbe:
         return model_id, None
 
     @classmethod
-    def start(cls, body, query_params) -> EarlyProbe | None:
-        """An early probe for the request (:meth:`what_to_probe`), or None."""
+    async def start(cls, body, query_params) -> EarlyProbe | None:
+        """An early probe for the request (:meth:`what_to_probe`), or None.
+
+        Yields to the event loop once, so that the probe's task sends its command before the caller
+        goes on with the (synchronous) validation: its round trip then runs meanwhile.
+        """
         found = cls.what_to_probe(body, query_params)
-        return None if found is None else cls(*found)
+        if found is None:
+            return None
+        early = cls(*found)
+        await asyncio.sleep(0)
+        return early
 
 
 TIMEOUT_FIELD = "busy_timeout_ms"
@@ -265,7 +273,7 @@ class TranscriptionApi(APIView):
         started = time.monotonic()
         check_length(request)
         body = _data(request)
-        early = EarlyProbe.start(body, request.query_params)
+        early = await EarlyProbe.start(body, request.query_params)
         data = validated(TranscriptionInputSerializer(data=body, context={"query_params": request.query_params}))
         meta, ctx, probe = await _model(data["model"], data["busy_timeout_ms"], self, early)
         if meta["task"] != "asr":
@@ -354,7 +362,7 @@ class TaskRunApi(APIView):
         started = time.monotonic()
         check_length(request)
         body = _data(request)
-        early = EarlyProbe.start(body, request.query_params)
+        early = await EarlyProbe.start(body, request.query_params)
         data = validated(TaskRunInputSerializer(data=body, context={"query_params": request.query_params}))
         meta, ctx, probe = await _model(data["model"], data["busy_timeout_ms"], self, early)
         options = data["request"]["options"]
