@@ -212,7 +212,7 @@ def test_a_stopping_worker_answers_its_queued_runs_not_loaded(redis_client):
     samples = np.arange(-8, 8, dtype="<i2")
     redis_client.lpush(queue_key, inline_element(json.loads(_run_header("r3", "test-channel", worker.boot)),
                                                  audio.to_bytes(samples)))
-    assert dispatcher.stop(timeout_s=5) == 3
+    assert dispatcher.stop() == 3
     raw = redis.Redis(connection_pool=redis.ConnectionPool(**{**redis_client.connection_pool.connection_kwargs,
                                                               "decode_responses": False}))
     assert raw.get(KEYS.input("r3")) == samples.tobytes() and raw.get(KEYS.input("r1")) is None
@@ -248,6 +248,6 @@ def test_the_run_dispatcher_pops_its_own_boots_queue_and_refuses_runs_it_holds_n
             assert time.monotonic() < deadline, "the dispatcher did not serve its queue"
             time.sleep(0.02)
     finally:
-        assert dispatcher.stop(timeout_s=5) == 0
+        assert dispatcher.stop() == 0
     assert json.loads(redis_client.get(KEYS.result("fresh")))["kind"] == "not_loaded"
     assert redis_client.get(KEYS.result("stale")) is None and redis_client.llen(stale_key) == 1

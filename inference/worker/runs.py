@@ -1,11 +1,15 @@
 """The worker's run queue: runs arrive as JSON headers on a Redis list, not as Celery messages.
 
 Web processes push one header per run on ``Keys.run_queue(hostname, boot)``
-(``inference.runtime.rpc.run_on_worker``); one dispatcher thread per worker
-process pops them in FIFO order (``BRPOP``) and hands each to a pool of run
-threads, which serve it (``work.run_request``) and reply (``work.reply``).
+(``inference.runtime.rpc.run_on_worker``, or ``enqueue.lua`` with the grant);
+the worker's run threads pop them in FIFO order (``BRPOP``) and serve them
+(``work.run_request``, ``work.reply``), one thread popping at a time
+(leader/follower): the thread that popped a header first starts another run
+thread popping, then serves its header itself, so a run is served by the
+thread that received it, with no hand-off between threads on its path.
 Admission (Redis) has already bounded how many runs of a model are in
-flight, so the pool only needs as many threads as the worker has slots.
+flight, so the pool only needs as many threads as the worker has slots,
+plus the one popping.
 
 Why not Celery: a Celery message per run cost about 2 ms to send (kombu in a
 thread of the web process) and 2.5 ms to receive (the consumer loop, ack) —
@@ -58,17 +62,18 @@ class RunDispatcher:
         self.queue_key = KEYS.run_queue(worker.hostname or "", worker.boot)
         # Threads start on demand; admission (Redis) bounds how many runs are in flight, and models
         # registered later through the API may add slots beyond ``threads``: leave room for them.
-        self._pool = ThreadPoolExecutor(max_workers=max(threads, RUN_THREADS_MIN), thread_name_prefix="run")
+        self._pool = ThreadPoolExecutor(max_workers=max(threads, RUN_THREADS_MIN) + 1, thread_name_prefix="run")
         self._stop = threading.Event()
-        # A connection of its own: BRPOP holds it while it blocks.
+        # The popping thread's BRPOP holds one connection of this client's pool while it blocks.
         self._client: Any = redis.Redis.from_url(redis_url(), decode_responses=False)
-        self._thread = threading.Thread(target=self._dispatch, name="run-dispatch", daemon=True)
 
     def start(self) -> None:
         """Start popping runs."""
-        self._thread.start()
+        self._pool.submit(self._lead)
 
-    def _dispatch(self) -> None:
+    def _lead(self) -> None:
+        """Pop the next element (the only thread popping now); once one came, start the next popping
+        thread and serve the run in this one."""
         while not self._stop.is_set():
             try:
                 popped = self._client.brpop([self.queue_key], timeout=POP_TIMEOUT_S)
@@ -78,7 +83,12 @@ class RunDispatcher:
                 continue
             if popped is None:
                 continue
-            self._pool.submit(self._serve, popped[1])
+            try:
+                self._pool.submit(self._lead)
+            except RuntimeError:  # stop() shut the pool down meanwhile: nobody pops any more
+                pass
+            self._serve(popped[1])
+            return
 
     def _serve(self, raw: bytes) -> None:
         try:
@@ -100,16 +110,14 @@ class RunDispatcher:
             client.close()
         return refused
 
-    def stop(self, timeout_s: float = 60.0) -> int:
+    def stop(self) -> int:
         """Stop taking runs, let running ones finish, answer the still-queued ones ``not_loaded``.
 
         Returns:
             How many queued runs were answered ``not_loaded``.
         """
         self._stop.set()
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout_s)
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # the popping thread stops within POP_TIMEOUT_S; running runs finish
         self._client.close()
         return self.drain()
 
