@@ -105,7 +105,8 @@ class Command(BaseCommand):
         parser.add_argument("--url", help="a running audiosite (default: start one with manage.py serve)")
         parser.add_argument("--token", help="management token for --url (default: issued on the started server)")
         parser.add_argument("--repeats", type=int, default=300, help="sequential GETs per target (default 300)")
-        parser.add_argument("--vad-repeats", type=int, default=40)
+        parser.add_argument("--vad-repeats", type=int, default=100,
+                            help="silero_vad requests, each followed by a direct call (default 100)")
         parser.add_argument("--clients", type=int, default=8)
         parser.add_argument("--seconds", type=float, default=3.0, help="per throughput measurement")
         parser.add_argument("--bursts", type=int, default=3)
