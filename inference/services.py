@@ -467,7 +467,7 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
     queued: small audio is decoded with its header before the request queues
     (:func:`inspect_and_decode_audio`: one pool hop instead of two; should the request queue
     after all, it holds its decoded samples, counted in the decode budget, while it waits), and
-    the run is offered with the enqueue (``rpc.run_offer``): granted at once on a model ready on a
+    the run is offered with the enqueue (``rpc.offer_run``): granted at once on a model ready on a
     live worker whose registration is still the probed one, it is on that worker's queue in the
     grant's own step, one round trip instead of two.
 
@@ -493,27 +493,28 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
     model_id = meta["id"]
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
     run_input: rpc.RunInput | None = None
-    offer = None
+    offered: rpc.OfferedRun | None = None
     if probe is not None and probe.free:
         header, run_input = await inspect_and_decode_audio(audio_input, meta["family"], options)
         if run_input is not None:
-            offer = rpc.run_offer(ctx, model_id, run_input, probe.entry_json)
+            offered = rpc.offer_run(ctx, model_id, run_input, probe.entry_json)
     else:
         header = await inspect_audio(audio_input, meta["family"])
     handover = rpc.Handover()
-    wake = ctx.listener.expect(f"done:{run_input.request_id}") if offer is not None and run_input else None
     try:
-        lease = await leases.acquire(ctx, model_id, timeout_ms, offer=offer)
+        lease = await leases.acquire(ctx, model_id, timeout_ms, offer=offered.offer if offered else None)
     except BaseException:
         if run_input is not None:
             run_input.release_samples()
-            ctx.listener.forget(f"done:{run_input.request_id}")
+        if offered is not None:
+            offered.withdraw(ctx)
         raise
-    if lease.dispatched:
-        assert run_input is not None and wake is not None and lease.ready_on is not None
-        rpc.handed_over_with_grant(run_input, handover)
-    elif run_input is not None:
-        ctx.listener.forget(f"done:{run_input.request_id}")
+    if offered is not None and run_input is not None:
+        if lease.dispatched:
+            offered.taken(run_input, handover)
+        else:
+            offered.withdraw(ctx)
+            offered = None
     try:
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
             # A manager ahead of us may have unregistered or reconfigured the model (R2.3). A lease
@@ -540,11 +541,11 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
                     left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
                     placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
                 load_ms += placement.load_ms
-                if attempt == 0 and lease.dispatched and wake is not None:  # handed over with the grant
+                if attempt == 0 and offered is not None:  # handed over with the grant
                     try:
-                        reply = await rpc.run_reply(ctx, run_input.request_id, placement, wake)
+                        reply = await rpc.run_reply(ctx, run_input.request_id, placement, offered.wake)
                     finally:
-                        ctx.listener.forget(f"done:{run_input.request_id}")
+                        offered.withdraw(ctx)
                 else:
                     reply = await rpc.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, handover)
                 if reply is None:

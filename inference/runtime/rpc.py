@@ -550,10 +550,32 @@ def run_header(ctx: AsyncContext, model_id: str, lease_id: str, run_input: RunIn
             "sample_format": run_input.sample_format, "options": run_input.options, "held": held}
 
 
-def run_offer(ctx: AsyncContext, model_id: str, run_input: RunInput, meta_json: str) -> RunOffer | None:
-    """The :class:`inference.scheduler.RunOffer` of a short run, to hand it over with its grant
-    (``enqueue.lua``): its queue element carries the samples (:func:`inline_element`). None for
-    samples of ``BLOCKING_SEND_MIN_BYTES`` or more, which go to their input key as usual.
+@dataclass
+class OfferedRun:
+    """A short run offered with its enqueue (:func:`offer_run`): the scheduler's ``offer`` and the
+    wake-up its reply comes by, registered before the enqueue that may hand the run over."""
+
+    offer: RunOffer
+    wake: asyncio.Future
+    request_id: str
+
+    def withdraw(self, ctx: AsyncContext) -> None:
+        """Stop waiting for this run's reply by its offer (not handed over, or the reply is in)."""
+        ctx.listener.forget(f"done:{self.request_id}")
+
+    def taken(self, run_input: RunInput, handover: Handover) -> None:
+        """Record that ``enqueue.lua`` pushed the run with its grant (``Lease.dispatched``): the worker
+        owns the lease and the samples (a worker that does not take the run leaves them in
+        ``Keys.input``, as after :func:`stage_run`)."""
+        handover.sent = True
+        run_input.staged = True
+        run_input.release_samples()
+
+
+def offer_run(ctx: AsyncContext, model_id: str, run_input: RunInput, meta_json: str) -> OfferedRun | None:
+    """Offer a short run to the enqueue, to be handed over with its grant (``enqueue.lua``): its queue
+    element carries the samples (:func:`inline_element`). None for samples of
+    ``BLOCKING_SEND_MIN_BYTES`` or more, which go to their input key as usual.
 
     Args:
         meta_json: the registration (as published) the run was prepared for.
@@ -562,17 +584,9 @@ def run_offer(ctx: AsyncContext, model_id: str, run_input: RunInput, meta_json: 
     if samples is None or samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
         return None
     data = audio.to_bytes(samples)
-    return RunOffer(meta_json, lambda lease_id: inline_element(run_header(ctx, model_id, lease_id, run_input), data),
-                    INPUT_TTL_MS)
-
-
-def handed_over_with_grant(run_input: RunInput, handover: Handover) -> None:
-    """Record that ``enqueue.lua`` pushed ``run_input`` with its grant (:attr:`Lease.dispatched`): the
-    worker owns the lease and the samples (a worker that does not take the run leaves them in
-    ``Keys.input``, as after :func:`stage_run`)."""
-    handover.sent = True
-    run_input.staged = True
-    run_input.release_samples()
+    offer = RunOffer(meta_json, lambda lease_id: inline_element(run_header(ctx, model_id, lease_id, run_input), data),
+                     INPUT_TTL_MS)
+    return OfferedRun(offer, ctx.listener.expect(f"done:{run_input.request_id}"), run_input.request_id)
 
 
 async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wake: asyncio.Future) -> dict | None:
