@@ -96,13 +96,17 @@ class DecodeBudget:
 
 
 _budget: DecodeBudget | None = None
+_budget_made = threading.Lock()
 
 
 def budget() -> DecodeBudget:
-    """This process's budget (``max_decoded_bytes_in_flight`` of the server configuration)."""
+    """This process's budget (``max_decoded_bytes_in_flight`` of the server configuration): one object,
+    also when its first callers are two decode threads at once (an eager decode reserves from one)."""
     global _budget
     if _budget is None:
-        _budget = DecodeBudget(get_config().max_decoded_bytes_in_flight)
+        with _budget_made:
+            if _budget is None:
+                _budget = DecodeBudget(get_config().max_decoded_bytes_in_flight)
     return _budget
 
 
