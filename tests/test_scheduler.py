@@ -318,6 +318,31 @@ def test_a_load_whose_worker_stops_beating_is_ended_for_every_waiter(redis_clien
     run(scenario())
 
 
+def test_a_waiter_looking_again_just_after_the_load_ended_hears_of_that_end(redis_client):
+    """R7.4/R4.2: a waiter's timed look and the loader's finding of the dead worker fall on the same
+    instant (both wait for the worker's liveness expiry). When the load ends first and the waiter's
+    wake-up is not yet read, the waiter's next ``begin_load`` (``replaces`` its unwoken token)
+    answers ``woken`` and changes nothing, so the waiter reports that end (``worker_lost``)
+    instead of becoming the next loader of a model whose load was lost (seen: a request
+    hanging on a reload it started itself, tests/test_scale.py)."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            sched = rig.scheduler
+            assert (await sched.begin_load(rig.listener, "m", "loader")).action == "load"
+            assert (await sched.begin_load(rig.listener, "m", "w1")).action == "wait"
+            assert await sched.finish_load("m", "loader", LoadEnd.WORKER_LOST, error="worker w was lost") == "ok"
+            late = await sched.begin_load(rig.listener, "m", "w2", replaces="w1")
+            assert late.action == "woken"
+            load = await rig.redis.hgetall(keys.load("m"))
+            assert (load["state"], load["ended"]) == ("unloaded", "worker_lost") and "loader" not in load
+            # A waiter whose entry is still there (not woken) decides as before; so does a new caller.
+            assert (await sched.begin_load(rig.listener, "m", "w3", replaces="")).action == "load"
+            assert (await sched.begin_load(rig.listener, "m", "w4", replaces="")).action == "wait"
+            assert (await sched.begin_load(rig.listener, "m", "w5", replaces="w4")).action == "wait"
+    run(scenario())
+
+
 def test_a_waiter_deciding_again_leaves_one_load_wait_entry(redis_client):
     """R4.2: a caller that waits for a load looks again every few seconds with a new token; each
     look unregisters its previous token, so the waiters' hash does not grow with the load's length."""

@@ -259,6 +259,13 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 assert decision.owner is not None and decision.boot is not None
                 return Placement(decision.owner, decision.boot,
                                  (time.monotonic() - started) * 1000 if loaded_here else 0.0)
+            if decision.action is LoadAction.WOKEN:
+                # The load we waited for ended just as our wait timed out (the loader and this
+                # waiter look at the same moment: its worker's liveness expiry): as on the wake-up.
+                error = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+                if error is not None:
+                    raise error
+                continue
             if decision.action is LoadAction.LOST:
                 # We found the load in progress dead and ended it (its waiters are woken).
                 if on_load_lost is not None:

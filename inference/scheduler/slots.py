@@ -577,7 +577,9 @@ class Scheduler:
         For 'wait', the caller must have called ``listener.expect(f"load:{token}")``
         before this call to be woken. ``force``: load even during a failed load's
         backoff (an explicit management load, R6.7). ``replaces``: the caller's
-        token of an earlier 'wait' that was not woken, unregistered first.
+        token of an earlier 'wait' that was not woken, unregistered first; when that
+        wait was woken meanwhile (its wake-up not yet read), the decision is
+        ``WOKEN`` and nothing changed.
         """
         reply = await self._run(
             "begin_load",

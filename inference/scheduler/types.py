@@ -45,6 +45,7 @@ class LoadAction(StrEnum):
     LOAD = "load"  # the caller is now the single loader
     BACKOFF = "backoff"  # the last load failed and its backoff has not passed (R6.7)
     LOST = "lost"  # the worker running the load in progress died; this call ended that load (R7.4)
+    WOKEN = "woken"  # the caller's previous wait (``replaces``) was already woken: read how that load ended
 
 
 class LoadEnd(StrEnum):

@@ -4,7 +4,9 @@
 -- ARGV[4] '1' to load even during a failed load's backoff (an explicit management load, R6.7)
 -- ARGV[5] the caller's token of its previous 'wait' that was not woken ('' = none): it is
 --         unregistered first, so a waiter that decides again every few seconds leaves
---         one ':loadwait' entry, not one per look
+--         one ':loadwait' entry, not one per look. When that entry is already gone, the
+--         load it waited for ended (or finished) since, and its wake-up is still on the way
+--         (or was just missed): nothing is decided, the call answers {'woken'}
 -- Returns one of:
 --   {'ready', owner, boot}  loaded on a live worker (owner = Celery hostname)
 --   {'wait', left_ms}       another caller is loading; 'load:<token>' is
@@ -16,6 +18,9 @@
 --                           finish_load (renewing with renew_load meanwhile)
 --   {'backoff', retry_in_ms, error}  the last load failed and its backoff has
 --                           not passed (R6.7): nothing changed
+--   {'woken'}               ARGV[5]'s wait was woken before this call (see ARGV[5]):
+--                           the caller reads how that load ended (its ':load' hash),
+--                           as on its wake-up, instead of becoming the next loader
 --   {'lost', error, host}   the worker running the load in progress (host) is dead
 --                           (lib's loader_dead: claim expired, or its liveness
 --                           key gone, R7.4): this call ended that load
@@ -30,7 +35,9 @@ local base, live_prefix = KEYS[1], KEYS[2]
 local token, chan, ttl_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local now = now_ms()
 local key = base .. ':load'
-if ARGV[5] ~= '' then redis.call('HDEL', base .. ':loadwait', ARGV[5]) end
+if ARGV[5] ~= '' and redis.call('HDEL', base .. ':loadwait', ARGV[5]) == 0 then
+  return {'woken'}
+end
 local state = redis.call('HGET', key, 'state') or 'unloaded'
 if state == 'ready' then
   local owner = redis.call('HGET', key, 'owner')
