@@ -2,7 +2,10 @@
 # Install (scripts/install.sh) and run the whole test suite against real
 # PostgreSQL and Redis. Defaults match a machine running both locally:
 #   DATABASE_URL  postgres://postgres@127.0.0.1:5432/audiosite  (tests create test_* databases)
-#   REDIS_URL     redis://127.0.0.1:6379/15   (tests FLUSH databases 8 to 15 of that server)
+#   REDIS_URL     redis://127.0.0.1:6379/15   (used only with AUDIOSITE_TEST_WORKERS=0: the tests FLUSH
+#                 databases 8 to 15 of that server; each xdist worker starts a Redis of its own,
+#                 see tests/redis_per_worker.py)
+#   AUDIOSITE_TEST_WORKERS  2: pytest-xdist processes (--dist loadfile); 0 = one process
 # Extra arguments go to pytest (e.g. scripts/test.sh -k scheduler). Lint: scripts/lint.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +14,4 @@ export DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/audiosite
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/15}
 export AUDIOSITE_REQUIRE_SERVICES=1
 export HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n "${AUDIOSITE_TEST_WORKERS:-2}" --dist loadfile "$@"
