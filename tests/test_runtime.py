@@ -251,3 +251,30 @@ def test_the_run_dispatcher_pops_its_own_boots_queue_and_refuses_runs_it_holds_n
         assert dispatcher.stop() == 0
     assert json.loads(redis_client.get(KEYS.result("fresh")))["kind"] == "not_loaded"
     assert redis_client.get(KEYS.result("stale")) is None and redis_client.llen(stale_key) == 1
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1000
+
+
+def test_the_sync_client_sends_large_samples_without_copying_them(redis_client):
+    """R8.4 (memory of decoded audio): the process-wide synchronous clients (the web's input sends in
+    a thread, the worker's writes) send a large memoryview as it is. redis-py's default packer with
+    hiredis installed copies every argument into one buffer: 64 MB of samples held about 4x that
+    at the peak of the send (seen: ``bench_decode_memory`` grew 291 MB against its 150 MB limit)."""
+    from inference.runtime.context import sync_redis_bytes
+    client = sync_redis_bytes()
+    client.ping()
+    samples = np.ones(32 * 1024 * 1024, dtype=np.int16)  # 64 MiB, resident before the send
+    data = audio.to_bytes(samples)
+    with open("/proc/self/clear_refs", "w") as clear:  # reset VmHWM to the current RSS (Linux)
+        clear.write("5")
+    before = _peak_rss_mb()
+    client.set(KEYS.input("copy-check"), data, px=INPUT_TTL_MS)
+    grown = _peak_rss_mb() - before
+    try:
+        assert client.strlen(KEYS.input("copy-check")) == samples.nbytes
+        assert grown < 16, f"peak RSS grew {grown:.1f} MB while sending {samples.nbytes / 1e6:.1f} MB"
+    finally:
+        client.delete(KEYS.input("copy-check"))
