@@ -12,6 +12,8 @@ Test modules import from here and never from each other. Named actors:
 - ``worker_pid`` / ``proc_environ`` / ``proc_threads``: the stack's worker process as the kernel sees it.
 - ``worker_pids`` / ``live_workers``: the Celery worker processes of a stack, and the workers its
   Redis counts as alive (liveness key present).
+- ``Rig``: one simulated web process on Redis database 15 (async client, scheduler, listener) for
+  the scheduler's own tests.
 """
 from __future__ import annotations
 
@@ -38,8 +40,10 @@ import numpy as np
 import psutil
 import psycopg
 import redis
+import redis.asyncio as aioredis
 import soundfile
 from django.core.management import call_command
+from inference.scheduler import Keys, Listener, Scheduler
 from inference.validation import evidence
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,6 +154,42 @@ def free_port() -> int:
 
 def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:8]}:"
+
+
+RIG_TTL_MS = 1000
+
+
+class Rig:
+    """One simulated web process on Redis database 15: ``redis`` (async, str replies), ``scheduler``
+    (``ttl_ms`` leases and claims) and a started ``listener`` (``async with``)."""
+
+    def __init__(self, keys: Keys, ttl_ms: int = RIG_TTL_MS):
+        self.keys = keys
+        self.ttl_ms = ttl_ms
+
+    async def __aenter__(self):
+        self.redis = aioredis.Redis.from_url(f"{REDIS_BASE}/15", decode_responses=True)
+        self.scheduler = Scheduler(self.redis, self.keys, self.ttl_ms)
+        self.listener = await Listener.start(self.redis, self.keys.process_channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.listener.close()
+        await self.redis.aclose()
+
+    async def acquire(self, model_id: str, timeout_ms: int, kind: str = "request"):
+        return await self.scheduler.acquire(self.listener, model_id, timeout_ms, kind)
+
+    async def counts(self, model_id: str) -> tuple[int, int]:
+        """``(active leases, queued)`` of ``model_id``."""
+        snap = await self.scheduler.snapshot([model_id])
+        return snap[model_id]["active_leases"], snap[model_id]["queued"]
+
+    async def model_keys(self, model_id: str) -> dict[str, dict]:
+        """Every Redis hash of the model's load protocol, as it stands."""
+        base = self.keys.model(model_id)
+        return {"load": await self.redis.hgetall(base + ":load"),
+                "loadwait": await self.redis.hgetall(base + ":loadwait")}
 
 
 class Deployment:

@@ -25,18 +25,15 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
+import redis
+
+from inference.validation.servers import free_port  # settings untouched: imports no settings value
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 START_TIMEOUT_S = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -61,19 +58,19 @@ def _start() -> str:
     Raises:
         RuntimeError: it did not answer ``PING`` within ``START_TIMEOUT_S``.
     """
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--protected-mode", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     atexit.register(lambda: (proc.terminate(), proc.wait(10)))
     deadline = time.monotonic() + START_TIMEOUT_S
+    url = f"redis://127.0.0.1:{port}/15"
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
-                conn.sendall(b"PING\r\n")
-                if conn.recv(16).startswith(b"+PONG"):
-                    return f"redis://127.0.0.1:{port}/15"
-        except OSError:
+            with redis.Redis.from_url(url, socket_timeout=1) as client:
+                client.ping()
+            return url
+        except redis.ConnectionError:
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"the private redis-server of xdist worker {os.environ.get('PYTEST_XDIST_WORKER')} "

@@ -29,47 +29,16 @@ import random
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from audiosite.errors import ModelLoadFailed, ServerBusy
 from inference.runtime.context import KEYS, async_context
 from inference.runtime.rpc import Placement, load_single_flight
 from inference.scheduler import Keys, LeaseKind, Listener, LoadEnd, Scheduler
 
-from .helpers import REDIS_BASE, run, unique_prefix, within
+from .helpers import Rig, run, unique_prefix, within
 
 KNOWN_GAP = ("known gap (docs/contract.md R7.4): a waiter reads how the waited load ended from the model's "
              "current :load hash, which the next claim overwrites; carrying the end in the wake-up is not built")
-
-pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/15"),
-                                reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)")
-
-TTL_MS = 1000
-
-
-class Rig:
-    """One simulated web process: client, scheduler, listener (as in tests/test_scheduler.py)."""
-
-    def __init__(self, keys: Keys, ttl_ms: int = TTL_MS):
-        self.keys = keys
-        self.ttl_ms = ttl_ms
-
-    async def __aenter__(self):
-        self.redis = aioredis.Redis.from_url(f"{REDIS_BASE}/15", decode_responses=True)
-        self.scheduler = Scheduler(self.redis, self.keys, self.ttl_ms)
-        self.listener = await Listener.start(self.redis, self.keys.process_channel)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.listener.close()
-        await self.redis.aclose()
-
-    async def model_keys(self, model_id: str) -> dict[str, dict]:
-        """Every Redis hash of the model's load protocol, as it stands."""
-        base = self.keys.model(model_id)
-        return {"load": await self.redis.hgetall(base + ":load"),
-                "loadwait": await self.redis.hgetall(base + ":loadwait")}
-
 
 async def _changes_of(rig: Rig, action):
     """Run ``action()`` and return (its result, the change notices published meanwhile)."""
@@ -333,6 +302,32 @@ async def _finish_ready(ctx, model_id: str, token: str, host: str, boot: str) ->
     await ctx.redis.set(KEYS.load_result(token), json.dumps({"ok": True, "owner": host, "boot": boot}), px=60000)
 
 
+LOST_ERROR = "worker gpu0@dying was lost while loading the model"
+
+
+async def _deaf_waiter_of_a_started_load(host: str, boot: str, pickup_timeout_s: float, loader: str = "loader"):
+    """A load claimed (``loader``) and started by worker ``host``, and a caller with a deaf listener
+    waiting for it (0.3 s in, registered): returns ``(ctx, its load_single_flight task)``."""
+    ctx, deaf = await _contexts(1500)
+    await _claim_started_by(ctx, "m", loader, host, boot)
+    waiter = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=pickup_timeout_s))
+    await asyncio.sleep(0.3)
+    return ctx, waiter
+
+
+async def _outcome(task, seconds: float = 10):
+    """What ``task`` returned or raised, within ``seconds``."""
+    return (await within(asyncio.gather(task, return_exceptions=True), seconds))[0]
+
+
+async def _slow_ready_load(ctx, token: str, host: str, boot: str) -> None:
+    """Worker ``host``'s load of claim ``token`` of ``m``: renewed and beating, ready after 4 s."""
+    for _ in range(8):
+        await asyncio.sleep(0.5)
+        assert await ctx.scheduler.renew_load("m", token, host, boot) == 1
+    await _finish_ready(ctx, "m", token, host, boot)
+
+
 def test_a_waiter_that_missed_the_wake_up_of_a_lost_load_reports_worker_lost_at_its_look(redis_client):
     """R7.4: the load a caller waits for is ended ``worker_lost`` (as ``serve`` ends the load of a worker
     it saw die) and the caller's wake-up is lost: at its timed look it answers 503 ``worker_lost``; it
@@ -341,14 +336,10 @@ def test_a_waiter_that_missed_the_wake_up_of_a_lost_load_reports_worker_lost_at_
     boot = _live_worker(redis_client, "gpu0@dying")
 
     async def scenario():
-        ctx, deaf = await _contexts(1500)
-        await _claim_started_by(ctx, "m", "loader", "gpu0@dying", boot)
         started = time.monotonic()
-        waiter = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=1.0))
-        await asyncio.sleep(0.3)
-        assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.WORKER_LOST,
-                                                   error="worker gpu0@dying was lost while loading the model")) == "ok"
-        outcome = (await within(asyncio.gather(waiter, return_exceptions=True), 10))[0]
+        ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@dying", boot, 1.0)
+        assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.WORKER_LOST, error=LOST_ERROR)) == "ok"
+        outcome = await _outcome(waiter)
         elapsed = time.monotonic() - started
         load = await ctx.redis.hgetall(KEYS.load("m"))
         await ctx.listener.close()
@@ -367,10 +358,7 @@ def test_a_waiter_that_missed_the_wake_up_of_a_ready_load_gets_that_pool(redis_c
     boot = _live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
-        ctx, deaf = await _contexts(1500)
-        await _claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
-        waiter = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=1.0))
-        await asyncio.sleep(0.3)
+        ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@ok", boot, 1.0)
         await _finish_ready(ctx, "m", "loader", "gpu0@ok", boot)
         placement = await within(waiter, 10)
         await ctx.listener.close()
@@ -386,13 +374,10 @@ def test_a_waiter_that_missed_the_wake_up_of_a_failed_load_reports_that_failure(
     boot = _live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
-        ctx, deaf = await _contexts(1500)
-        await _claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
-        waiter = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=1.0))
-        await asyncio.sleep(0.3)
+        ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@ok", boot, 1.0)
         assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.FAILED, "gpu0@ok", boot,
                                                    error="OSError: no such file")) == "ok"
-        outcome = (await within(asyncio.gather(waiter, return_exceptions=True), 10))[0]
+        outcome = await _outcome(waiter)
         load = await ctx.redis.hgetall(KEYS.load("m"))
         await ctx.listener.close()
         return outcome, load
@@ -412,11 +397,8 @@ def test_a_woken_waiter_whose_pool_died_meanwhile_loads_once_and_does_not_loop(r
     survivor_boot = _live_worker(redis_client, "gpu1@survivor")
 
     async def scenario():
-        ctx, deaf = await _contexts(1500)
-        await _claim_started_by(ctx, "m", "loader", "gpu0@short", boot)
         started = time.monotonic()
-        waiter = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=5.0))
-        await asyncio.sleep(0.3)
+        ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@short", boot, 5.0)
         await _finish_ready(ctx, "m", "loader", "gpu0@short", boot)
         await ctx.redis.delete(KEYS.worker_live("gpu0@short"))  # and it dies at once
         token = await within(_take_the_next_claim(ctx, "m", "gpu1@survivor", survivor_boot, previous="loader"), 10)
@@ -493,24 +475,14 @@ def test_a_waiter_of_a_lost_load_reports_worker_lost_though_a_new_load_began_bef
     survivor_boot = _live_worker(redis_client, "gpu1@survivor")
 
     async def scenario():
-        ctx, deaf = await _contexts(1500)
-        await _claim_started_by(ctx, "m", "first", "gpu0@dying", dying_boot)
-        waiter = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=5.0))
-        await asyncio.sleep(0.3)
-        assert str(await ctx.scheduler.finish_load("m", "first", LoadEnd.WORKER_LOST,
-                                                   error="worker gpu0@dying was lost while loading the model")) == "ok"
+        ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@dying", dying_boot, 5.0, loader="first")
+        assert str(await ctx.scheduler.finish_load("m", "first", LoadEnd.WORKER_LOST, error=LOST_ERROR)) == "ok"
         ended_at = time.monotonic()
         newcomer = asyncio.create_task(load_single_flight(ctx, "m", pickup_timeout_s=5.0))
         token = await within(_take_the_next_claim(ctx, "m", "gpu1@survivor", survivor_boot, previous="first"), 5)
 
-        async def slow_load() -> None:  # the survivor's load: renewed, beating, done after 4 s
-            for _ in range(8):
-                await asyncio.sleep(0.5)
-                assert await ctx.scheduler.renew_load("m", token, "gpu1@survivor", survivor_boot) == 1
-            await _finish_ready(ctx, "m", token, "gpu1@survivor", survivor_boot)
-
-        loading = asyncio.create_task(slow_load())
-        outcome = (await within(asyncio.gather(waiter, return_exceptions=True), 15))[0]
+        loading = asyncio.create_task(_slow_ready_load(ctx, token, "gpu1@survivor", survivor_boot))
+        outcome = await _outcome(waiter, 15)
         answered_s = time.monotonic() - ended_at
         await within(asyncio.gather(loading, newcomer), 15)
         await ctx.listener.close()
@@ -540,20 +512,13 @@ def test_a_woken_waiter_of_a_lost_load_reports_worker_lost_though_the_next_claim
         waiter = asyncio.create_task(load_single_flight(ctx, "m", pickup_timeout_s=5.0))
         await asyncio.sleep(0.3)
         assert redis_client.hlen(KEYS.model("m") + ":loadwait") == 1  # it waits, registered
-        assert str(blocking.finish_load("m", "first", LoadEnd.WORKER_LOST,
-                                        error="worker gpu0@dying was lost while loading the model")) == "ok"
+        assert str(blocking.finish_load("m", "first", LoadEnd.WORKER_LOST, error=LOST_ERROR)) == "ok"
         ended_at = time.monotonic()
         assert (await ctx.scheduler.begin_load(ctx.listener, "m", "second")).action == "load"
         assert await ctx.scheduler.renew_load("m", "second", "gpu1@survivor", survivor_boot) == 1
 
-        async def slow_load() -> None:  # the survivor's load: renewed, beating, done after 4 s
-            for _ in range(8):
-                await asyncio.sleep(0.5)
-                assert await ctx.scheduler.renew_load("m", "second", "gpu1@survivor", survivor_boot) == 1
-            await _finish_ready(ctx, "m", "second", "gpu1@survivor", survivor_boot)
-
-        loading = asyncio.create_task(slow_load())
-        outcome = (await within(asyncio.gather(waiter, return_exceptions=True), 15))[0]
+        loading = asyncio.create_task(_slow_ready_load(ctx, "second", "gpu1@survivor", survivor_boot))
+        outcome = await _outcome(waiter, 15)
         answered_s = time.monotonic() - ended_at
         await within(loading, 15)
         await ctx.listener.close()

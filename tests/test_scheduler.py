@@ -7,47 +7,17 @@ import sys
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from inference.scheduler import (
     AdmissionOverdue,
     AdmissionTimeout,
     Keys,
-    Listener,
     LoadEnd,
     ModelState,
-    Scheduler,
     effective_timeout_ms,
 )
 
-from .helpers import REDIS_BASE, ROOT, run, unique_prefix, within
-
-TTL_MS = 1000
-
-
-class Rig:
-    """One simulated web process: client, scheduler, listener."""
-
-    def __init__(self, keys: Keys, ttl_ms: int = TTL_MS):
-        self.keys = keys
-        self.ttl_ms = ttl_ms
-
-    async def __aenter__(self):
-        self.redis = aioredis.Redis.from_url(f"{REDIS_BASE}/15", decode_responses=True)
-        self.scheduler = Scheduler(self.redis, self.keys, self.ttl_ms)
-        self.listener = await Listener.start(self.redis, self.keys.process_channel)
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.listener.close()
-        await self.redis.aclose()
-
-    async def acquire(self, model_id: str, timeout_ms: int, kind: str = "request"):
-        return await self.scheduler.acquire(self.listener, model_id, timeout_ms, kind)
-
-    async def counts(self, model_id: str) -> tuple[int, int]:
-        snap = await self.scheduler.snapshot([model_id])
-        return snap[model_id]["active_leases"], snap[model_id]["queued"]
+from .helpers import REDIS_BASE, ROOT, Rig, run, unique_prefix, within
 
 
 @pytest.mark.parametrize(

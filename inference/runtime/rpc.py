@@ -144,6 +144,11 @@ def load_end_error(model_id: str, load: dict) -> ApplicationError | None:
     return None
 
 
+async def read_load_end_error(ctx: AsyncContext, model_id: str) -> ApplicationError | None:
+    """:func:`load_end_error` of the model's ``:load`` hash as it stands now (one round trip)."""
+    return load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+
+
 def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFailed:
     """The 503 ``load_failed`` of a model whose last load failed ``retry_in_ms`` before its next try (R6.7)."""
     retry_after_s = max(1, math.ceil(retry_in_ms / 1000))
@@ -259,13 +264,6 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 assert decision.owner is not None and decision.boot is not None
                 return Placement(decision.owner, decision.boot,
                                  (time.monotonic() - started) * 1000 if loaded_here else 0.0)
-            if decision.action is LoadAction.WOKEN:
-                # The load we waited for ended just as our wait timed out (the loader and this
-                # waiter look at the same moment: its worker's liveness expiry): as on the wake-up.
-                error = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
-                if error is not None:
-                    raise error
-                continue
             if decision.action is LoadAction.LOST:
                 # We found the load in progress dead and ended it (its waiters are woken).
                 if on_load_lost is not None:
@@ -282,7 +280,10 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 if not done:
                     unwoken = token
                     continue
-                error = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+            if decision.action in (LoadAction.WAIT, LoadAction.WOKEN):
+                # Woken; WOKEN: the wake-up of our previous wait came just as that wait timed out
+                # (the loader and its waiters look at the same moment, the worker's liveness expiry).
+                error = await read_load_end_error(ctx, model_id)
                 if error is not None:
                     raise error  # that load ended without a pool: it releases everyone who waited (R4.2)
                 continue
@@ -327,7 +328,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                             await on_load_lost(host, error)
                         raise worker_lost_while_loading(model_id, error)
                     # Another caller ended it first (and may have cleared the loader's name): say what it recorded.
-                    recorded = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+                    recorded = await read_load_end_error(ctx, model_id)
                     raise recorded or worker_lost_while_loading(model_id, error)
                 return None  # GONE: finished (its reply is read below) or ended by another caller
 
@@ -337,7 +338,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
             if not replied and raw is None:
                 # Our claim is gone without a reply yet: the load just finished (its reply follows
                 # the worker's database write) or another caller found its worker dead. Read the outcome.
-                error = load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+                error = await read_load_end_error(ctx, model_id)
                 if error is not None:
                     raise error
                 continue  # ready (begin_load says so) or loading by another: decide again
