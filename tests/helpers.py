@@ -43,7 +43,7 @@ import redis
 import redis.asyncio as aioredis
 import soundfile
 from django.core.management import call_command
-from inference.scheduler import Keys, Listener, Scheduler
+from inference.scheduler import Keys, Listener, LoadEnd, Scheduler
 from inference.validation import evidence
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +184,14 @@ class Rig:
         """``(active leases, queued)`` of ``model_id``."""
         snap = await self.scheduler.snapshot([model_id])
         return snap[model_id]["active_leases"], snap[model_id]["queued"]
+
+    async def lost_load(self, model_id: str, loader: str, waiters: Iterable[str], error: str = "worker w was lost"):
+        """``loader`` claims a load of ``model_id``, each of ``waiters`` waits for it, then it is ended
+        ``worker_lost`` (its worker died, R7.4): the waiters' wake-ups are published (unread)."""
+        assert (await self.scheduler.begin_load(self.listener, model_id, loader)).action == "load"
+        for waiter in waiters:
+            assert (await self.scheduler.begin_load(self.listener, model_id, waiter)).action == "wait"
+        assert await self.scheduler.finish_load(model_id, loader, LoadEnd.WORKER_LOST, error=error) == "ok"
 
     async def model_keys(self, model_id: str) -> dict[str, dict]:
         """Every Redis hash of the model's load protocol, as it stands."""

@@ -90,10 +90,7 @@ def test_two_late_waiters_of_a_lost_load_are_both_woken_and_single_flight_holds_
         keys = Keys(unique_prefix())
         async with Rig(keys) as rig:
             sched = rig.scheduler
-            assert (await sched.begin_load(rig.listener, "m", "loader")).action == "load"
-            assert (await sched.begin_load(rig.listener, "m", "w1")).action == "wait"
-            assert (await sched.begin_load(rig.listener, "m", "w2")).action == "wait"
-            assert await sched.finish_load("m", "loader", LoadEnd.WORKER_LOST, error="worker x was lost") == "ok"
+            await rig.lost_load("m", "loader", ["w1", "w2"])
             late = await asyncio.gather(sched.begin_load(rig.listener, "m", "w1b", replaces="w1"),
                                         sched.begin_load(rig.listener, "m", "w2b", replaces="w2"))
             assert [d.action for d in late] == ["woken", "woken"]
@@ -112,9 +109,7 @@ def test_a_late_look_after_a_new_load_began_is_still_woken_and_leaves_that_claim
         keys = Keys(unique_prefix())
         async with Rig(keys) as rig:
             sched = rig.scheduler
-            assert (await sched.begin_load(rig.listener, "m", "first")).action == "load"
-            assert (await sched.begin_load(rig.listener, "m", "w1")).action == "wait"
-            assert await sched.finish_load("m", "first", LoadEnd.WORKER_LOST, error="lost") == "ok"
+            await rig.lost_load("m", "first", ["w1"])
             assert (await sched.begin_load(rig.listener, "m", "second")).action == "load"
             before = await rig.model_keys("m")
             assert (await sched.begin_load(rig.listener, "m", "w2", replaces="w1")).action == "woken"

@@ -299,9 +299,7 @@ def test_a_waiter_looking_again_just_after_the_load_ended_hears_of_that_end(redi
         keys = Keys(unique_prefix())
         async with Rig(keys) as rig:
             sched = rig.scheduler
-            assert (await sched.begin_load(rig.listener, "m", "loader")).action == "load"
-            assert (await sched.begin_load(rig.listener, "m", "w1")).action == "wait"
-            assert await sched.finish_load("m", "loader", LoadEnd.WORKER_LOST, error="worker w was lost") == "ok"
+            await rig.lost_load("m", "loader", ["w1"])
             late = await sched.begin_load(rig.listener, "m", "w2", replaces="w1")
             assert late.action == "woken"
             load = await rig.redis.hgetall(keys.load("m"))
