@@ -3,7 +3,7 @@
 # PostgreSQL and Redis. Defaults match a machine running both locally:
 #   DATABASE_URL  postgres://postgres@127.0.0.1:5432/audiosite  (tests create test_* databases)
 #   REDIS_URL     redis://127.0.0.1:6379/15   (used only with AUDIOSITE_TEST_WORKERS=0: the tests FLUSH
-#                 databases 8 to 15 of that server; each xdist worker starts a Redis of its own,
+#                 databases 3 and 8 to 15 of that server; each xdist worker starts a Redis of its own,
 #                 see tests/redis_per_worker.py)
 #   AUDIOSITE_TEST_WORKERS  2: pytest-xdist processes (--dist loadfile); 0 = one process
 # Extra arguments go to pytest (e.g. scripts/test.sh -k scheduler). Lint: scripts/lint.sh.

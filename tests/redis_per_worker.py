@@ -1,6 +1,6 @@
 """pytest plugin (``-p tests.redis_per_worker`` in ``pytest.ini``): one private Redis per xdist worker.
 
-The suite flushes Redis databases 8 to 15 and gives each server stack one of
+The suite flushes Redis databases 3 and 8 to 15 and gives each server stack one of
 them (``tests/helpers.py``), so two test processes sharing one Redis server
 would wipe each other's state. Under ``pytest -n N`` (pytest-xdist, N > 1)
 each worker therefore starts a ``redis-server`` of its own, on a free
