@@ -1,8 +1,9 @@
 """Adversarial tests of the single-flight load protocol around ``begin_load``'s ``woken`` answer.
 
-``begin_load.lua`` answers ``{'woken'}`` when the caller passes ``replaces=<its previous wait's
-token>`` and that ``:loadwait`` entry is already gone; ``load_single_flight``
-(``inference/runtime/rpc.py``) then reads the ``:load`` hash as on a wake-up (R4.2, R7.4).
+``begin_load.lua`` answers ``{'woken', <how that load ended>}`` when the caller passes
+``replaces=<its previous wait's token>`` and that ``:loadwait`` entry is already gone; the end comes
+from ``:loadend``, where every end of a load keeps, per waiter token, what its wake-up carries
+(``load_single_flight`` in ``inference/runtime/rpc.py`` reports it, R4.2, R7.4).
 
 Two levels, both on a real Redis (database 15) and real listeners, no mocks:
 - the scripts alone (``Rig``: one simulated web process, as in tests/test_scheduler.py);
@@ -12,12 +13,13 @@ Two levels, both on a real Redis (database 15) and real listeners, no mocks:
   is not subscribed (a real ``Listener`` that was never started: a dropped subscription, which
   ``begin_load.lua``'s comment names, "or was just missed"): every look it takes is the timed one.
 
-Two tests fail against the code of 2026-12-02 (their docstrings start with FAILS; marked
-``xfail(strict=True)``, the known gap of docs/contract.md R7.4, so they turn red once it is closed): a waiter of a
-lost load that reads the ``:load`` hash only after the *next* load was claimed (its wake-up lost,
-or heard late) waits for that next load instead of answering 503 ``worker_lost`` (R7.4). The
-others pin what the ``woken`` change gets right: against the code before it (edb82e4~1) all of them
-fail except the takeover test, the late READY look and the dead-pool reload (which held before too).
+Two tests (the "though the next claim" ones) failed against the code of 2026-12-02 morning, which
+read how a waited load ended from the model's *current* ``:load`` hash: a waiter of a lost load that
+read it only after the *next* load was claimed (its wake-up lost, or heard late) waited for that
+next load instead of answering 503 ``worker_lost`` (R7.4). Wake-ups now carry the end and
+``:loadend`` keeps it per waiter token (2026-12-02 evening). The others pin what the ``woken``
+change gets right: against the code before it (edb82e4~1) all of them fail except the takeover
+test, the late READY look and the dead-pool reload (which held before too).
 """
 from __future__ import annotations
 
@@ -37,8 +39,6 @@ from inference.scheduler import Keys, LeaseKind, Listener, LoadEnd, Scheduler
 
 from .helpers import Rig, run, unique_prefix, within
 
-KNOWN_GAP = ("known gap (docs/contract.md R7.4): a waiter reads how the waited load ended from the model's "
-             "current :load hash, which the next claim overwrites; carrying the end in the wake-up is not built")
 
 async def _changes_of(rig: Rig, action):
     """Run ``action()`` and return (its result, the change notices published meanwhile)."""
@@ -449,22 +449,17 @@ def test_loader_and_waiters_looking_at_the_same_liveness_expiry_all_answer_worke
     assert redis_client.llen("gpu") == 1  # only the first load's task
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_GAP)
 def test_a_waiter_of_a_lost_load_reports_worker_lost_though_a_new_load_began_before_its_look(redis_client):
-    """FAILS (R7.4 "a worker dead during a load frees it within the liveness TTL, every waiter 503
-    ``worker_lost``"; the change's own claim: "a load waiter whose timed look falls just after the
-    loader ended the load reports that end").
+    """R7.4 ("a worker dead during a load frees it within the liveness TTL, every waiter 503
+    ``worker_lost``"): a load waiter whose timed look falls after the loader ended the load, and
+    after the next caller claimed the next load, reports the end of *its* load.
 
     The load a caller waits for is ended ``worker_lost``; its wake-up is lost; before its timed look a
     new request claims the next load, which the surviving worker starts and which takes a while (a
-    big model, or the scale test's load barrier). The late look is rightly ``woken``, but
-    ``load_single_flight`` then reads the *current* ``:load`` hash: ``loading`` (the new claim;
-    ``begin_load`` deleted ``ended`` when it claimed), ``load_end_error`` finds no error, the caller
-    ``continue``s, registers as a waiter of the new load and waits for it, so the end it was woken
-    for is never reported: it answers whatever the new load gives, seconds later (here its pool
-    after 4 s; had the new load hung, it would hang, the symptom the change fixed). The same holds
-    on a wake-up read late (the hash is read after the wake-up, in another round trip); with a
-    lost wake-up the window is the whole rest of the wait (up to ``MAX_CHECK_S``), not a race.
+    big model, or the scale test's load barrier). The late look is ``woken`` with the end kept for
+    its token (``worker_lost``). Before the fix the caller read the *current* ``:load`` hash
+    (``loading``: the new claim had deleted ``ended``), found no error, registered as a waiter of
+    the new load and answered what that one gave, seconds later (here its pool after 4 s).
     """
     dying_boot = _live_worker(redis_client, "gpu0@dying")
     survivor_boot = _live_worker(redis_client, "gpu1@survivor")
@@ -488,15 +483,14 @@ def test_a_waiter_of_a_lost_load_reports_worker_lost_though_a_new_load_began_bef
     assert answered_s < 2.5, answered_s  # at its timed look (the 1.5 s claim), not after the next load
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_GAP)
 def test_a_woken_waiter_of_a_lost_load_reports_worker_lost_though_the_next_claim_precedes_its_read(redis_client):
-    """FAILS (R7.4 "every waiter 503 ``worker_lost``"); the same gap as the test above, on the wake-up
-    path that the change copied: the waiter *hears* its wake-up, but the next claim reaches Redis
-    before its read of the ``:load`` hash (another web process's request arriving as the load is
+    """R7.4 ("every waiter 503 ``worker_lost``"), on the wake-up path: the waiter *hears* its wake-up
+    only after the next claim reached Redis (another web process's request arriving as the load is
     ended; here this test's event loop is busy with the end and the claim, so the listener reads
-    the wake-up after both). ``load_end_error`` then sees ``loading``, the waiter waits for the
-    next load, and answers what that one gives: not the ``worker_lost`` of the load it waited
-    for, and not within the liveness TTL."""
+    the wake-up after both). The wake-up carries ``worker_lost``, which the waiter answers at
+    once. Before the fix it read the ``:load`` hash (``loading``), waited for the next load and
+    answered what that one gave: not the ``worker_lost`` of the load it waited for, and not
+    within the liveness TTL."""
     dying_boot = _live_worker(redis_client, "gpu0@dying")
     survivor_boot = _live_worker(redis_client, "gpu1@survivor")
     blocking = Scheduler(redis_client, KEYS, 1500)  # synchronous: the event loop runs nothing meanwhile

@@ -13,6 +13,7 @@ from inference.scheduler import (
     AdmissionTimeout,
     Keys,
     LoadEnd,
+    LoadEndRecord,
     ModelState,
     effective_timeout_ms,
 )
@@ -231,6 +232,47 @@ def test_single_flight_load(redis_client):
             assert (await rig.scheduler.snapshot(["m"]))["m"]["state"] == "unloaded"
             assert (await rig.scheduler.begin_load(rig.listener, "m", "t5")).action == "load"
             assert await rig.scheduler.finish_load("m", "t1", LoadEnd.READY, owner="w1", boot="x") == "stale"
+    run(scenario())
+
+
+def test_a_load_end_wakes_each_waiter_with_how_it_ended_and_keeps_that_for_every_caller(redis_client):
+    """R4.2/R7.4: ending a load publishes each waiter's wake-up with the end inline ('<ended>:<error>',
+    'ready') and keeps that end for every waiter and the loader in ``:loadend`` (a minute), where the
+    next claim does not touch it: a caller that reads late still learns how *its* load ended; a
+    'woken' look answers that end; unregistering forgets it."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            sched = rig.scheduler
+            wakes = {token: rig.listener.expect(f"load:{token}") for token in ("w1", "w2")}
+            await rig.lost_load("m", "loader", ["w1", "w2"], error="worker gpu0 was lost: oom")
+            heard = {token: await within(wake, 2) for token, wake in wakes.items()}
+            assert heard == {"w1": "worker_lost:worker gpu0 was lost: oom",
+                             "w2": "worker_lost:worker gpu0 was lost: oom"}
+            lost = LoadEndRecord(LoadEnd.WORKER_LOST, "worker gpu0 was lost: oom")
+            assert [await sched.load_end("m", t) for t in ("w1", "w2", "loader")] == [lost, lost, lost]
+            assert 0 < await rig.redis.pttl(keys.load_ends("m")) <= 60000
+            # The next claim and its failure leave the first load's end to its callers.
+            assert (await sched.begin_load(rig.listener, "m", "second")).action == "load"
+            wake3 = rig.listener.expect("load:w3")
+            assert (await sched.begin_load(rig.listener, "m", "w3")).action == "wait"
+            assert await sched.finish_load("m", "second", LoadEnd.FAILED, error="bad graph") == "ok"
+            assert await within(wake3, 2) == "failed:bad graph"
+            assert await sched.load_end("m", "w1") == lost
+            assert await sched.load_end("m", "w3") == LoadEndRecord(LoadEnd.FAILED, "bad graph")
+            assert await sched.load_end("m", "never-waited") == LoadEndRecord(None)
+            # A wait whose wake-up was lost: its 'woken' look answers the end kept for it.
+            assert (await sched.begin_load(rig.listener, "m", "w4", force=True)).action == "load"
+            assert (await sched.begin_load(rig.listener, "m", "w5")).action == "wait"
+            await rig.redis.set(keys.worker_live("gpu1"), "boot1", px=5000)
+            assert await sched.finish_load("m", "w4", LoadEnd.READY, owner="gpu1", boot="boot1") == "ok"
+            late = await sched.begin_load(rig.listener, "m", "w6", replaces="w5")
+            assert (late.action, late.ended, late.error) == ("woken", LoadEnd.READY, "")
+            assert await sched.load_end("m", "w4") == LoadEndRecord(LoadEnd.READY)
+            # Unregistering the model forgets every kept end.
+            lease = await rig.acquire("m", 1000, kind="manager")
+            await sched.unregister("m", lease.lease_id)
+            assert not await rig.redis.exists(keys.load_ends("m"))
     run(scenario())
 
 

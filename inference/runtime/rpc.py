@@ -29,6 +29,7 @@ from inference.scheduler import (
     LoadAction,
     LoadClaim,
     LoadEnd,
+    LoadEndRecord,
     LoadLost,
     LoadOutcome,
     RunOffer,
@@ -120,33 +121,42 @@ def worker_lost_while_loading(model_id: str, error: str) -> ServerBusy:
                       "and the next request loads it on a live worker; retry", code="worker_lost", retry_after_s=1)
 
 
-def load_end_error(model_id: str, load: dict) -> ApplicationError | None:
+def load_end_error(model_id: str, end: LoadEndRecord) -> ApplicationError | None:
     """What a caller of a load reports when that load ended without a pool, or None.
 
     Args:
-        load: the model's ``:load`` hash as read after the load's wake-up.
+        end: how the load ended (its wake-up's payload, or the record kept for the caller's token).
 
     Returns:
-        By the hash's ``ended`` (``LoadEnd``), while ``state`` is ``unloaded``:
-        ``worker_lost`` → ServerBusy ``worker_lost`` (R7.4); ``no_worker`` →
-        ServerBusy ``no_worker``; ``failed`` → ModelLoadFailed ``load_failed``
-        (R4.2). None otherwise (the model is ready, or being loaded again).
+        By ``end.ended``: ``worker_lost`` → ServerBusy ``worker_lost`` (R7.4); ``no_worker`` →
+        ServerBusy ``no_worker``; ``failed`` → ModelLoadFailed ``load_failed`` (R4.2). None for
+        ``ready`` or None (nothing to report: the caller decides again).
     """
-    if load.get("state") != "unloaded":
-        return None
-    ended, error = load.get("ended"), load.get("error") or "no detail"
-    if ended == LoadEnd.WORKER_LOST:
+    error = end.error or "no detail"
+    if end.ended == LoadEnd.WORKER_LOST:
         return worker_lost_while_loading(model_id, error)
-    if ended == LoadEnd.NO_WORKER:
+    if end.ended == LoadEnd.NO_WORKER:
         return ServerBusy(f"model {model_id!r}: {error}; is a GPU worker running?", code="no_worker")
-    if ended == LoadEnd.FAILED:
+    if end.ended == LoadEnd.FAILED:
         return ModelLoadFailed(f"model {model_id!r} failed to load: {error}", code="load_failed")
     return None
 
 
-async def read_load_end_error(ctx: AsyncContext, model_id: str) -> ApplicationError | None:
-    """:func:`load_end_error` of the model's ``:load`` hash as it stands now (one round trip)."""
-    return load_end_error(model_id, await ctx.redis.hgetall(KEYS.load(model_id)))
+async def read_load_end_error(ctx: AsyncContext, model_id: str, token: str,
+                              end: LoadEndRecord | None = None) -> ApplicationError | None:
+    """:func:`load_end_error` of the load that ``token`` waited for or claimed: from ``end`` (what its
+    wake-up carried, or ``begin_load``'s 'woken'), else from the record kept for ``token`` (one HGET),
+    else, when nothing is kept, from the model's ``:load`` hash as it stands (while ``unloaded``).
+
+    The record, not the hash, is what a late reader needs: by the time a wake-up is read, or a lost
+    one is made up for by a timed look, the next caller may have claimed the next load (R7.4)."""
+    if end is None or end.ended is None:
+        end = await ctx.scheduler.load_end(model_id, token)
+    if end.ended is None:
+        load = await ctx.redis.hgetall(KEYS.load(model_id))
+        if load.get("state") == "unloaded" and load.get("ended"):
+            end = LoadEndRecord(LoadEnd(load["ended"]), load.get("error") or "")
+    return load_end_error(model_id, end)
 
 
 def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFailed:
@@ -256,8 +266,8 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
         token = uuid.uuid4().hex
         wake = ctx.listener.expect(f"load:{token}")
         try:
-            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token, force, replaces=unwoken)
-            unwoken = ""
+            replaced, unwoken = unwoken, ""
+            decision = await ctx.scheduler.begin_load(ctx.listener, model_id, token, force, replaces=replaced)
             if decision.action is LoadAction.BACKOFF:
                 raise backoff_error(model_id, decision.retry_in_ms, decision.error)
             if decision.action is LoadAction.READY:
@@ -281,9 +291,13 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                     unwoken = token
                     continue
             if decision.action in (LoadAction.WAIT, LoadAction.WOKEN):
-                # Woken; WOKEN: the wake-up of our previous wait came just as that wait timed out
-                # (the loader and its waiters look at the same moment, the worker's liveness expiry).
-                error = await read_load_end_error(ctx, model_id)
+                # Woken (the wake-up carries how the load ended); WOKEN: our previous wait was woken
+                # as it timed out, or its wake-up was lost: begin_load read that wait's kept end.
+                if decision.action is LoadAction.WOKEN:
+                    error = await read_load_end_error(ctx, model_id, replaced,
+                                                      LoadEndRecord(decision.ended, decision.error))
+                else:
+                    error = await read_load_end_error(ctx, model_id, token, LoadEndRecord.parse(wake.result()))
                 if error is not None:
                     raise error  # that load ended without a pool: it releases everyone who waited (R4.2)
                 continue
@@ -328,7 +342,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                             await on_load_lost(host, error)
                         raise worker_lost_while_loading(model_id, error)
                     # Another caller ended it first (and may have cleared the loader's name): say what it recorded.
-                    recorded = await read_load_end_error(ctx, model_id)
+                    recorded = await read_load_end_error(ctx, model_id, token)
                     raise recorded or worker_lost_while_loading(model_id, error)
                 return None  # GONE: finished (its reply is read below) or ended by another caller
 
@@ -338,7 +352,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
             if not replied and raw is None:
                 # Our claim is gone without a reply yet: the load just finished (its reply follows
                 # the worker's database write) or another caller found its worker dead. Read the outcome.
-                error = await read_load_end_error(ctx, model_id)
+                error = await read_load_end_error(ctx, model_id, token)
                 if error is not None:
                     raise error
                 continue  # ready (begin_load says so) or loading by another: decide again

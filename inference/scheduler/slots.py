@@ -29,6 +29,7 @@ from .types import (
     LoadClaim,
     LoadDecision,
     LoadEnd,
+    LoadEndRecord,
     LoadOutcome,
     LoadWait,
     ModelState,
@@ -578,8 +579,8 @@ class Scheduler:
         before this call to be woken. ``force``: load even during a failed load's
         backoff (an explicit management load, R6.7). ``replaces``: the caller's
         token of an earlier 'wait' that was not woken, unregistered first; when that
-        wait was woken meanwhile (its wake-up not yet read), the decision is
-        ``WOKEN`` and nothing changed.
+        wait was woken meanwhile (its wake-up late or lost), the decision is
+        ``WOKEN``, with how that load ended (``ended``, ``error``), and nothing changed.
         """
         reply = await self._run(
             "begin_load",
@@ -595,7 +596,16 @@ class Scheduler:
             return LoadDecision(action, owner=_text(reply[2]), error=_text(reply[1]))
         if action is LoadAction.WAIT:
             return LoadDecision(action, left_ms=int(reply[1]))
+        if action is LoadAction.WOKEN:
+            end = LoadEndRecord.parse(_text(reply[1]))
+            return LoadDecision(action, ended=end.ended, error=end.error)
         return LoadDecision(action)
+
+    async def load_end(self, model_id: str, token: str) -> LoadEndRecord:
+        """How the load that ``token`` waited for (``begin_load``'s 'wait') or claimed ('load')
+        ended, as kept in ``:loadend`` for a minute after that end; ``ended`` None when nothing
+        is kept (the load has not ended, or its record expired). One HGET."""
+        return LoadEndRecord.parse(await self.redis.hget(self.keys.load_ends(model_id), token))
 
     async def request_stats(self, model_id: str) -> RequestStats:
         """The model's request count and slot hold times (``release.lua`` records them; read only).

@@ -62,6 +62,24 @@ class LoadEnd(StrEnum):
     NO_WORKER = "no_worker"
 
 
+class LoadEndRecord(NamedTuple):
+    """How one load ended, as kept for each of its callers (``:loadend``) and carried by their
+    wake-ups: ``ended`` (``LoadEnd``; None when nothing is kept: the record expired or the
+    model was unregistered) and the ``error`` recorded with it ('' for ``READY``)."""
+
+    ended: LoadEnd | None
+    error: str = ""
+
+    @classmethod
+    def parse(cls, text: str | None) -> LoadEndRecord:
+        """Read ``'ready'`` or ``'<ended>:<error>'`` (``lua/lib.lua``'s ``wake_load_waiters``); ''/None:
+        nothing kept. Raises ValueError on an ``ended`` that is not a ``LoadEnd``."""
+        if not text:
+            return cls(None)
+        ended, _, error = text.partition(":")
+        return cls(LoadEnd(ended), error)
+
+
 class LoadOutcome(StrEnum):
     """Result of ``finish_load.lua``: ``ok``, or ``stale`` when the claim was gone (nothing published)."""
 
@@ -146,7 +164,8 @@ class LoadDecision:
     ``LOST``, ``owner`` is the lost worker's hostname and ``error`` what was
     recorded for the load this call ended; for ``WAIT``, ``left_ms``: how long
     the load in progress stays alive if its worker stops now (-1 while no
-    worker has started it)."""
+    worker has started it); for ``WOKEN``, ``ended`` and ``error``: how the
+    load the earlier wait waited for ended (``ended`` None: no longer kept)."""
 
     action: LoadAction
     owner: str | None = None
@@ -154,6 +173,7 @@ class LoadDecision:
     retry_in_ms: int = 0
     error: str = ""
     left_ms: int = -1
+    ended: LoadEnd | None = None
 
 
 class ClaimStatus(NamedTuple):

@@ -12,7 +12,9 @@
 -- and forgets earlier failures. Any other outcome is lib's end_load: state
 -- 'unloaded', 'ended' = the outcome, and for 'failed' only the backoff (R6.7;
 -- begin_load.lua refuses until retry_at_ms; an explicit management load may force).
--- Wakes every waiter registered by begin_load ('load:<token>'). Clock: redis TIME.
+-- Wakes every waiter registered by begin_load or add_load_waiter ('load:<token>' LF the outcome:
+-- 'ready' or '<ended>:<error>') and keeps that outcome for them and the loader (lib's
+-- wake_load_waiters, ':loadend'). Clock: redis TIME.
 local base = KEYS[1]
 local key = base .. ':load'
 if redis.call('HGET', key, 'loader') ~= ARGV[1] or redis.call('HGET', key, 'state') ~= 'loading' then
@@ -27,10 +29,6 @@ redis.call('HSET', key, 'state', 'ready', 'owner', ARGV[3], 'boot', ARGV[4], 'er
             'last_used_ms', now)
 redis.call('HDEL', key, 'failures', 'retry_at_ms', 'ended', 'loader', 'loader_expires_ms', 'loader_host',
            'loader_boot')
-local waiters = redis.call('HGETALL', base .. ':loadwait')
-for i = 1, #waiters, 2 do
-  redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i])
-end
-redis.call('DEL', base .. ':loadwait')
+wake_load_waiters(base, 'ready', ARGV[1])
 changed(base)
 return 'ok'

@@ -19,6 +19,9 @@
 --                           capacity, last_used_ms,
 --                           failures + retry_at_ms (failed loads, R6.7)
 --   base..':loadwait' HASH  token -> channel of a caller waiting for a load
+--   base..':loadend'  HASH  token -> how the load that token waited for (or claimed) ended:
+--                           'ready', or '<ended>:<error>' (ended as in ':load'); written when
+--                           the load ends, expires LOAD_END_KEEP_MS after the last end (R4.2, R7.4)
 --   base..':stats'    HASH  requests (request leases released), held_ms (their summed hold time)
 --   base..':held'     LIST  the last HELD_KEEP request hold times in ms (grant -> release), newest first
 -- Change notices: every script that changes what a snapshot shows PUBLISHes the model id
@@ -154,14 +157,35 @@ local function loader_dead(key, live_prefix, now)
   return left ~= nil and left <= 0
 end
 
+-- How long each caller of a load can still read how that load ended (':loadend', ms): well past the
+-- longest a waiter goes without looking (rpc.MAX_CHECK_S, the worker liveness TTL, 10 s).
+local LOAD_END_KEEP_MS = 60000
+
+-- The load of 'base' ended ('ready', or '<ended>:<error>'): wake every registered waiter with the
+-- outcome inline ('load:<token>' LF outcome, see Listener.expect) and keep the outcome for each of
+-- them and for the loader's token (':loadend'), so a caller whose wake-up is late or lost, and
+-- reads after the next claim overwrote ':load', still learns how *its* load ended.
+local function wake_load_waiters(base, outcome, loader)
+  local ends = base .. ':loadend'
+  local waiters = redis.call('HGETALL', base .. ':loadwait')
+  for i = 1, #waiters, 2 do
+    redis.call('HSET', ends, waiters[i], outcome)
+    redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i] .. '\n' .. outcome)
+  end
+  if loader then redis.call('HSET', ends, loader, outcome) end
+  if loader or #waiters > 0 then redis.call('PEXPIRE', ends, LOAD_END_KEEP_MS) end
+  redis.call('DEL', base .. ':loadwait')
+end
+
 -- End the load in progress without a pool (R4.2): state 'unloaded' with 'error',
 -- 'ended' = how ('failed': the worker reported a failure; 'worker_lost': the
 -- loading worker died; 'no_worker': nobody started it). Only a 'failed' load
 -- starts the backoff (R6.7): 'failures' counts consecutive ones and no caller
 -- loads again before retry_at_ms = now + min(60 s, 1 s * 2^(failures-1)).
--- Forgets the claim and wakes every waiter registered by begin_load ('load:<token>').
+-- Forgets the claim and wakes every waiter with the end (wake_load_waiters).
 local function end_load(base, ended, err, now)
   local key = base .. ':load'
+  local loader = redis.call('HGET', key, 'loader')
   redis.call('HSET', key, 'state', 'unloaded', 'error', err, 'ended', ended)
   redis.call('HDEL', key, 'owner', 'boot')
   if ended == 'failed' then
@@ -170,10 +194,6 @@ local function end_load(base, ended, err, now)
     redis.call('HSET', key, 'retry_at_ms', now + delay_ms)
   end
   redis.call('HDEL', key, 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot')
-  local waiters = redis.call('HGETALL', base .. ':loadwait')
-  for i = 1, #waiters, 2 do
-    redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i])
-  end
-  redis.call('DEL', base .. ':loadwait')
+  wake_load_waiters(base, ended .. ':' .. err, loader)
   changed(base)
 end

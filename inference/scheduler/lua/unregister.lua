@@ -7,6 +7,6 @@
 local base, registry = KEYS[1], KEYS[2]
 if redis.call('HEXISTS', base .. ':mleases', ARGV[2]) == 0 then return 'not_held' end
 redis.call('HDEL', registry, ARGV[1])
-redis.call('DEL', base .. ':load', base .. ':cap', base .. ':loadwait', base .. ':stats', base .. ':held')
+redis.call('DEL', base .. ':load', base .. ':cap', base .. ':loadwait', base .. ':loadend', base .. ':stats', base .. ':held')
 changed(base)
 return 'ok'
