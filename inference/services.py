@@ -37,6 +37,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -328,6 +329,52 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
                     return rpc.Placement(placement.owner, placement.boot, (time.monotonic() - started) * 1000)
                 return placement
     return await rpc.load_single_flight(ctx, model_id, force=force, on_load_lost=lost)
+
+
+@dataclass(frozen=True)
+class PreloadResult:
+    """One model of :func:`models_preload`: loaded in ``load_ms`` (0 when it was already loaded), or
+    ``error`` (the refusal's message; ``load_ms`` None)."""
+
+    model_id: str
+    load_ms: float | None
+    error: str = ""
+
+
+async def models_preload(ctx: AsyncContext, model_ids: list[str] | None,
+                         on_result: Callable[[PreloadResult], None] | None = None) -> list[PreloadResult]:
+    """Load models now, one after the other (``manage.py load_models``; ``serve`` at start-up).
+
+    ``model_ids`` None: every eager (non-lazy) published model. Each load first takes a request
+    lease of its model without a bound (the same FIFO and busy guard as a request, so it queues
+    behind running work), then :func:`ensure_loaded` with ``force`` (an explicit load passes a
+    failed load's backoff, R6.7), then gives the lease back. A failure is reported and the next
+    model is loaded: the model stays registered and loads on its first request.
+
+    Args:
+        on_result: called with each result as soon as it is known (progress lines).
+
+    Returns:
+        One :class:`PreloadResult` per model, in order; an id that is not registered is a failure.
+    """
+    metas = await published.meta_all(ctx)
+    results = []
+    for model_id in published.eager_ids(metas) if model_ids is None else model_ids:
+        if model_id not in metas:
+            result = PreloadResult(model_id, None, "not registered")
+        else:
+            lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
+            try:
+                placement = await ensure_loaded(ctx, model_id, force=True)
+                result = PreloadResult(model_id, placement.load_ms)
+            except ApplicationError as exc:
+                result = PreloadResult(model_id, None, exc.message)
+            finally:
+                await ctx.scheduler.release(model_id, lease.lease_id)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
 
 
 async def _available_memory_mb(ctx: AsyncContext) -> int | None:

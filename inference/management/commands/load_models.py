@@ -1,18 +1,26 @@
 """``python manage.py load_models [ID …]``: load models now (default: every non-lazy one).
 
 Each load goes through the same busy guard and single-flight load as a
-request, so it queues behind running work and never loads a model twice.
+request, so it queues behind running work and never loads a model twice
+(``inference.services.models_preload``, which ``serve`` also runs at start-up).
 """
 import asyncio
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from audiosite.errors import ApplicationError
 from inference.runtime.context import async_context, redis_url
-from inference.runtime import published
-from inference.runtime.published import meta_all
-from inference.services import ensure_loaded
+from inference.services import PreloadResult, models_preload
+
+
+def preload_line(result: PreloadResult) -> str:
+    """The progress line of one preloaded model (``loaded <id> in <ms> ms`` or ``loading <id> failed: …``)."""
+    if result.load_ms is None:
+        return f"loading {result.model_id} failed: {result.error}"
+    return f"loaded {result.model_id} in {result.load_ms:.0f} ms"
+
+
+FAILURES_LINE = "{} model(s) failed to load; they stay registered and load on first request"
 
 
 class Command(BaseCommand):
@@ -26,27 +34,17 @@ class Command(BaseCommand):
             redis_url()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from None
-        failures = asyncio.run(self._load(options["model_ids"]))
+        results = asyncio.run(self._load(options["model_ids"] or None))
+        failures = sum(result.load_ms is None for result in results)
         if failures:
-            self.stderr.write(f"{failures} model(s) failed to load; they stay registered and load on first request")
+            self.stderr.write(FAILURES_LINE.format(failures))
 
-    async def _load(self, wanted: list[str]) -> int:
+    async def _load(self, wanted: list[str] | None) -> list[PreloadResult]:
         ctx = await async_context()
-        metas = await meta_all(ctx)
-        failures = 0
-        for model_id in wanted or published.eager_ids(metas):
-            if model_id not in metas:
-                failures += 1
-                self.stderr.write(f"loading {model_id} failed: not registered")
-                continue
-            lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
-            try:
-                placement = await ensure_loaded(ctx, model_id, force=True)
-                self.stdout.write(f"loaded {model_id} in {placement.load_ms:.0f} ms")
-            except ApplicationError as exc:
-                failures += 1
-                self.stderr.write(f"loading {model_id} failed: {exc.message}")
-            finally:
-                await ctx.scheduler.release(model_id, lease.lease_id)
-        await ctx.listener.close()
-        return failures
+        try:
+            return await models_preload(ctx, wanted, self._report)
+        finally:
+            await ctx.listener.close()
+
+    def _report(self, result: PreloadResult) -> None:
+        (self.stderr if result.load_ms is None else self.stdout).write(preload_line(result))

@@ -41,10 +41,12 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,9 @@ from audiosite.settings import env_json
 from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
 from inference.consumers import close_live_sessions
 from inference.runtime import published
-from inference.runtime.context import KEYS, sync_redis, sync_scheduler
+from inference.management.commands.load_models import FAILURES_LINE, preload_line
+from inference.runtime.context import KEYS, async_context, sync_redis, sync_scheduler
+from inference.services import PreloadResult, models_preload
 from inference.scheduler import RuntimeMismatch
 from inference.worker.memory import arenas_bounded
 from registry import services as records
@@ -71,6 +75,7 @@ STARTUP_TIMEOUT_S = 120
 REDIS_STARTUP_TIMEOUT_S = 10
 SUPERVISOR_REDIS_TIMEOUT_S = 2  # serve's own Redis calls never block its loop for longer
 LIVE_CLOSE_TIMEOUT_S = 2.0  # at shutdown, how long serve tries to reach the realtime sessions
+PRELOAD_CANCEL_S = 2.0  # at a signal during the start-up loads, how long serve waits for them to give up
 WEB_STOP_MARGIN_S = 10.0
 """How long serve waits for daphne beyond ``shutdown_timeout_ms`` (its answers to cut work, closing the
 connections: ``audiosite.web.EXPIRY_GRACE_S`` + ``CLOSE_GRACE_S``, plus slack) before killing it, in seconds."""
@@ -183,8 +188,9 @@ class Command(BaseCommand):
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
             metas = self._published(redis_url)
-            if published.eager_ids(metas, config.lazy_load):  # a load_models child only if it has work
-                self._run_once(env, ["load_models"])
+            eager = published.eager_ids(metas, config.lazy_load)
+            if eager:
+                self._preload(eager)
             self.stdout.write(self.style.SUCCESS(
                 f"audiosite listening on http://{config.host}:{config.port} (runtime {config.runtime}, "
                 f"{len(metas)} model(s)); Ctrl-C stops it"))
@@ -247,14 +253,32 @@ class Command(BaseCommand):
         records.registration_record_lost(model_ids, f"worker {hostname} exited with {describe_exit(returncode)}",
                                          actor="serve")
 
-    def _run_once(self, env: dict, command: list[str]) -> None:
-        proc = self._spawn("load_models", [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), *command], env)
-        while proc.poll() is None:
-            self._check_stop()
-            if self.workers is not None:
-                self.workers.tick()
-            time.sleep(0.1)
-        self.children.remove(("load_models", proc))
+    def _preload(self, model_ids: list[str]) -> None:
+        """Load ``model_ids`` (``manage.py load_models``'s work, ``inference.services.models_preload``) in
+        this process, on an event loop in a thread of its own, while this thread keeps supervising the
+        workers and answering signals: a ``load_models`` child cost a Python and Django start (about
+        2.4 s here, 2026-12-02) on every start. A signal cancels the loads (their leases are given back)."""
+        preload = _Preload(model_ids, self._report_preload)
+        preload.start()
+        try:
+            while preload.is_alive():
+                self._check_stop()
+                if self.workers is not None:
+                    self.workers.tick()
+                preload.join(0.1)
+        except _Stop:
+            preload.cancel()
+            preload.join(PRELOAD_CANCEL_S)
+            raise
+        if preload.error is not None:  # not a model's refusal (those are reported): Redis trouble, a bug
+            self.stderr.write(f"loading the models failed: {type(preload.error).__name__}: {preload.error}")
+        failures = sum(result.load_ms is None for result in preload.results)
+        if failures:
+            self.stderr.write(FAILURES_LINE.format(failures))
+
+    def _report_preload(self, result: PreloadResult) -> None:
+        (self.stderr if result.load_ms is None else self.stdout).write(preload_line(result))
+        self.stdout.flush()
 
     def _forget_dead_local_workers(self, redis_url: str) -> None:
         """Drop the liveness keys of this host's workers whose process is gone (R7.4).
@@ -385,7 +409,7 @@ class Command(BaseCommand):
 
     def _stop_all(self, timeout_s: float) -> None:
         """Stop the children in order: daphne (its drain; the realtime sessions are then asked to close
-        with 1001), the workers (warm shutdown), one-shots, then Redis.
+        with 1001), the workers (warm shutdown), then Redis.
 
         Each gets SIGTERM and is waited for: daphne up to ``timeout_s`` (``shutdown_timeout_ms``)
         plus ``WEB_STOP_MARGIN_S``, the others up to ``timeout_s``; then it is killed. After a
@@ -438,6 +462,44 @@ class Command(BaseCommand):
                 proc.wait()
                 return
             time.sleep(0.05)
+
+
+class _Preload(threading.Thread):
+    """``models_preload`` on an event loop of its own (``serve``'s start-up loads): ``results`` once it
+    ends, or ``error``, what stopped it early; :meth:`cancel` stops it from another thread."""
+
+    def __init__(self, model_ids: list[str], on_result: Callable[[PreloadResult], None]):
+        super().__init__(name="preload", daemon=True)
+        self.model_ids = model_ids
+        self.on_result = on_result
+        self.results: list[PreloadResult] = []
+        self.error: BaseException | None = None
+        self.loop = asyncio.new_event_loop()
+        self.task = self.loop.create_task(self._load())
+
+    async def _load(self) -> None:
+        ctx = await async_context()
+        try:
+            self.results = await models_preload(ctx, self.model_ids, self.on_result)
+        finally:
+            await ctx.listener.close()
+
+    def run(self) -> None:
+        try:
+            self.loop.run_until_complete(self.task)
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # reported by serve, which goes on serving (the models load on first use)
+            self.error = exc
+        finally:
+            self.loop.close()
+
+    def cancel(self) -> None:
+        """Cancel the loads (a model being loaded finishes loading on its worker; its lease is given back)."""
+        try:
+            self.loop.call_soon_threadsafe(self.task.cancel)
+        except RuntimeError:  # the loop already closed: nothing runs
+            pass
 
 
 class _Stop(Exception):
