@@ -58,7 +58,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, redacted
+from audiosite.celery import app as celery_app
+from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, kombu_broker_url, redacted
 from audiosite.serverconfig import ConfigError, ServerConfig, load_config, slot_count
 from audiosite.settings import env_json
 from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
@@ -167,6 +168,9 @@ class Command(BaseCommand):
             redis_url = settings.REDIS_URL or self._start_redis()
             env["REDIS_URL"] = redis_url
             settings.REDIS_URL = redis_url
+            # This process sends the start-up load tasks (_preload): its Celery app must use the Redis
+            # just started, not the broker its settings named at import (none: Celery's default AMQP).
+            celery_app.conf.broker_url = settings.CELERY_BROKER_URL = kombu_broker_url(redis_url)
             self.stdout.write(f"database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}"
                               f" {settings.DATABASES['default']['NAME']}")
             call_command("migrate", interactive=False, verbosity=0)
