@@ -525,25 +525,26 @@ class VoicesApi(APIView):
 
 async def _task_speech(meta: dict, ctx: AsyncContext, data: dict, started: float) -> Response:
     """``/v1/tasks/run`` for a ``tts`` model: the whole text synthesised, answered at once as
-    ``{"audio": base64 WAV (s16le mono), "sample_rate", "duration" (s), "sentences", "timing"}``."""
+    ``{"audio": base64 WAV (s16le mono, its RIFF and data sizes filled in), "sample_rate", "duration" (s),
+    "sentences", "timing"}``."""
     req = data["request"]
     if "text" not in req:
         raise InvalidRequest(f"model {meta['id']!r} synthesises speech: request needs 'text'", param="request.text")
     options = dict(req["options"])
     stream = await services.speech_open(ctx, meta, req["text"], options, data["busy_timeout_ms"])
-    encoder = audio.SpeechEncoder("wav", stream.sample_rate_hz)
-    parts, samples = [], 0
+    parts = []
     try:
         async for pcm in stream.pcm():
-            samples += len(pcm) // 2
-            parts.append(encoder.encode(pcm))
-        parts.append(encoder.finish())
+            parts.append(pcm)
         final = stream.final or {}
     finally:
         await stream.aclose()
+    pcm = b"".join(parts)
+    samples = len(pcm) // 2
+    wav = audio.wav_bytes(pcm, stream.sample_rate_hz)
     wall_ms = (time.monotonic() - started) * 1000
     duration_s = samples / stream.sample_rate_hz
-    return Response({"model": meta["id"], "task": "tts", "audio": base64.b64encode(b"".join(parts)).decode(),
+    return Response({"model": meta["id"], "task": "tts", "audio": base64.b64encode(wav).decode(),
                      "format": "wav", "sample_rate": stream.sample_rate_hz, "duration": round(duration_s, 6),
                      "sentences": final.get("sentences"),
                      "timing": {"wall_ms": round(wall_ms, 3), "audio_duration_ms": round(duration_s * 1000, 3),

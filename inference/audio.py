@@ -388,6 +388,21 @@ def speech_output_rate(fmt: str, sample_rate_hz: int) -> int:
     return (_CONTAINERS[fmt][2] if fmt != "pcm" else None) or sample_rate_hz
 
 
+def wav_bytes(pcm: bytes, sample_rate_hz: int) -> bytes:
+    """A whole WAV file (16-bit mono) of s16le ``pcm`` at ``sample_rate_hz``, written by soundfile
+    into memory, so its RIFF and ``data`` sizes are the real ones (a :class:`SpeechEncoder` writes a
+    streaming header with unknown sizes, as a response sent while it is made must).
+
+    Raises:
+        ValueError: ``pcm`` is not a whole number of 2-byte samples.
+    """
+    if len(pcm) % 2:
+        raise ValueError("s16le PCM has an even number of bytes")
+    out = io.BytesIO()
+    soundfile.write(out, np.frombuffer(pcm, dtype="<i2"), sample_rate_hz, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
 class _Sink:
     """A write-only, non-seekable byte sink for PyAV: muxers then write streaming headers
     (no length fields patched at the end), so every byte can be sent as soon as it exists."""

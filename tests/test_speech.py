@@ -13,6 +13,7 @@ import io
 import json
 import threading
 import time
+import wave
 
 import httpx
 import httpx_sse
@@ -174,6 +175,10 @@ def test_tasks_run_synthesises_text_for_a_tts_model(tts):
     assert result["task"] == "tts" and result["sample_rate"] == RATE and result["sentences"] == 1
     wav = base64.b64decode(result["audio"])
     assert decode_speech(wav, "wav").samples.size == round(result["duration"] * RATE)
+    # A whole file: its header gives the real sizes (Python's wave reads the frame count from it).
+    with wave.open(io.BytesIO(wav)) as reader:
+        assert (reader.getnframes(), reader.getframerate(), reader.getnchannels()) == \
+            (round(result["duration"] * RATE), RATE, 1)
     assert words(hear(tts, wav)) == words(SENTENCES[1])
 
 
