@@ -1,0 +1,482 @@
+"""Adversarial tests of two changes of 2026-12-02.
+
+1. R7.4 / R4.2: a load's end reaches each waiter in its wake-up (``load:<token>`` LF the outcome) and
+   is kept per caller token in ``<base>:loadend`` (``lua/lib.lua`` ``wake_load_waiters``,
+   ``begin_load``'s ``{'woken', outcome}``, ``rpc.load_single_flight`` / ``read_load_end_error``).
+2. ``manage.py serve`` loads the eager models in its own process (``_preload``: ``models_preload`` on
+   an event loop in a thread) and points its Celery app at the Redis it started.
+
+Real Redis, real listeners, real ``serve`` processes; nothing of the project is mocked. The GPU
+worker of a load is played, where needed, with exactly the calls its load task makes
+(``renew_load``, its liveness key, ``finish_load``, the reply key), as tests/test_adversary_load_race.py does.
+
+Two tests fail against c88df37 (2026-12-02), on purpose (product code not fixed here):
+- ``test_a_kept_end_is_forgotten_a_minute_after_that_end_even_while_later_loads_end``: ``wake_load_waiters``
+  (lua/lib.lua) re-arms one PEXPIRE on the whole ``:loadend`` hash at every end, so no entry is ever
+  dropped while the model's loads end more often than once a minute: the hash grows by one entry per
+  caller of every load (per request while no worker is alive) for as long as that lasts.
+- ``test_a_teardown_waiting_through_several_looks_leaves_one_load_wait_entry``:
+  ``teardown.wait_for_load_in_progress`` registers a fresh token at every 2 s look and never removes the
+  previous one (``add_load_waiter.lua`` has no ``replaces``); each stale entry then gets a PUBLISH and a
+  ``:loadend`` record at the load's end.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+import redis
+
+from audiosite.embedded_redis import EmbeddedRedis
+from audiosite.errors import ModelLoadFailed
+from inference.runtime.context import KEYS, async_context
+from inference.runtime.rpc import load_single_flight
+from inference.runtime.teardown import wait_for_load_in_progress
+from inference.scheduler import Keys, Listener, LoadEnd, LoadEndRecord, Scheduler
+
+from .helpers import (
+    FIXTURE_ENV,
+    ROOT,
+    Rig,
+    drop_stack,
+    embedded_env,
+    free_port,
+    prepare_stack,
+    run,
+    unique_prefix,
+    within,
+)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def _live_worker(redis_client, hostname: str, ttl_ms: int = 30000) -> str:
+    """Register ``hostname`` as a live worker exactly as its liveness beat does; returns its boot id."""
+    boot = "boot-" + hostname
+    redis_client.set(KEYS.worker_live(hostname), boot, px=ttl_ms)
+    redis_client.hset(KEYS.worker_pid, hostname, os.getpid())
+    return boot
+
+
+async def _contexts(claim_ttl_ms: int):
+    """A web process's context with ``claim_ttl_ms`` claims, and the same process with a deaf listener
+    (never subscribed: every wake-up to it is lost, it only looks on its timer)."""
+    base = await async_context()
+    ctx = dataclasses.replace(base, scheduler=Scheduler(base.redis, KEYS, claim_ttl_ms))
+    deaf = Listener(base.redis, KEYS.process_channel("deaf-" + unique_prefix()))
+    deaf.loop = asyncio.get_running_loop()
+    return ctx, dataclasses.replace(ctx, listener=deaf)
+
+
+async def _claim_started_by(ctx, model_id: str, token: str, host: str, boot: str, force: bool = False) -> None:
+    assert (await ctx.scheduler.begin_load(ctx.listener, model_id, token, force)).action == "load"
+    assert await ctx.scheduler.renew_load(model_id, token, host, boot) == 1
+
+
+async def _outcome(task, seconds: float = 10):
+    return (await within(asyncio.gather(task, return_exceptions=True), seconds))[0]
+
+
+NASTY_ERROR = ("OSError: [Errno 2] No such file: 'C:\\models\\w.onnx'\n"
+               "  at load: step 2: ready:no\nfailed:worker_lost:\n\nlast line")
+
+
+# -- change 1: the end carried and kept ----------------------------------------------------------------
+def test_an_error_with_colons_and_newlines_reaches_waiters_and_late_readers_intact(redis_client):
+    """R4.2: a failure text with ':' (also 'ready:' / 'failed:' inside it) and newlines (also a blank
+    line) is what every waiter reports, whether it hears its wake-up (the inline payload: the
+    listener splits the message at the *first* LF only) or missed it (``:loadend``), and what
+    ``LoadEndRecord.parse`` reads back (split at the first ':' only)."""
+    boot = _live_worker(redis_client, "gpu0@ok")
+
+    async def scenario():
+        ctx, deaf = await _contexts(1500)
+        await _claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
+        hearing = asyncio.create_task(load_single_flight(ctx, "m", pickup_timeout_s=5.0))
+        missing = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=5.0))
+        await asyncio.sleep(0.3)
+        assert await ctx.redis.hlen(KEYS.model("m") + ":loadwait") == 2
+        assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.FAILED, "gpu0@ok", boot,
+                                                   error=NASTY_ERROR)) == "ok"
+        outcomes = [await _outcome(hearing), await _outcome(missing)]
+        kept = await ctx.scheduler.load_end("m", "loader")
+        await ctx.listener.close()
+        return outcomes, kept
+    outcomes, kept = run(scenario())
+    assert kept == LoadEndRecord(LoadEnd.FAILED, NASTY_ERROR)
+    for outcome in outcomes:
+        assert isinstance(outcome, ModelLoadFailed) and outcome.code == "load_failed", outcome
+        assert outcome.message == f"model 'm' failed to load: {NASTY_ERROR}", outcome.message
+
+
+def test_an_empty_error_is_reported_as_no_detail_not_as_nothing_kept(redis_client):
+    """Edge of the '<ended>:<error>' text: an empty error gives 'failed:' (not ''), so the end is
+    still kept and read (``ended`` FAILED, not None), by a hearing and a late waiter alike."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            sched = rig.scheduler
+            wake = rig.listener.expect("load:w1")
+            assert (await sched.begin_load(rig.listener, "m", "loader")).action == "load"
+            assert (await sched.begin_load(rig.listener, "m", "w1")).action == "wait"
+            assert (await sched.begin_load(rig.listener, "m", "w2")).action == "wait"
+            assert await sched.finish_load("m", "loader", LoadEnd.NO_WORKER, error="") == "ok"
+            heard = await within(wake, 2)
+            late = await sched.begin_load(rig.listener, "m", "w3", replaces="w2")
+            return heard, late, await sched.load_end("m", "w2")
+    heard, late, kept = run(scenario())
+    assert heard == "no_worker:"
+    assert LoadEndRecord.parse(heard) == LoadEndRecord(LoadEnd.NO_WORKER, "")
+    assert (late.action, late.ended, late.error) == ("woken", LoadEnd.NO_WORKER, "")
+    assert kept == LoadEndRecord(LoadEnd.NO_WORKER, "")
+
+
+def test_many_waiters_on_several_processes_each_hear_the_end_and_each_keep_it(redis_client):
+    """R4.2 at scale: 600 waiters spread over three web processes (listeners); one end (one script
+    run) wakes every one of them with the outcome inline and keeps the outcome for each token and
+    the loader; ``:loadwait`` is gone after, and the record expires (one PEXPIRE, <= 60 s)."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as a, Rig(keys) as b, Rig(keys) as c:
+            rigs = [a, b, c]
+            sched = a.scheduler
+            assert (await sched.begin_load(a.listener, "m", "loader")).action == "load"
+            wakes = {}
+            for i in range(600):
+                rig = rigs[i % 3]
+                token = f"w{i}"
+                wakes[token] = rig.listener.expect(f"load:{token}")
+                assert (await rig.scheduler.begin_load(rig.listener, "m", token)).action == "wait"
+            assert await sched.finish_load("m", "loader", LoadEnd.WORKER_LOST, error="gpu0: lost") == "ok"
+            heard = await within(asyncio.gather(*wakes.values()), 10)
+            ends = await a.redis.hgetall(keys.load_ends("m"))
+            return heard, ends, await a.redis.pttl(keys.load_ends("m")), await a.redis.exists(
+                keys.model("m") + ":loadwait")
+    heard, ends, pttl, loadwait = run(scenario())
+    assert set(heard) == {"worker_lost:gpu0: lost"} and len(heard) == 600
+    assert len(ends) == 601 and set(ends.values()) == {"worker_lost:gpu0: lost"}
+    assert 0 < pttl <= 60000 and not loadwait
+
+
+def test_a_wake_up_heard_before_expect_loses_its_payload_but_the_kept_end_answers(redis_client):
+    """The listener's early path (a message before ``expect``: kept as a bare key, the payload
+    dropped) resolves the wait to None; the kept end for that token still says how the load
+    ended (what ``read_load_end_error`` falls back to)."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            sched = rig.scheduler
+            assert (await sched.begin_load(rig.listener, "m", "loader")).action == "load"
+            assert (await sched.begin_load(rig.listener, "m", "w1")).action == "wait"  # no expect yet
+            assert await sched.finish_load("m", "loader", LoadEnd.FAILED, error="bad: graph") == "ok"
+            await asyncio.sleep(0.2)  # the wake-up arrives: nobody expects it yet
+            early = await within(rig.listener.expect("load:w1"), 2)
+            return early, await sched.load_end("m", "w1")
+    early, kept = run(scenario())
+    assert early is None
+    assert kept == LoadEndRecord(LoadEnd.FAILED, "bad: graph")
+
+
+def test_a_teardown_waiting_for_a_load_returns_on_its_end_payload_and_all(redis_client):
+    """R4.5: a teardown waiting for a load in progress (``add_load_waiter``) is woken by the end, now
+    a message with a payload: it returns at once (not at its next look) for a failed end and for a
+    ready one."""
+    boot = _live_worker(redis_client, "gpu0@ok")
+
+    async def scenario():
+        ctx, _ = await _contexts(30000)
+        took = []
+        for outcome in (LoadEnd.FAILED, LoadEnd.READY):
+            token = f"loader-{outcome}"
+            await _claim_started_by(ctx, "m", token, "gpu0@ok", boot, force=True)  # past the failure's backoff
+            waiting = asyncio.create_task(wait_for_load_in_progress(ctx, "m"))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            ended_at = time.monotonic()
+            assert str(await ctx.scheduler.finish_load("m", token, outcome, "gpu0@ok", boot, error="x: y\nz",
+                                                       capacity=1)) == "ok"
+            await within(waiting, 5)
+            took.append(time.monotonic() - ended_at)
+            await ctx.redis.hset(KEYS.load("m"), mapping={"state": "unloaded"})
+        await ctx.listener.close()
+        return took
+    took = run(scenario())
+    assert all(t < 0.5 for t in took), took  # woken, not its 2 s look
+
+
+def test_a_teardown_waiting_through_several_looks_leaves_one_load_wait_entry(redis_client):
+    """R4.5 / the ``replaces`` rule of begin_load ("a waiter that decides again every few seconds
+    leaves one ':loadwait' entry, not one per look"): a teardown waiting for a long load looks
+    again every ``LIVENESS_CHECK_S`` (2 s) with a fresh token and never unregisters the previous
+    one, so each look adds a ``:loadwait`` entry; at the end every stale entry also gets a PUBLISH
+    to a listener that forgot it (kept in its early-message set) and a ``:loadend`` record."""
+    boot = _live_worker(redis_client, "gpu0@ok")
+
+    async def scenario():
+        ctx, _ = await _contexts(30000)
+        await _claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
+        waiting = asyncio.create_task(wait_for_load_in_progress(ctx, "m"))
+        await asyncio.sleep(6.5)  # four looks of a teardown waiting for a slow load
+        entries = await ctx.redis.hlen(KEYS.model("m") + ":loadwait")
+        assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.READY, "gpu0@ok", boot,
+                                                   capacity=1)) == "ok"
+        await within(waiting, 5)
+        records = await ctx.redis.hlen(KEYS.load_ends("m"))
+        await ctx.listener.close()
+        return entries, records
+    entries, records = run(scenario())
+    assert entries == 1, f"one teardown left {entries} :loadwait entries after ~6.5 s (one per look)"
+    assert records <= 2, records  # the loader's and the teardown's
+
+
+def test_a_loader_whose_pending_claim_was_taken_over_reports_the_takers_failure(redis_client):
+    """R4.2: a caller's claim lapsed before any worker started it and another caller took it over;
+    the taker's load fails. The first caller (no record kept for its token: its load never ended)
+    reads the model's hash, not a stale 'ready', and answers ``load_failed`` with that error; it
+    does not become a loader again."""
+    _live_worker(redis_client, "gpu1@idle")  # the census sees a live worker: the task waits in the queue
+
+    async def scenario():
+        ctx, _ = await _contexts(600)
+        first = asyncio.create_task(load_single_flight(ctx, "m", pickup_timeout_s=30.0))
+        await asyncio.sleep(0.8)  # its claim (0.6 s) lapsed: nobody picked the task up
+        assert (await ctx.scheduler.begin_load(ctx.listener, "m", "taker")).action == "load"
+        assert str(await ctx.scheduler.finish_load("m", "taker", LoadEnd.FAILED, error="boom: bad")) == "ok"
+        outcome = await _outcome(first, 15)
+        await ctx.listener.close()
+        return outcome
+    outcome = run(scenario())
+    assert isinstance(outcome, ModelLoadFailed) and outcome.code == "load_failed", outcome
+    assert "boom: bad" in outcome.message
+    assert redis_client.llen("gpu") == 1  # the first caller's one task
+
+
+def test_unregister_then_reregister_of_the_same_id_keeps_no_end_of_the_old_registration(redis_client):
+    """Unregister forgets every kept end (``:loadend`` deleted with ``:load``); a load end racing
+    the unregister (arriving after it) is stale and recreates no record; the model registered
+    again under the same id starts with nothing kept and loads normally."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            sched = rig.scheduler
+            await rig.lost_load("m", "l1", ["w1"])
+            assert (await sched.begin_load(rig.listener, "m", "l2", force=True)).action == "load"
+            assert (await sched.begin_load(rig.listener, "m", "w2")).action == "wait"
+            manager = await rig.acquire("m", 1000, kind="manager")
+            await sched.unregister("m", manager.lease_id)
+            stale = await sched.finish_load("m", "l2", LoadEnd.FAILED, error="late")
+            after = {"ends": await rig.redis.exists(keys.load_ends("m")),
+                     "load": await rig.redis.hgetall(keys.load("m"))}
+            await sched.release("m", manager.lease_id)
+            again = await sched.begin_load(rig.listener, "m", "l3")
+            return stale, after, again, [await sched.load_end("m", t) for t in ("w1", "l1", "w2", "l2")]
+    stale, after, again, kept = run(scenario())
+    assert str(stale) == "stale"
+    assert after == {"ends": 0, "load": {}}
+    assert again.action == "load"
+    assert kept == [LoadEndRecord(None)] * 4
+
+
+def test_a_kept_end_is_forgotten_a_minute_after_that_end_even_while_later_loads_end(redis_client):
+    """R7.4's ":loadend, kept a minute" (``Scheduler.load_end``: "as kept in :loadend for a minute
+    after that end"): the end of a load kept for its callers must not outlive that minute just
+    because later loads of the model keep ending. Otherwise ``:loadend`` never shrinks on a model
+    whose loads end more often than once a minute: a deployment with no live worker ends one load
+    per request (``no_worker``), an LRU-evicting one re-loads models all day, and each end adds
+    one entry per caller, for as long as the traffic lasts.
+
+    Here: load A ends (no worker), 45 s later load B ends, and at 61 s A's end is still kept."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys, ttl_ms=60000) as rig:
+            sched = rig.scheduler
+            assert (await sched.begin_load(rig.listener, "m", "A")).action == "load"
+            assert await sched.finish_load("m", "A", LoadEnd.NO_WORKER, error="no live worker") == "ok"
+            a_ended = time.monotonic()
+            await asyncio.sleep(45)
+            assert (await sched.begin_load(rig.listener, "m", "B")).action == "load"
+            assert await sched.finish_load("m", "B", LoadEnd.NO_WORKER, error="no live worker") == "ok"
+            await asyncio.sleep(61 - (time.monotonic() - a_ended))
+            age_s = time.monotonic() - a_ended
+            return age_s, await sched.load_end("m", "A"), await rig.redis.hlen(keys.load_ends("m"))
+    age_s, kept_a, entries = run(scenario(), 110)
+    assert kept_a == LoadEndRecord(None), \
+        f"the end of load A is still kept {age_s:.1f} s after it ({entries} entries in :loadend)"
+
+
+# -- change 2: serve's own start-up loads ---------------------------------------------------------------
+def _start_serve(config_path, env, log_path) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, "manage.py", "serve", "--config", str(config_path)], cwd=ROOT,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, log_path, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("serve: condition not reached\n" + log_path.read_text(errors="replace")[-4000:])
+        time.sleep(0.1)
+
+
+def _stop_and_collect(proc: subprocess.Popen, sig: int, timeout_s: float = 60.0):
+    """Send ``sig`` to serve and wait: returns (exit code, seconds it took, descendants still alive)."""
+    children = psutil.Process(proc.pid).children(recursive=True)
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    took = time.monotonic() - sent
+    _, alive = psutil.wait_procs(children, timeout=5)
+    return code, took, alive
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+
+
+HELD = [{"id": "a-held", "family": "fixture", "load_options": {"load_barrier": "boot"}},
+        {"id": "b-after", "family": "fixture"}]  # serve loads the eager models in id order
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_start_up_loads_stops_serve_promptly_leaving_no_process_nor_lease(tmp_path, sig):
+    """R8.4 at start-up: serve is loading its eager models (``_preload``, the first one held at a load
+    barrier on the worker) when SIGTERM / Ctrl-C comes. It stops within the worker's stop budget
+    (``shutdown_timeout_ms`` 5 s, plus daphne's drain), exits 0 saying "audiosite stopped", leaves
+    no child process, gives the start-up load's request lease back (no lease, no queued ticket),
+    loads nothing after the signal, and never says it listens."""
+    setup = prepare_stack(tmp_path, HELD, redis_db=5, name="adv2sig", extra_env=FIXTURE_ENV)
+    log_path = tmp_path / "serve.log"
+    proc = _start_serve(setup.config_path, setup.env, log_path)
+    try:
+        _wait_for(lambda: int(setup.redis.get("as:fixture:arrived:boot") or 0) == 1, proc, log_path)
+        code, took, alive = _stop_and_collect(proc, sig)
+        output = log_path.read_text(errors="replace")
+        leases = {m: (setup.redis.hlen(f"as:m:{{{m}}}:leases"), setup.redis.zcard(f"as:m:{{{m}}}:queue"))
+                  for m in ("a-held", "b-after")}
+        after_state = setup.redis.hget("as:m:{b-after}:load", "state")
+    finally:
+        _kill_all(proc)
+        drop_stack(setup)
+    assert code == 0, output[-3000:]
+    assert took < 15, f"serve took {took:.1f} s to stop\n" + output[-3000:]
+    assert not alive, [p.cmdline() for p in alive]
+    assert "audiosite stopped" in output and "listening on" not in output
+    assert leases == {"a-held": (0, 0), "b-after": (0, 0)}, leases
+    assert after_state in (None, "unloaded"), f"{after_state=}\n" + output[-4000:]  # no load began after the signal
+    assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.stack
+def test_a_model_failing_its_start_up_load_is_printed_and_serve_goes_on_serving(tmp_path):
+    """serve's start-up loads: a model whose load fails (the worker raises) is printed ("loading bad
+    failed: ...", the failures line) and serve goes on: it listens, the other eager models are
+    ready, the failed one stays registered and unloaded with its error; the next model after it
+    is still loaded."""
+    models = [{"id": "bad", "family": "fixture", "load_options": {"fail_load": True}},
+              {"id": "good", "family": "fixture"}]
+    setup = prepare_stack(tmp_path, models, redis_db=6, name="adv2fail", extra_env=FIXTURE_ENV)
+    log_path = tmp_path / "serve.log"
+    proc = _start_serve(setup.config_path, setup.env, log_path)
+    try:
+        _wait_for(lambda: b"listening on" in log_path.read_bytes(), proc, log_path)
+        with httpx.Client(base_url=f"http://127.0.0.1:{setup.config['port']}", timeout=30) as c:
+            states = {m["id"]: m["state"] for m in c.get("/v1/models").json()["data"]}
+            bad = c.get("/v1/models/bad").json()
+        code, took, alive = _stop_and_collect(proc, signal.SIGINT)
+        output = log_path.read_text(errors="replace")
+    finally:
+        _kill_all(proc)
+        drop_stack(setup)
+    assert "loading bad failed: model 'bad' failed to load: InjectedFailure: injected load failure" in output, output
+    assert "1 model(s) failed to load; they stay registered and load on first request" in output
+    assert "loaded good in" in output
+    assert states == {"bad": "failed", "good": "ready"}, states  # 'failed': unloaded, in its backoff
+    assert "injected load failure" in json.dumps(bad), bad
+    assert code == 0 and not alive, output[-3000:]
+
+
+@pytest.mark.stack
+def test_on_the_embedded_default_start_up_loads_use_the_embedded_redis_and_a_signal_mid_load_stops_cleanly(tmp_path):
+    """No REDIS_URL: serve starts its own Redis, and its start-up loads (sent by serve's own Celery
+    app) reach the worker through it: the first eager model loads ("loaded first in"), the second
+    is held at a load barrier; SIGTERM then stops serve within its budget, exit 0, with no process
+    left (the embedded redis-server included) and its socket gone."""
+    models = [{"id": "first", "family": "fixture"},
+              {"id": "second-held", "family": "fixture", "load_options": {"load_barrier": "boot"}}]
+    config = {"host": "127.0.0.1", "port": free_port(), "backend": "cpu", "lease_ttl_ms": 3000,
+              "shutdown_timeout_ms": 5000, "models": models}
+    config_path = tmp_path / "server.json"
+    config_path.write_text(json.dumps(config))
+    env = embedded_env(tmp_path, **FIXTURE_ENV)
+    log_path = tmp_path / "serve.log"
+    proc = _start_serve(config_path, env, log_path)
+    embedded = EmbeddedRedis.under(tmp_path / "var")
+    try:
+        _wait_for(lambda: b"embedded redis-server" in log_path.read_bytes(), proc, log_path)
+        client = redis.Redis.from_url(embedded.url(), decode_responses=True)
+        try:
+            _wait_for(lambda: int(client.get("as:fixture:arrived:boot") or 0) == 1, proc, log_path)
+            first_state = client.hget("as:m:{first}:load", "state")
+        finally:
+            client.close()
+        code, took, alive = _stop_and_collect(proc, signal.SIGTERM)
+        output = log_path.read_text(errors="replace")
+    finally:
+        _kill_all(proc)
+    assert "loaded first in" in output and first_state == "ready", output[-3000:]
+    assert code == 0, output[-3000:]
+    assert took < 15, f"serve took {took:.1f} s to stop\n" + output[-3000:]
+    assert not alive, [p.cmdline() for p in alive]
+    assert not embedded.answering()
+    assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.stack
+def test_manage_load_models_still_loads_reports_and_counts_failures_beside_a_running_serve(tmp_path):
+    """``manage.py load_models`` (now a thin wrapper of ``models_preload``) against a running serve:
+    a lazy model named on the command line loads ("loaded lazy in"), an unknown id and a failing
+    model are reported on stderr with the failures line, exit code 0; with no id it loads every
+    eager model (already loaded: "loaded eager in 0 ms")."""
+    models = [{"id": "eager", "family": "fixture"},
+              {"id": "lazy", "family": "fixture", "lazy": True},
+              {"id": "broken", "family": "fixture", "lazy": True, "load_options": {"fail_load": True}}]
+    setup = prepare_stack(tmp_path, models, redis_db=7, name="adv2lm", extra_env=FIXTURE_ENV)
+    log_path = tmp_path / "serve.log"
+    proc = _start_serve(setup.config_path, setup.env, log_path)
+    env = {**setup.env, "AUDIOSITE_CONFIG": str(setup.config_path), "DJANGO_SETTINGS_MODULE": "audiosite.settings"}
+    try:
+        _wait_for(lambda: b"listening on" in log_path.read_bytes(), proc, log_path)
+        named = subprocess.run([sys.executable, "manage.py", "load_models", "lazy", "nope", "broken"], cwd=ROOT,
+                               env=env, capture_output=True, text=True, timeout=120)
+        default = subprocess.run([sys.executable, "manage.py", "load_models"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120)
+        state = setup.redis.hget("as:m:{lazy}:load", "state")
+        code, took, alive = _stop_and_collect(proc, signal.SIGINT)
+    finally:
+        _kill_all(proc)
+        drop_stack(setup)
+    assert named.returncode == 0, named.stdout + named.stderr
+    assert "loaded lazy in" in named.stdout and state == "ready", named.stdout + named.stderr
+    assert "loading nope failed: not registered" in named.stderr
+    assert "loading broken failed: model 'broken' failed to load" in named.stderr
+    assert "2 model(s) failed to load" in named.stderr
+    assert default.returncode == 0 and default.stdout.strip() == "loaded eager in 0 ms", default.stdout + default.stderr
+    assert code == 0 and not alive
