@@ -1,7 +1,7 @@
 """Adversarial tests of two changes of 2026-12-02.
 
 1. R7.4 / R4.2: a load's end reaches each waiter in its wake-up (``load:<token>`` LF the outcome) and
-   is kept per caller token in ``<base>:loadend`` (``lua/lib.lua`` ``wake_load_waiters``,
+   is kept per caller token in ``<base>:loadend:<token>`` (``lua/lib.lua`` ``wake_load_waiters``,
    ``begin_load``'s ``{'woken', outcome}``, ``rpc.load_single_flight`` / ``read_load_end_error``).
 2. ``manage.py serve`` loads the eager models in its own process (``_preload``: ``models_preload`` on
    an event loop in a thread) and points its Celery app at the Redis it started.
@@ -10,15 +10,15 @@ Real Redis, real listeners, real ``serve`` processes; nothing of the project is 
 worker of a load is played, where needed, with exactly the calls its load task makes
 (``renew_load``, its liveness key, ``finish_load``, the reply key), as tests/test_adversary_load_race.py does.
 
-Two tests fail against c88df37 (2026-12-02), on purpose (product code not fixed here):
-- ``test_a_kept_end_is_forgotten_a_minute_after_that_end_even_while_later_loads_end``: ``wake_load_waiters``
-  (lua/lib.lua) re-arms one PEXPIRE on the whole ``:loadend`` hash at every end, so no entry is ever
-  dropped while the model's loads end more often than once a minute: the hash grows by one entry per
-  caller of every load (per request while no worker is alive) for as long as that lasts.
+Two tests failed against c88df37 (2026-12-02) and were fixed the same evening:
+- ``test_a_kept_end_expires_a_minute_after_its_own_end_not_after_the_last_one``: ``wake_load_waiters``
+  (lua/lib.lua) re-armed one PEXPIRE on a whole ``:loadend`` hash at every end, so no entry was
+  dropped while the model's loads ended more often than once a minute (the hash grew by one entry
+  per caller of every load, per request while no worker is alive). Each kept end is now a key of
+  its own, ``:loadend:<token>``, with its own expiry.
 - ``test_a_teardown_waiting_through_several_looks_leaves_one_load_wait_entry``:
-  ``teardown.wait_for_load_in_progress`` registers a fresh token at every 2 s look and never removes the
-  previous one (``add_load_waiter.lua`` has no ``replaces``); each stale entry then gets a PUBLISH and a
-  ``:loadend`` record at the load's end.
+  ``teardown.wait_for_load_in_progress`` registered a fresh token at every 2 s look and never removed
+  the previous one; ``add_load_waiter.lua`` now takes ``replaces`` as ``begin_load.lua`` does.
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def test_an_empty_error_is_reported_as_no_detail_not_as_nothing_kept(redis_clien
 def test_many_waiters_on_several_processes_each_hear_the_end_and_each_keep_it(redis_client):
     """R4.2 at scale: 600 waiters spread over three web processes (listeners); one end (one script
     run) wakes every one of them with the outcome inline and keeps the outcome for each token and
-    the loader; ``:loadwait`` is gone after, and the record expires (one PEXPIRE, <= 60 s)."""
+    the loader; ``:loadwait`` is gone after, and every record expires (<= 60 s each)."""
     async def scenario():
         keys = Keys(unique_prefix())
         async with Rig(keys) as a, Rig(keys) as b, Rig(keys) as c:
@@ -157,13 +157,14 @@ def test_many_waiters_on_several_processes_each_hear_the_end_and_each_keep_it(re
                 assert (await rig.scheduler.begin_load(rig.listener, "m", token)).action == "wait"
             assert await sched.finish_load("m", "loader", LoadEnd.WORKER_LOST, error="gpu0: lost") == "ok"
             heard = await within(asyncio.gather(*wakes.values()), 10)
-            ends = await a.redis.hgetall(keys.load_ends("m"))
-            return heard, ends, await a.redis.pttl(keys.load_ends("m")), await a.redis.exists(
-                keys.model("m") + ":loadwait")
-    heard, ends, pttl, loadwait = run(scenario())
+            names = [name async for name in a.redis.scan_iter(match=keys.model("m") + ":loadend:*", count=1000)]
+            ends = {name: await a.redis.get(name) for name in names}
+            ttls = [await a.redis.pttl(name) for name in names]
+            return heard, ends, ttls, await a.redis.exists(keys.model("m") + ":loadwait")
+    heard, ends, ttls, loadwait = run(scenario())
     assert set(heard) == {"worker_lost:gpu0: lost"} and len(heard) == 600
     assert len(ends) == 601 and set(ends.values()) == {"worker_lost:gpu0: lost"}
-    assert 0 < pttl <= 60000 and not loadwait
+    assert all(0 < pttl <= 60000 for pttl in ttls) and not loadwait
 
 
 def test_a_wake_up_heard_before_expect_loses_its_payload_but_the_kept_end_answers(redis_client):
@@ -216,8 +217,9 @@ def test_a_teardown_waiting_through_several_looks_leaves_one_load_wait_entry(red
     """R4.5 / the ``replaces`` rule of begin_load ("a waiter that decides again every few seconds
     leaves one ':loadwait' entry, not one per look"): a teardown waiting for a long load looks
     again every ``LIVENESS_CHECK_S`` (2 s) with a fresh token and never unregisters the previous
-    one, so each look adds a ``:loadwait`` entry; at the end every stale entry also gets a PUBLISH
-    to a listener that forgot it (kept in its early-message set) and a ``:loadend`` record."""
+    one, so each look added a ``:loadwait`` entry; at the end every stale entry also got a PUBLISH
+    to a listener that forgot it (kept in its early-message set) and a ``:loadend`` record. Each
+    look now replaces the previous one (``add_load_waiter``'s ``replaces``)."""
     boot = _live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
@@ -229,7 +231,7 @@ def test_a_teardown_waiting_through_several_looks_leaves_one_load_wait_entry(red
         assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.READY, "gpu0@ok", boot,
                                                    capacity=1)) == "ok"
         await within(waiting, 5)
-        records = await ctx.redis.hlen(KEYS.load_ends("m"))
+        records = len([name async for name in ctx.redis.scan_iter(match=KEYS.model("m") + ":loadend:*")])
         await ctx.listener.close()
         return entries, records
     entries, records = run(scenario())
@@ -260,9 +262,10 @@ def test_a_loader_whose_pending_claim_was_taken_over_reports_the_takers_failure(
 
 
 def test_unregister_then_reregister_of_the_same_id_keeps_no_end_of_the_old_registration(redis_client):
-    """Unregister forgets every kept end (``:loadend`` deleted with ``:load``); a load end racing
-    the unregister (arriving after it) is stale and recreates no record; the model registered
-    again under the same id starts with nothing kept and loads normally."""
+    """A load end racing the unregister (arriving after it) is stale and records nothing; the ends
+    kept before the unregister stay for their minute (each is read only by its own caller, and
+    tokens are never reused: a caller of the old registration still learns how its load ended);
+    the model registered again under the same id loads normally."""
     async def scenario():
         keys = Keys(unique_prefix())
         async with Rig(keys) as rig:
@@ -273,43 +276,42 @@ def test_unregister_then_reregister_of_the_same_id_keeps_no_end_of_the_old_regis
             manager = await rig.acquire("m", 1000, kind="manager")
             await sched.unregister("m", manager.lease_id)
             stale = await sched.finish_load("m", "l2", LoadEnd.FAILED, error="late")
-            after = {"ends": await rig.redis.exists(keys.load_ends("m")),
-                     "load": await rig.redis.hgetall(keys.load("m"))}
+            after = {"load": await rig.redis.hgetall(keys.load("m"))}
             await sched.release("m", manager.lease_id)
             again = await sched.begin_load(rig.listener, "m", "l3")
             return stale, after, again, [await sched.load_end("m", t) for t in ("w1", "l1", "w2", "l2")]
     stale, after, again, kept = run(scenario())
     assert str(stale) == "stale"
-    assert after == {"ends": 0, "load": {}}
+    assert after == {"load": {}}
     assert again.action == "load"
-    assert kept == [LoadEndRecord(None)] * 4
+    lost = LoadEndRecord(LoadEnd.WORKER_LOST, "worker w was lost")
+    assert kept == [lost, lost, LoadEndRecord(None), LoadEndRecord(None)]
 
 
-def test_a_kept_end_is_forgotten_a_minute_after_that_end_even_while_later_loads_end(redis_client):
-    """R7.4's ":loadend, kept a minute" (``Scheduler.load_end``: "as kept in :loadend for a minute
-    after that end"): the end of a load kept for its callers must not outlive that minute just
-    because later loads of the model keep ending. Otherwise ``:loadend`` never shrinks on a model
-    whose loads end more often than once a minute: a deployment with no live worker ends one load
-    per request (``no_worker``), an LRU-evicting one re-loads models all day, and each end adds
-    one entry per caller, for as long as the traffic lasts.
+def test_a_kept_end_expires_a_minute_after_its_own_end_not_after_the_last_one(redis_client):
+    """R7.4's ":loadend, kept a minute" (``Scheduler.load_end``: "kept for a minute after that end"):
+    the end of a load kept for its callers must not outlive that minute just because later loads of
+    the model keep ending, or the kept ends would grow without bound on a model whose loads end
+    more often than once a minute (a deployment with no live worker ends one load per request,
+    ``no_worker``; an LRU-evicting one re-loads models all day).
 
-    Here: load A ends (no worker), 45 s later load B ends, and at 61 s A's end is still kept."""
+    Here: load A ends (no worker); a second later load B ends. A's record keeps its own expiry
+    (at most a minute minus that second), B's is a fresh minute: each record expires on its own."""
     async def scenario():
         keys = Keys(unique_prefix())
         async with Rig(keys, ttl_ms=60000) as rig:
             sched = rig.scheduler
             assert (await sched.begin_load(rig.listener, "m", "A")).action == "load"
             assert await sched.finish_load("m", "A", LoadEnd.NO_WORKER, error="no live worker") == "ok"
-            a_ended = time.monotonic()
-            await asyncio.sleep(45)
+            await asyncio.sleep(1.0)
             assert (await sched.begin_load(rig.listener, "m", "B")).action == "load"
             assert await sched.finish_load("m", "B", LoadEnd.NO_WORKER, error="no live worker") == "ok"
-            await asyncio.sleep(61 - (time.monotonic() - a_ended))
-            age_s = time.monotonic() - a_ended
-            return age_s, await sched.load_end("m", "A"), await rig.redis.hlen(keys.load_ends("m"))
-    age_s, kept_a, entries = run(scenario(), 110)
-    assert kept_a == LoadEndRecord(None), \
-        f"the end of load A is still kept {age_s:.1f} s after it ({entries} entries in :loadend)"
+            return (await rig.redis.pttl(keys.load_end("m", "A")), await rig.redis.pttl(keys.load_end("m", "B")),
+                    await sched.load_end("m", "A"))
+    a_ttl_ms, b_ttl_ms, kept_a = run(scenario())
+    assert kept_a == LoadEndRecord(LoadEnd.NO_WORKER, "no live worker")
+    assert 0 < a_ttl_ms <= 60000 - 900, a_ttl_ms  # not re-armed by B's end
+    assert 60000 - 500 < b_ttl_ms <= 60000, b_ttl_ms
 
 
 # -- change 2: serve's own start-up loads ---------------------------------------------------------------

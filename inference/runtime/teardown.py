@@ -45,15 +45,17 @@ class TeardownResult:
 async def wait_for_load_in_progress(ctx: AsyncContext, model_id: str) -> None:
     """Return once no live loader is building ``model_id``'s pool (a loader whose worker stopped beating or
     renewing its claim no longer counts, R7.4)."""
+    previous = ""  # our last look's token, not woken: unregistered by the next look
     while True:
         token = uuid.uuid4().hex
         wake = ctx.listener.expect(f"load:{token}")
         try:
-            wait = await ctx.scheduler.add_load_waiter(ctx.listener, model_id, token)
+            wait = await ctx.scheduler.add_load_waiter(ctx.listener, model_id, token, replaces=previous)
             if not wait.waiting:
                 return
             claim_left_s = (wait.loader_expires_ms - wait.now_ms) / 1000
-            await asyncio.wait({wake}, timeout=min(LIVENESS_CHECK_S, max(0.05, claim_left_s)))
+            done, _ = await asyncio.wait({wake}, timeout=min(LIVENESS_CHECK_S, max(0.05, claim_left_s)))
+            previous = "" if done else token
         finally:
             ctx.listener.forget(f"load:{token}")
 

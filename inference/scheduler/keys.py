@@ -26,10 +26,10 @@ class Keys:
         """HASH of one model's lifecycle: state, owner, boot, loader claim, error, capacity, last_used_ms."""
         return self.model(model_id) + ":load"
 
-    def load_ends(self, model_id: str) -> str:
-        """HASH token -> how the load that token waited for or claimed ended (``LoadEndRecord``'s text;
-        kept for a minute after the last end, see ``lua/lib.lua``)."""
-        return self.model(model_id) + ":loadend"
+    def load_end(self, model_id: str, token: str) -> str:
+        """STRING: how the load that ``token`` waited for or claimed ended (``LoadEndRecord``'s text;
+        kept for a minute after that end, see ``lua/lib.lua``)."""
+        return self.model(model_id) + ":loadend:" + token
 
     def capacity(self, model_id: str) -> str:
         """STRING: the model's slot count (absent = 1)."""

@@ -258,16 +258,17 @@ class Scheduler:
         """Record that the pool loaded under ``boot`` is gone. Returns 1 if state changed."""
         return self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error])
 
-    def add_load_waiter(self, listener: Listener, model_id: str, token: str):
+    def add_load_waiter(self, listener: Listener, model_id: str, token: str, replaces: str = ""):
         """Register ``token`` to be woken (``load:<token>``) when the running load ends (R4.5).
 
-        Call ``listener.expect(f"load:{token}")`` first.
+        Call ``listener.expect(f"load:{token}")`` first. ``replaces``: the caller's token of its
+        previous look that was not woken, unregistered first (one entry per waiter, not per look).
 
         Returns:
             :class:`LoadWait`; ``waiting`` False when no live loader runs (nothing registered).
         """
         return _then(self._run("add_load_waiter", [self.keys.model(model_id), self.keys.worker_live_prefix],
-                               [token, listener.channel]),
+                               [token, listener.channel, replaces]),
                      lambda r: LoadWait(_text(r[0]) == "wait", int(r[1]), int(r[2])))
 
     # -- lifecycle writes of a manager ------------------------------------------
@@ -603,9 +604,9 @@ class Scheduler:
 
     async def load_end(self, model_id: str, token: str) -> LoadEndRecord:
         """How the load that ``token`` waited for (``begin_load``'s 'wait') or claimed ('load')
-        ended, as kept in ``:loadend`` for a minute after that end; ``ended`` None when nothing
-        is kept (the load has not ended, or its record expired). One HGET."""
-        return LoadEndRecord.parse(await self.redis.hget(self.keys.load_ends(model_id), token))
+        ended, as kept in ``:loadend:<token>`` for a minute after that end; ``ended`` None when
+        nothing is kept (the load has not ended, or its record expired). One GET."""
+        return LoadEndRecord.parse(await self.redis.get(self.keys.load_end(model_id, token)))
 
     async def request_stats(self, model_id: str) -> RequestStats:
         """The model's request count and slot hold times (``release.lua`` records them; read only).

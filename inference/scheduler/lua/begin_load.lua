@@ -20,8 +20,8 @@
 --                           not passed (R6.7): nothing changed
 --   {'woken', outcome}      ARGV[5]'s wait was woken before this call (see ARGV[5]):
 --                           outcome is how that load ended, kept for ARGV[5] in
---                           ':loadend' ('ready' or '<ended>:<error>'; '' once
---                           forgotten), as its wake-up carries it; the caller reports
+--                           ':loadend:<ARGV[5]>' ('ready' or '<ended>:<error>'; ''
+--                           once expired), as its wake-up carries it; the caller reports
 --                           that end instead of becoming the next loader
 --   {'lost', error, host}   the worker running the load in progress (host) is dead
 --                           (lib's loader_dead: claim expired, or its liveness
@@ -38,7 +38,7 @@ local token, chan, ttl_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local now = now_ms()
 local key = base .. ':load'
 if ARGV[5] ~= '' and redis.call('HDEL', base .. ':loadwait', ARGV[5]) == 0 then
-  return {'woken', redis.call('HGET', base .. ':loadend', ARGV[5]) or ''}
+  return {'woken', redis.call('GET', base .. ':loadend:' .. ARGV[5]) or ''}
 end
 local state = redis.call('HGET', key, 'state') or 'unloaded'
 if state == 'ready' then

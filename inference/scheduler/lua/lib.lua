@@ -19,9 +19,10 @@
 --                           capacity, last_used_ms,
 --                           failures + retry_at_ms (failed loads, R6.7)
 --   base..':loadwait' HASH  token -> channel of a caller waiting for a load
---   base..':loadend'  HASH  token -> how the load that token waited for (or claimed) ended:
+--   base..':loadend:'..token STRING how the load that token waited for (or claimed) ended:
 --                           'ready', or '<ended>:<error>' (ended as in ':load'); written when
---                           the load ends, expires LOAD_END_KEEP_MS after the last end (R4.2, R7.4)
+--                           that load ends, expires LOAD_END_KEEP_MS later (R4.2, R7.4). Tokens are
+--                           random and never reused, so unregister leaves these to expire.
 --   base..':stats'    HASH  requests (request leases released), held_ms (their summed hold time)
 --   base..':held'     LIST  the last HELD_KEEP request hold times in ms (grant -> release), newest first
 -- Change notices: every script that changes what a snapshot shows PUBLISHes the model id
@@ -157,23 +158,22 @@ local function loader_dead(key, live_prefix, now)
   return left ~= nil and left <= 0
 end
 
--- How long each caller of a load can still read how that load ended (':loadend', ms): well past the
--- longest a waiter goes without looking (rpc.MAX_CHECK_S, the worker liveness TTL, 10 s).
+-- How long each caller of a load can still read how that load ended (':loadend:<token>', ms): well
+-- past the longest a waiter goes without looking (rpc.MAX_CHECK_S, the worker liveness TTL, 10 s).
 local LOAD_END_KEEP_MS = 60000
 
 -- The load of 'base' ended ('ready', or '<ended>:<error>'): wake every registered waiter with the
 -- outcome inline ('load:<token>' LF outcome, see Listener.expect) and keep the outcome for each of
--- them and for the loader's token (':loadend'), so a caller whose wake-up is late or lost, and
--- reads after the next claim overwrote ':load', still learns how *its* load ended.
+-- them and for the loader's token (':loadend:<token>', one key each, expiring on its own), so a
+-- caller whose wake-up is late or lost, and reads after the next claim overwrote ':load', still
+-- learns how *its* load ended.
 local function wake_load_waiters(base, outcome, loader)
-  local ends = base .. ':loadend'
   local waiters = redis.call('HGETALL', base .. ':loadwait')
   for i = 1, #waiters, 2 do
-    redis.call('HSET', ends, waiters[i], outcome)
+    redis.call('SET', base .. ':loadend:' .. waiters[i], outcome, 'PX', LOAD_END_KEEP_MS)
     redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i] .. '\n' .. outcome)
   end
-  if loader then redis.call('HSET', ends, loader, outcome) end
-  if loader or #waiters > 0 then redis.call('PEXPIRE', ends, LOAD_END_KEEP_MS) end
+  if loader then redis.call('SET', base .. ':loadend:' .. loader, outcome, 'PX', LOAD_END_KEEP_MS) end
   redis.call('DEL', base .. ':loadwait')
 end
 
