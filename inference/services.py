@@ -348,8 +348,8 @@ async def models_preload(ctx: AsyncContext, model_ids: list[str] | None,
     ``model_ids`` None: every eager (non-lazy) published model. Each load first takes a request
     lease of its model without a bound (the same FIFO and busy guard as a request, so it queues
     behind running work), then :func:`ensure_loaded` with ``force`` (an explicit load passes a
-    failed load's backoff, R6.7), then gives the lease back. A failure is reported and the next
-    model is loaded: the model stays registered and loads on its first request.
+    failed load's backoff, R6.7) while the lease is kept alive, then gives the lease back. A
+    failure is reported and the next model is loaded: the model stays registered and loads on its first request.
 
     Args:
         on_result: called with each result as soon as it is known (progress lines).
@@ -365,7 +365,8 @@ async def models_preload(ctx: AsyncContext, model_ids: list[str] | None,
         else:
             lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
             try:
-                placement = await ensure_loaded(ctx, model_id, force=True)
+                async with ctx.scheduler.keep_alive(model_id, lease.lease_id):  # a load may outlast the lease TTL
+                    placement = await ensure_loaded(ctx, model_id, force=True)
                 result = PreloadResult(model_id, placement.load_ms)
             except ApplicationError as exc:
                 result = PreloadResult(model_id, None, exc.message)

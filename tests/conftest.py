@@ -22,7 +22,7 @@ from .helpers import FIXTURES, REDIS_BASE, Stack, Utterance, load_speech, run_st
 # other worker idle at the end. A module missing here only runs later; the order changes nothing else.
 LONGEST_FIRST = ("test_scale", "test_validation", "test_operations", "test_parallel", "test_serve",
                  "test_streaming", "test_ui", "test_validate_slots_cli", "test_management",
-                 "test_residency", "test_speech")
+                 "test_residency", "test_speech", "test_adversary_load_end")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -387,6 +387,35 @@ def test_a_signal_during_the_start_up_loads_stops_serve_promptly_leaving_no_proc
 
 
 @pytest.mark.stack
+def test_a_start_up_load_longer_than_the_lease_ttl_keeps_its_lease_and_finishes(tmp_path):
+    """R2.5 at start-up: serve's start-up load holds a request lease of its model (``models_preload``)
+    and keeps it alive while the load runs: a load held on the worker for twice the 3 s lease TTL
+    still holds exactly that one lease (not reaped, so no request could take the slot meanwhile),
+    and once the load goes on, serve loads the next model, listens and holds no lease."""
+    setup = prepare_stack(tmp_path, HELD, redis_db=5, name="adv2ttl", extra_env=FIXTURE_ENV)
+    log_path = tmp_path / "serve.log"
+    proc = _start_serve(setup.config_path, setup.env, log_path)
+    try:
+        _wait_for(lambda: int(setup.redis.get("as:fixture:arrived:boot") or 0) == 1, proc, log_path)
+        time.sleep(2 * setup.config["lease_ttl_ms"] / 1000)
+        held = setup.redis.hlen("as:m:{a-held}:leases")
+        seconds, micros = setup.redis.time()
+        expiries = setup.redis.zrange("as:m:{a-held}:expiry", 0, -1, withscores=True)
+        left_ms = [expires_at - (seconds * 1000 + micros // 1000) for _lease, expires_at in expiries]
+        setup.redis.lpush("as:fixture:release:boot", "go")
+        _wait_for(lambda: b"listening on" in log_path.read_bytes(), proc, log_path, 60)
+        after = {m: setup.redis.hlen(f"as:m:{{{m}}}:leases") for m in ("a-held", "b-after")}
+        states = {m: setup.redis.hget(f"as:m:{{{m}}}:load", "state") for m in ("a-held", "b-after")}
+        code, _took, alive = _stop_and_collect(proc, signal.SIGINT)
+    finally:
+        _kill_all(proc)
+        drop_stack(setup)
+    assert held == 1 and len(left_ms) == 1 and left_ms[0] > 0, (held, left_ms)  # renewed, not expired
+    assert after == {"a-held": 0, "b-after": 0} and states == {"a-held": "ready", "b-after": "ready"}, (after, states)
+    assert code == 0 and not alive
+
+
+@pytest.mark.stack
 def test_a_model_failing_its_start_up_load_is_printed_and_serve_goes_on_serving(tmp_path):
     """serve's start-up loads: a model whose load fails (the worker raises) is printed ("loading bad
     failed: ...", the failures line) and serve goes on: it listens, the other eager models are
