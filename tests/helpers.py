@@ -32,6 +32,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,8 @@ import redis
 import redis.asyncio as aioredis
 import soundfile
 from django.core.management import call_command
+from inference.runtime.context import KEYS as RUNTIME_KEYS
+from inference.runtime.context import async_context
 from inference.scheduler import Keys, Listener, LoadEnd, Scheduler
 from inference.validation import evidence
 
@@ -198,6 +201,37 @@ class Rig:
         base = self.keys.model(model_id)
         return {"load": await self.redis.hgetall(base + ":load"),
                 "loadwait": await self.redis.hgetall(base + ":loadwait")}
+
+
+# -- load_single_flight on a real AsyncContext (the adversary load tests) ---------------------------
+def live_worker(redis_client, hostname: str, ttl_ms: int = 30000) -> str:
+    """Register ``hostname`` as a live worker exactly as its liveness beat does (the ``as:`` keys of
+    ``inference.runtime.context.KEYS``); returns its boot id."""
+    boot = "boot-" + hostname
+    redis_client.set(RUNTIME_KEYS.worker_live(hostname), boot, px=ttl_ms)
+    redis_client.hset(RUNTIME_KEYS.worker_pid, hostname, os.getpid())
+    return boot
+
+
+async def load_contexts(claim_ttl_ms: int):
+    """This loop's web-process context with ``claim_ttl_ms`` claims, and the same process with a deaf
+    listener: one never subscribed, so it hears no wake-up and only looks on its timer."""
+    base = await async_context()
+    ctx = dataclasses.replace(base, scheduler=Scheduler(base.redis, RUNTIME_KEYS, claim_ttl_ms))
+    deaf = Listener(base.redis, RUNTIME_KEYS.process_channel("deaf-" + unique_prefix()))
+    deaf.loop = asyncio.get_running_loop()
+    return ctx, dataclasses.replace(ctx, listener=deaf)
+
+
+async def claim_started_by(ctx, model_id: str, token: str, host: str, boot: str, force: bool = False) -> None:
+    """Claim the load as a caller would (``token``), and start it as worker ``host``'s load task does."""
+    assert (await ctx.scheduler.begin_load(ctx.listener, model_id, token, force)).action == "load"
+    assert await ctx.scheduler.renew_load(model_id, token, host, boot) == 1
+
+
+async def outcome_of(task, seconds: float = 10):
+    """What ``task`` returned or raised, within ``seconds``."""
+    return (await within(asyncio.gather(task, return_exceptions=True), seconds))[0]
 
 
 class Deployment:

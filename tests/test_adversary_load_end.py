@@ -23,9 +23,7 @@ Two tests failed against c88df37 (2026-12-02) and were fixed the same evening:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,51 +36,27 @@ import redis
 
 from audiosite.embedded_redis import EmbeddedRedis
 from audiosite.errors import ModelLoadFailed
-from inference.runtime.context import KEYS, async_context
+from inference.runtime.context import KEYS
 from inference.runtime.rpc import load_single_flight
 from inference.runtime.teardown import wait_for_load_in_progress
-from inference.scheduler import Keys, Listener, LoadEnd, LoadEndRecord, Scheduler
+from inference.scheduler import Keys, LoadEnd, LoadEndRecord
 
 from .helpers import (
     FIXTURE_ENV,
     ROOT,
     Rig,
+    claim_started_by,
     drop_stack,
     embedded_env,
     free_port,
+    live_worker,
+    load_contexts,
+    outcome_of,
     prepare_stack,
     run,
     unique_prefix,
     within,
 )
-
-
-# -- helpers -----------------------------------------------------------------------------------------
-def _live_worker(redis_client, hostname: str, ttl_ms: int = 30000) -> str:
-    """Register ``hostname`` as a live worker exactly as its liveness beat does; returns its boot id."""
-    boot = "boot-" + hostname
-    redis_client.set(KEYS.worker_live(hostname), boot, px=ttl_ms)
-    redis_client.hset(KEYS.worker_pid, hostname, os.getpid())
-    return boot
-
-
-async def _contexts(claim_ttl_ms: int):
-    """A web process's context with ``claim_ttl_ms`` claims, and the same process with a deaf listener
-    (never subscribed: every wake-up to it is lost, it only looks on its timer)."""
-    base = await async_context()
-    ctx = dataclasses.replace(base, scheduler=Scheduler(base.redis, KEYS, claim_ttl_ms))
-    deaf = Listener(base.redis, KEYS.process_channel("deaf-" + unique_prefix()))
-    deaf.loop = asyncio.get_running_loop()
-    return ctx, dataclasses.replace(ctx, listener=deaf)
-
-
-async def _claim_started_by(ctx, model_id: str, token: str, host: str, boot: str, force: bool = False) -> None:
-    assert (await ctx.scheduler.begin_load(ctx.listener, model_id, token, force)).action == "load"
-    assert await ctx.scheduler.renew_load(model_id, token, host, boot) == 1
-
-
-async def _outcome(task, seconds: float = 10):
-    return (await within(asyncio.gather(task, return_exceptions=True), seconds))[0]
 
 
 NASTY_ERROR = ("OSError: [Errno 2] No such file: 'C:\\models\\w.onnx'\n"
@@ -95,18 +69,18 @@ def test_an_error_with_colons_and_newlines_reaches_waiters_and_late_readers_inta
     line) is what every waiter reports, whether it hears its wake-up (the inline payload: the
     listener splits the message at the *first* LF only) or missed it (``:loadend``), and what
     ``LoadEndRecord.parse`` reads back (split at the first ':' only)."""
-    boot = _live_worker(redis_client, "gpu0@ok")
+    boot = live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
-        ctx, deaf = await _contexts(1500)
-        await _claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
+        ctx, deaf = await load_contexts(1500)
+        await claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
         hearing = asyncio.create_task(load_single_flight(ctx, "m", pickup_timeout_s=5.0))
         missing = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=5.0))
         await asyncio.sleep(0.3)
         assert await ctx.redis.hlen(KEYS.model("m") + ":loadwait") == 2
         assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.FAILED, "gpu0@ok", boot,
                                                    error=NASTY_ERROR)) == "ok"
-        outcomes = [await _outcome(hearing), await _outcome(missing)]
+        outcomes = [await outcome_of(hearing), await outcome_of(missing)]
         kept = await ctx.scheduler.load_end("m", "loader")
         await ctx.listener.close()
         return outcomes, kept
@@ -190,14 +164,14 @@ def test_a_teardown_waiting_for_a_load_returns_on_its_end_payload_and_all(redis_
     """R4.5: a teardown waiting for a load in progress (``add_load_waiter``) is woken by the end, now
     a message with a payload: it returns at once (not at its next look) for a failed end and for a
     ready one."""
-    boot = _live_worker(redis_client, "gpu0@ok")
+    boot = live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
-        ctx, _ = await _contexts(30000)
+        ctx, _ = await load_contexts(30000)
         took = []
         for outcome in (LoadEnd.FAILED, LoadEnd.READY):
             token = f"loader-{outcome}"
-            await _claim_started_by(ctx, "m", token, "gpu0@ok", boot, force=True)  # past the failure's backoff
+            await claim_started_by(ctx, "m", token, "gpu0@ok", boot, force=True)  # past the failure's backoff
             waiting = asyncio.create_task(wait_for_load_in_progress(ctx, "m"))
             await asyncio.sleep(0.3)
             assert not waiting.done()
@@ -220,11 +194,11 @@ def test_a_teardown_waiting_through_several_looks_leaves_one_load_wait_entry(red
     one, so each look added a ``:loadwait`` entry; at the end every stale entry also got a PUBLISH
     to a listener that forgot it (kept in its early-message set) and a ``:loadend`` record. Each
     look now replaces the previous one (``add_load_waiter``'s ``replaces``)."""
-    boot = _live_worker(redis_client, "gpu0@ok")
+    boot = live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
-        ctx, _ = await _contexts(30000)
-        await _claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
+        ctx, _ = await load_contexts(30000)
+        await claim_started_by(ctx, "m", "loader", "gpu0@ok", boot)
         waiting = asyncio.create_task(wait_for_load_in_progress(ctx, "m"))
         await asyncio.sleep(6.5)  # four looks of a teardown waiting for a slow load
         entries = await ctx.redis.hlen(KEYS.model("m") + ":loadwait")
@@ -244,15 +218,15 @@ def test_a_loader_whose_pending_claim_was_taken_over_reports_the_takers_failure(
     the taker's load fails. The first caller (no record kept for its token: its load never ended)
     reads the model's hash, not a stale 'ready', and answers ``load_failed`` with that error; it
     does not become a loader again."""
-    _live_worker(redis_client, "gpu1@idle")  # the census sees a live worker: the task waits in the queue
+    live_worker(redis_client, "gpu1@idle")  # the census sees a live worker: the task waits in the queue
 
     async def scenario():
-        ctx, _ = await _contexts(600)
+        ctx, _ = await load_contexts(600)
         first = asyncio.create_task(load_single_flight(ctx, "m", pickup_timeout_s=30.0))
         await asyncio.sleep(0.8)  # its claim (0.6 s) lapsed: nobody picked the task up
         assert (await ctx.scheduler.begin_load(ctx.listener, "m", "taker")).action == "load"
         assert str(await ctx.scheduler.finish_load("m", "taker", LoadEnd.FAILED, error="boom: bad")) == "ok"
-        outcome = await _outcome(first, 15)
+        outcome = await outcome_of(first, 15)
         await ctx.listener.close()
         return outcome
     outcome = run(scenario())

@@ -24,7 +24,6 @@ test, the late READY look and the dead-pool reload (which held before too).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import random
@@ -33,11 +32,11 @@ import time
 import pytest
 
 from audiosite.errors import ModelLoadFailed, ServerBusy
-from inference.runtime.context import KEYS, async_context
+from inference.runtime.context import KEYS
 from inference.runtime.rpc import Placement, load_single_flight
-from inference.scheduler import Keys, LeaseKind, Listener, LoadEnd, Scheduler
+from inference.scheduler import Keys, LeaseKind, LoadEnd, Scheduler
 
-from .helpers import Rig, run, unique_prefix, within
+from .helpers import Rig, claim_started_by, live_worker, load_contexts, outcome_of, run, unique_prefix, within
 
 
 async def _changes_of(rig: Rig, action):
@@ -257,28 +256,6 @@ def test_seeded_random_looks_and_ends_answer_woken_exactly_when_the_waited_load_
 
 
 # -- load_single_flight on a real AsyncContext ---------------------------------------------------------
-def _live_worker(redis_client, hostname: str, ttl_ms: int = 30000) -> str:
-    """Register ``hostname`` as a live worker exactly as its liveness beat does; returns its boot id."""
-    boot = "boot-" + hostname
-    redis_client.set(KEYS.worker_live(hostname), boot, px=ttl_ms)
-    redis_client.hset(KEYS.worker_pid, hostname, os.getpid())
-    return boot
-
-
-async def _contexts(claim_ttl_ms: int):
-    """A web process's context with ``claim_ttl_ms`` claims, and the same process with a deaf listener:
-    one whose subscription is gone (never started), so it hears no wake-up and only looks on its timer."""
-    base = await async_context()
-    ctx = dataclasses.replace(base, scheduler=Scheduler(base.redis, KEYS, claim_ttl_ms))
-    deaf = Listener(base.redis, KEYS.process_channel("deaf-" + unique_prefix()))
-    deaf.loop = asyncio.get_running_loop()
-    return ctx, dataclasses.replace(ctx, listener=deaf)
-
-
-async def _claim_started_by(ctx, model_id: str, token: str, host: str, boot: str) -> None:
-    """Claim the load as a caller would (``token``), and start it as worker ``host``'s load task does."""
-    assert (await ctx.scheduler.begin_load(ctx.listener, model_id, token)).action == "load"
-    assert await ctx.scheduler.renew_load(model_id, token, host, boot) == 1
 
 
 async def _take_the_next_claim(ctx, model_id: str, host: str, boot: str, previous: str | None = None) -> str:
@@ -303,16 +280,11 @@ LOST_ERROR = "worker gpu0@dying was lost while loading the model"
 async def _deaf_waiter_of_a_started_load(host: str, boot: str, pickup_timeout_s: float, loader: str = "loader"):
     """A load claimed (``loader``) and started by worker ``host``, and a caller with a deaf listener
     waiting for it (0.3 s in, registered): returns ``(ctx, its load_single_flight task)``."""
-    ctx, deaf = await _contexts(1500)
-    await _claim_started_by(ctx, "m", loader, host, boot)
+    ctx, deaf = await load_contexts(1500)
+    await claim_started_by(ctx, "m", loader, host, boot)
     waiter = asyncio.create_task(load_single_flight(deaf, "m", pickup_timeout_s=pickup_timeout_s))
     await asyncio.sleep(0.3)
     return ctx, waiter
-
-
-async def _outcome(task, seconds: float = 10):
-    """What ``task`` returned or raised, within ``seconds``."""
-    return (await within(asyncio.gather(task, return_exceptions=True), seconds))[0]
 
 
 async def _slow_ready_load(ctx, token: str, host: str, boot: str) -> None:
@@ -328,13 +300,13 @@ def test_a_waiter_that_missed_the_wake_up_of_a_lost_load_reports_worker_lost_at_
     it saw die) and the caller's wake-up is lost: at its timed look it answers 503 ``worker_lost``; it
     sends no load task and does not become the next loader (before the change it did, and then
     answered ``no_worker`` or waited on its own reload)."""
-    boot = _live_worker(redis_client, "gpu0@dying")
+    boot = live_worker(redis_client, "gpu0@dying")
 
     async def scenario():
         started = time.monotonic()
         ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@dying", boot, 1.0)
         assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.WORKER_LOST, error=LOST_ERROR)) == "ok"
-        outcome = await _outcome(waiter)
+        outcome = await outcome_of(waiter)
         elapsed = time.monotonic() - started
         load = await ctx.redis.hgetall(KEYS.load("m"))
         await ctx.listener.close()
@@ -350,7 +322,7 @@ def test_a_waiter_that_missed_the_wake_up_of_a_ready_load_gets_that_pool(redis_c
     """R4.2: the load finished READY and the waiter's wake-up was lost: its late look (``woken``), the
     hash read and the next decision give it the pool on its owner (``load_ms`` 0: not loaded here),
     with no load task sent."""
-    boot = _live_worker(redis_client, "gpu0@ok")
+    boot = live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
         ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@ok", boot, 1.0)
@@ -366,13 +338,13 @@ def test_a_waiter_that_missed_the_wake_up_of_a_ready_load_gets_that_pool(redis_c
 def test_a_waiter_that_missed_the_wake_up_of_a_failed_load_reports_that_failure(redis_client):
     """R4.2: a failed load releases everyone: a waiter whose wake-up was lost reports ``load_failed``
     at its late look, sends no load task and starts no load."""
-    boot = _live_worker(redis_client, "gpu0@ok")
+    boot = live_worker(redis_client, "gpu0@ok")
 
     async def scenario():
         ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@ok", boot, 1.0)
         assert str(await ctx.scheduler.finish_load("m", "loader", LoadEnd.FAILED, "gpu0@ok", boot,
                                                    error="OSError: no such file")) == "ok"
-        outcome = await _outcome(waiter)
+        outcome = await outcome_of(waiter)
         load = await ctx.redis.hgetall(KEYS.load("m"))
         await ctx.listener.close()
         return outcome, load
@@ -388,8 +360,8 @@ def test_a_woken_waiter_whose_pool_died_meanwhile_loads_once_and_does_not_loop(r
     (wake-up lost). ``woken`` → the hash reads ``ready`` → the next call finds the owner dead, marks it
     unloaded and makes this caller the loader; a live worker serves that one load and the caller gets
     its pool. One task sent, the caller's time bounded."""
-    boot = _live_worker(redis_client, "gpu0@short")
-    survivor_boot = _live_worker(redis_client, "gpu1@survivor")
+    boot = live_worker(redis_client, "gpu0@short")
+    survivor_boot = live_worker(redis_client, "gpu1@survivor")
 
     async def scenario():
         started = time.monotonic()
@@ -415,10 +387,10 @@ def test_loader_and_waiters_looking_at_the_same_liveness_expiry_all_answer_worke
     lost) all look again just after that expiry, so their looks and the end of the load interleave.
     Every one answers 503 ``worker_lost`` within about the liveness TTL, exactly one of them ends
     the load (``on_load_lost`` once), and no second load task is sent."""
-    _live_worker(redis_client, "gpu1@idle")  # a live worker that takes no task: census says "alive"
+    live_worker(redis_client, "gpu1@idle")  # a live worker that takes no task: census says "alive"
 
     async def scenario():
-        ctx, deaf = await _contexts(30000)  # the claim outlives the test: the liveness key decides
+        ctx, deaf = await load_contexts(30000)  # the claim outlives the test: the liveness key decides
         ended_by: list[str] = []
 
         async def lost(host: str, error: str) -> None:
@@ -461,8 +433,8 @@ def test_a_waiter_of_a_lost_load_reports_worker_lost_though_a_new_load_began_bef
     (``loading``: the new claim had deleted ``ended``), found no error, registered as a waiter of
     the new load and answered what that one gave, seconds later (here its pool after 4 s).
     """
-    dying_boot = _live_worker(redis_client, "gpu0@dying")
-    survivor_boot = _live_worker(redis_client, "gpu1@survivor")
+    dying_boot = live_worker(redis_client, "gpu0@dying")
+    survivor_boot = live_worker(redis_client, "gpu1@survivor")
 
     async def scenario():
         ctx, waiter = await _deaf_waiter_of_a_started_load("gpu0@dying", dying_boot, 5.0, loader="first")
@@ -472,7 +444,7 @@ def test_a_waiter_of_a_lost_load_reports_worker_lost_though_a_new_load_began_bef
         token = await within(_take_the_next_claim(ctx, "m", "gpu1@survivor", survivor_boot, previous="first"), 5)
 
         loading = asyncio.create_task(_slow_ready_load(ctx, token, "gpu1@survivor", survivor_boot))
-        outcome = await _outcome(waiter, 15)
+        outcome = await outcome_of(waiter, 15)
         answered_s = time.monotonic() - ended_at
         await within(asyncio.gather(loading, newcomer), 15)
         await ctx.listener.close()
@@ -491,13 +463,13 @@ def test_a_woken_waiter_of_a_lost_load_reports_worker_lost_though_the_next_claim
     once. Before the fix it read the ``:load`` hash (``loading``), waited for the next load and
     answered what that one gave: not the ``worker_lost`` of the load it waited for, and not
     within the liveness TTL."""
-    dying_boot = _live_worker(redis_client, "gpu0@dying")
-    survivor_boot = _live_worker(redis_client, "gpu1@survivor")
+    dying_boot = live_worker(redis_client, "gpu0@dying")
+    survivor_boot = live_worker(redis_client, "gpu1@survivor")
     blocking = Scheduler(redis_client, KEYS, 1500)  # synchronous: the event loop runs nothing meanwhile
 
     async def scenario():
-        ctx, _ = await _contexts(1500)
-        await _claim_started_by(ctx, "m", "first", "gpu0@dying", dying_boot)
+        ctx, _ = await load_contexts(1500)
+        await claim_started_by(ctx, "m", "first", "gpu0@dying", dying_boot)
         waiter = asyncio.create_task(load_single_flight(ctx, "m", pickup_timeout_s=5.0))
         await asyncio.sleep(0.3)
         assert redis_client.hlen(KEYS.model("m") + ":loadwait") == 1  # it waits, registered
@@ -507,7 +479,7 @@ def test_a_woken_waiter_of_a_lost_load_reports_worker_lost_though_the_next_claim
         assert await ctx.scheduler.renew_load("m", "second", "gpu1@survivor", survivor_boot) == 1
 
         loading = asyncio.create_task(_slow_ready_load(ctx, "second", "gpu1@survivor", survivor_boot))
-        outcome = await _outcome(waiter, 15)
+        outcome = await outcome_of(waiter, 15)
         answered_s = time.monotonic() - ended_at
         await within(loading, 15)
         await ctx.listener.close()
