@@ -145,7 +145,7 @@ def load_end_error(model_id: str, end: LoadEndRecord) -> ApplicationError | None
 async def read_load_end_error(ctx: AsyncContext, model_id: str, token: str,
                               end: LoadEndRecord | None = None) -> ApplicationError | None:
     """:func:`load_end_error` of the load that ``token`` waited for or claimed: from ``end`` (what its
-    wake-up carried, or ``begin_load``'s 'woken'), else from the record kept for ``token`` (one HGET),
+    wake-up carried, or ``begin_load``'s 'woken'), else from the record kept for ``token`` (one GET),
     else, when nothing is kept, from the model's ``:load`` hash as it stands (while ``unloaded``).
 
     The record, not the hash, is what a late reader needs: by the time a wake-up is read, or a lost
@@ -294,10 +294,10 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 # Woken (the wake-up carries how the load ended); WOKEN: our previous wait was woken
                 # as it timed out, or its wake-up was lost: begin_load read that wait's kept end.
                 if decision.action is LoadAction.WOKEN:
-                    error = await read_load_end_error(ctx, model_id, replaced,
-                                                      LoadEndRecord(decision.ended, decision.error))
+                    waited_token, end = replaced, LoadEndRecord(decision.ended, decision.error)
                 else:
-                    error = await read_load_end_error(ctx, model_id, token, LoadEndRecord.parse(wake.result()))
+                    waited_token, end = token, LoadEndRecord.parse(wake.result())
+                error = await read_load_end_error(ctx, model_id, waited_token, end)
                 if error is not None:
                     raise error  # that load ended without a pool: it releases everyone who waited (R4.2)
                 continue

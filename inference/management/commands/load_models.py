@@ -13,14 +13,21 @@ from inference.runtime.context import async_context, redis_url
 from inference.services import PreloadResult, models_preload
 
 
-def preload_line(result: PreloadResult) -> str:
-    """The progress line of one preloaded model (``loaded <id> in <ms> ms`` or ``loading <id> failed: …``)."""
+def report_preload(result: PreloadResult, stdout, stderr) -> None:
+    """Write the progress line of one preloaded model: ``loaded <id> in <ms> ms`` on ``stdout``, or
+    ``loading <id> failed: …`` on ``stderr`` (a command's ``OutputWrapper``s; ``serve`` uses it too)."""
     if result.load_ms is None:
-        return f"loading {result.model_id} failed: {result.error}"
-    return f"loaded {result.model_id} in {result.load_ms:.0f} ms"
+        stderr.write(f"loading {result.model_id} failed: {result.error}")
+    else:
+        stdout.write(f"loaded {result.model_id} in {result.load_ms:.0f} ms")
+        stdout.flush()
 
 
-FAILURES_LINE = "{} model(s) failed to load; they stay registered and load on first request"
+def report_failures(results: list[PreloadResult], stderr) -> None:
+    """Write how many of ``results`` failed, when any did."""
+    failures = sum(result.load_ms is None for result in results)
+    if failures:
+        stderr.write(f"{failures} model(s) failed to load; they stay registered and load on first request")
 
 
 class Command(BaseCommand):
@@ -34,17 +41,11 @@ class Command(BaseCommand):
             redis_url()
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from None
-        results = asyncio.run(self._load(options["model_ids"] or None))
-        failures = sum(result.load_ms is None for result in results)
-        if failures:
-            self.stderr.write(FAILURES_LINE.format(failures))
+        report_failures(asyncio.run(self._load(options["model_ids"] or None)), self.stderr)
 
     async def _load(self, wanted: list[str] | None) -> list[PreloadResult]:
         ctx = await async_context()
         try:
-            return await models_preload(ctx, wanted, self._report)
+            return await models_preload(ctx, wanted, lambda result: report_preload(result, self.stdout, self.stderr))
         finally:
             await ctx.listener.close()
-
-    def _report(self, result: PreloadResult) -> None:
-        (self.stderr if result.load_ms is None else self.stdout).write(preload_line(result))

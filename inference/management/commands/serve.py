@@ -65,7 +65,7 @@ from audiosite.settings import env_json
 from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
 from inference.consumers import close_live_sessions
 from inference.runtime import published
-from inference.management.commands.load_models import FAILURES_LINE, preload_line
+from inference.management.commands.load_models import report_failures, report_preload
 from inference.runtime.context import KEYS, async_context, sync_redis, sync_scheduler
 from inference.services import PreloadResult, models_preload
 from inference.scheduler import RuntimeMismatch
@@ -262,7 +262,7 @@ class Command(BaseCommand):
         this process, on an event loop in a thread of its own, while this thread keeps supervising the
         workers and answering signals: a ``load_models`` child cost a Python and Django start (about
         2.4 s here, 2026-12-02) on every start. A signal cancels the loads (their leases are given back)."""
-        preload = _Preload(model_ids, self._report_preload)
+        preload = _Preload(model_ids, lambda result: report_preload(result, self.stdout, self.stderr))
         preload.start()
         try:
             while preload.is_alive():
@@ -276,13 +276,7 @@ class Command(BaseCommand):
             raise
         if preload.error is not None:  # not a model's refusal (those are reported): Redis trouble, a bug
             self.stderr.write(f"loading the models failed: {type(preload.error).__name__}: {preload.error}")
-        failures = sum(result.load_ms is None for result in preload.results)
-        if failures:
-            self.stderr.write(FAILURES_LINE.format(failures))
-
-    def _report_preload(self, result: PreloadResult) -> None:
-        (self.stderr if result.load_ms is None else self.stdout).write(preload_line(result))
-        self.stdout.flush()
+        report_failures(preload.results, self.stderr)
 
     def _forget_dead_local_workers(self, redis_url: str) -> None:
         """Drop the liveness keys of this host's workers whose process is gone (R7.4).
