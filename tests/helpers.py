@@ -375,6 +375,28 @@ def prepare_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, ex
     return Setup(tmp, config, config_path, media, db_name, f"{PG_BASE}/{db_name}", redis_url, client, env)
 
 
+def kill_tree(proc: subprocess.Popen, also: Iterable[psutil.Process] = ()) -> None:
+    """SIGKILL ``proc`` and every process under it, plus ``also`` (children seen earlier), and reap ``proc``.
+
+    ``serve`` starts its children (web, worker, embedded Redis) in sessions of their own, so a
+    killed ``serve`` alone would leave them running: a failing test's cleanup uses this instead of
+    ``proc.kill()``. Processes already gone are skipped."""
+    victims = list(also)
+    if proc.poll() is None:  # (once reaped, its pid may belong to another process)
+        try:
+            victims += psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            pass
+        proc.kill()
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.Error:
+            continue
+    proc.wait(timeout=QUICK_S)
+    psutil.wait_procs(victims, timeout=QUICK_S)
+
+
 def drop_stack(setup: Setup) -> None:
     """Flush the deployment's Redis db and drop its database (its processes must be stopped)."""
     setup.redis.flushdb()
@@ -400,7 +422,7 @@ def run_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, parall
     deadline = time.monotonic() + 240
     while b"listening on" not in log_path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            kill_tree(proc)
             raise RuntimeError("serve did not start:\n" + stack.log_tail())
         time.sleep(0.2)
     yield stack
@@ -408,7 +430,7 @@ def run_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, parall
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_tree(proc)
     log.close()
     drop_stack(setup)
 
@@ -626,7 +648,7 @@ def start_embedded(tmp: Path, *args: str, env: dict | None = None) -> tuple[subp
     deadline = time.monotonic() + 180
     while b"listening on" not in log_path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            kill_tree(proc)
             raise AssertionError(log_path.read_text())
         time.sleep(0.2)
     return proc, log_path

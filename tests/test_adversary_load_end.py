@@ -49,6 +49,7 @@ from .helpers import (
     drop_stack,
     embedded_env,
     free_port,
+    kill_tree,
     live_worker,
     load_contexts,
     outcome_of,
@@ -299,7 +300,7 @@ def _wait_for(predicate, proc: subprocess.Popen, log_path, timeout_s: float = 18
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            kill_tree(proc)
             raise AssertionError("serve: condition not reached\n" + log_path.read_text(errors="replace")[-4000:])
         time.sleep(0.1)
 
@@ -317,13 +318,6 @@ def _stop_and_collect(proc: subprocess.Popen, sig: int, timeout_s: float = 60.0)
     _, alive = psutil.wait_procs(children, timeout=5)
     return code, took, alive
 
-
-def _kill_all(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        proc.wait()
 
 
 HELD = [{"id": "a-held", "family": "fixture", "load_options": {"load_barrier": "boot"}},
@@ -349,7 +343,7 @@ def test_a_signal_during_the_start_up_loads_stops_serve_promptly_leaving_no_proc
                   for m in ("a-held", "b-after")}
         after_state = setup.redis.hget("as:m:{b-after}:load", "state")
     finally:
-        _kill_all(proc)
+        kill_tree(proc)
         drop_stack(setup)
     assert code == 0, output[-3000:]
     assert took < 15, f"serve took {took:.1f} s to stop\n" + output[-3000:]
@@ -382,7 +376,7 @@ def test_a_start_up_load_longer_than_the_lease_ttl_keeps_its_lease_and_finishes(
         states = {m: setup.redis.hget(f"as:m:{{{m}}}:load", "state") for m in ("a-held", "b-after")}
         code, _took, alive = _stop_and_collect(proc, signal.SIGINT)
     finally:
-        _kill_all(proc)
+        kill_tree(proc)
         drop_stack(setup)
     assert held == 1 and len(left_ms) == 1 and left_ms[0] > 0, (held, left_ms)  # renewed, not expired
     assert after == {"a-held": 0, "b-after": 0} and states == {"a-held": "ready", "b-after": "ready"}, (after, states)
@@ -408,7 +402,7 @@ def test_a_model_failing_its_start_up_load_is_printed_and_serve_goes_on_serving(
         code, took, alive = _stop_and_collect(proc, signal.SIGINT)
         output = log_path.read_text(errors="replace")
     finally:
-        _kill_all(proc)
+        kill_tree(proc)
         drop_stack(setup)
     assert "loading bad failed: model 'bad' failed to load: InjectedFailure: injected load failure" in output, output
     assert "1 model(s) failed to load; they stay registered and load on first request" in output
@@ -445,7 +439,7 @@ def test_on_the_embedded_default_start_up_loads_use_the_embedded_redis_and_a_sig
         code, took, alive = _stop_and_collect(proc, signal.SIGTERM)
         output = log_path.read_text(errors="replace")
     finally:
-        _kill_all(proc)
+        kill_tree(proc)
     assert "loaded first in" in output and first_state == "ready", output[-3000:]
     assert code == 0, output[-3000:]
     assert took < 15, f"serve took {took:.1f} s to stop\n" + output[-3000:]
@@ -476,7 +470,7 @@ def test_manage_load_models_still_loads_reports_and_counts_failures_beside_a_run
         state = setup.redis.hget("as:m:{lazy}:load", "state")
         code, took, alive = _stop_and_collect(proc, signal.SIGINT)
     finally:
-        _kill_all(proc)
+        kill_tree(proc)
         drop_stack(setup)
     assert named.returncode == 0, named.stdout + named.stderr
     assert "loaded lazy in" in named.stdout and state == "ready", named.stdout + named.stderr

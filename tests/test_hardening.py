@@ -29,7 +29,7 @@ import yaml
 
 from audiosite.serverconfig import DEFAULT_CONFIG_PATH, load_config
 
-from .helpers import QUICK_S, ROOT, embedded_env, free_port, mode_of, start_embedded
+from .helpers import QUICK_S, ROOT, embedded_env, free_port, kill_tree, mode_of, start_embedded
 
 SECURITY_HEADERS = {
     "x-frame-options": "DENY",
@@ -141,8 +141,7 @@ def test_the_embedded_redis_and_the_var_folder_belong_to_the_service_user_only(t
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc)
 
 
 def test_a_socket_path_too_long_for_unix_sockets_is_refused_with_a_message(tmp_path):

@@ -30,6 +30,7 @@ from .helpers import (
     embedded_env,
     events_of,
     free_port,
+    kill_tree,
     live_workers,
     mclient,
     mode_of,
@@ -47,6 +48,7 @@ from .helpers import (
 def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
     port = free_port()
     proc, log_path = start_embedded(tmp_path, "--port", str(port))
+    children: list[psutil.Process] = []
     try:
         output = log_path.read_text()
         assert f"audiosite listening on http://127.0.0.1:{port}" in output
@@ -121,8 +123,7 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
         assert not alive, [p.cmdline() for p in alive]
         assert "audiosite stopped" in log_path.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc, also=children)
 
 
 @pytest.mark.stack
@@ -135,6 +136,7 @@ def test_serve_stops_everything_and_fails_when_the_web_process_dies(tmp_path):
     port = free_port()
     env = embedded_env(tmp_path, AUDIOSITE_CONFIG_OVERRIDES='{"max_request_body_bytes": 2000}')
     proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(port), env=env)
+    children: list[psutil.Process] = []
     try:
         too_big = httpx.post(f"http://127.0.0.1:{port}/v1/tasks/run", content=b"x" * 3000,
                              headers={"content-type": "application/json"}, timeout=QUICK_S)
@@ -147,8 +149,7 @@ def test_serve_stops_everything_and_fails_when_the_web_process_dies(tmp_path):
         assert not alive, [p.cmdline() for p in alive]
         assert "web exited with code -9" in log_path.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill_tree(proc, also=children)
 
 
 def test_quick_restart_after_a_killed_worker_reloads_instead_of_dispatching_to_the_dead_one(tmp_path):
