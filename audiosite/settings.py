@@ -179,8 +179,10 @@ SECRET_KEY = _secret_key(VAR_DIR, DEBUG)
 # ServerConfig.allowed_host_names() (audiosite.asgi); never "*" (DNS rebinding).
 ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 
+# Not "daphne": its app only swaps in an ASGI ``runserver`` (not how audiosite runs: ``manage.py serve``
+# starts daphne through audiosite.web) and, to do so, imports the Twisted server into every process
+# (serve, the workers, each manage.py command): 0.45 s of start-up each (docs/benchmarks.md).
 INSTALLED_APPS = [
-    "daphne",
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -327,6 +329,11 @@ CELERY_WORKER_DIRECT = True
 CELERY_TASK_DEFAULT_QUEUE = "gpu"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# A worker's BRPOP on its task queues returns every 0.2 s while idle (kombu's default: 1 s): a warm
+# shutdown closes that channel only once the BRPOP in flight has answered, so each worker stop
+# waited up to a second for nothing (docs/benchmarks.md). Five cheap commands a second per idle
+# worker; fractional timeouts need Redis 6 or newer, as the run queue's BRPOP already does.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"polling_interval": 0.2}
 
 LOGGING = {
     "version": 1,

@@ -21,7 +21,6 @@ Method:
 from __future__ import annotations
 
 import numpy as np
-from scipy.cluster.hierarchy import fcluster, linkage
 
 FRAME_S = 0.01  # resolution of the speaker turns, seconds
 
@@ -57,6 +56,11 @@ def cluster(embeddings: np.ndarray, *, num_speakers: int | None, distance_thresh
         return np.zeros(0, dtype=int)
     if n == 1 or num_speakers == 1:
         return np.zeros(n, dtype=int)
+    # Imported on the first clustering, not with the module: scipy.cluster costs 0.5 s of import
+    # (numbers in docs/benchmarks.md, "Stopping and starting"), which every process importing
+    # inference.services (serve, web, worker, each manage.py command) paid at start-up.
+    from scipy.cluster.hierarchy import fcluster, linkage
+
     tree = linkage(embeddings.astype(np.float64), method="average", metric="cosine")
     if num_speakers is not None:
         labels = fcluster(tree, t=min(num_speakers, n), criterion="maxclust")

@@ -148,6 +148,12 @@ class Keys:
         """
         return f"{self.run_queue_prefix}{hostname}:{boot}"
 
+    def run_queue_wake(self, hostname: str, boot: str) -> str:
+        """LIST the run dispatcher of ``hostname`` with boot id ``boot`` also ``BRPOP``s: its own
+        ``stop`` pushes one element there (with a short TTL) so that the blocked pop returns at once
+        instead of at its timeout. Never holds a run."""
+        return f"{self.prefix}runwake:{hostname}:{boot}"
+
     def chunks(self, request_id: str) -> str:
         """LIST of a streamed run's frames (with a TTL): the worker ``RPUSH``es, the web ``LPOP``s.
 

@@ -45,7 +45,10 @@ RUN_THREADS_MIN = 256
 """Upper bound of the run thread pool at least (threads are created only when runs wait for one)."""
 
 POP_TIMEOUT_S = 0.5
-"""How long one ``BRPOP`` blocks; bounds how long ``stop`` waits for the dispatcher to notice."""
+"""How long one ``BRPOP`` blocks (it also returns when ``stop`` pushes on the wake list, at once)."""
+
+WAKE_TTL_MS = 10_000
+"""Expiry of the wake list's element (``Keys.run_queue_wake``), should nobody pop it."""
 
 
 class RunDispatcher:
@@ -60,6 +63,7 @@ class RunDispatcher:
     def __init__(self, worker: WorkerState, threads: int):
         self.worker = worker
         self.queue_key = KEYS.run_queue(worker.hostname or "", worker.boot)
+        self.wake_key = KEYS.run_queue_wake(worker.hostname or "", worker.boot)
         # Threads start on demand; admission (Redis) bounds how many runs are in flight, and models
         # registered later through the API may add slots beyond ``threads``: leave room for them.
         self._pool = ThreadPoolExecutor(max_workers=max(threads, RUN_THREADS_MIN) + 1, thread_name_prefix="run")
@@ -76,13 +80,13 @@ class RunDispatcher:
         thread and serve the run in this one."""
         while not self._stop.is_set():
             try:
-                popped = self._client.brpop([self.queue_key], timeout=POP_TIMEOUT_S)
+                popped = self._client.brpop([self.queue_key, self.wake_key], timeout=POP_TIMEOUT_S)
             except redis.RedisError:
                 log.exception("reading the run queue failed; retrying")
                 self._stop.wait(POP_TIMEOUT_S)
                 continue
-            if popped is None:
-                continue
+            if popped is None or popped[0] == self.wake_key.encode():
+                continue  # (woken by stop: the loop's test ends it)
             try:
                 self._pool.submit(self._lead)
             except RuntimeError:  # stop() shut the pool down meanwhile: nobody pops any more
@@ -117,7 +121,12 @@ class RunDispatcher:
             How many queued runs were answered ``not_loaded``.
         """
         self._stop.set()
-        self._pool.shutdown(wait=True)  # the popping thread stops within POP_TIMEOUT_S; running runs finish
+        try:  # wake the blocked BRPOP now rather than at its timeout
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.lpush(self.wake_key, b"stop").pexpire(self.wake_key, WAKE_TTL_MS).execute()
+        except redis.RedisError:
+            log.warning("could not wake the run queue's reader; it stops within %s s", POP_TIMEOUT_S)
+        self._pool.shutdown(wait=True)  # the popping thread stops; running runs finish
         self._client.close()
         return self.drain()
 

@@ -9,8 +9,10 @@ started and stopped by the signals below.
 from __future__ import annotations
 
 import logging
+import threading
 
 from celery import shared_task, signals
+from kombu.asynchronous import get_event_loop
 
 from audiosite.serverconfig import get_config
 from inference.runtime.context import KEYS, sync_redis, sync_scheduler
@@ -38,6 +40,24 @@ def _worker_identity(sender, instance, **kwargs):
     log.info("worker %s boot %s is alive", sender, WORKER.boot)
     if get_config().idle_unload_ms:
         retirement.retirement_start(WORKER, get_config().idle_unload_ms)
+
+
+def _nothing() -> None:
+    """A callback that does nothing (queued only to wake Celery's event loop)."""
+
+
+@signals.worker_shutting_down.connect
+def _wake_event_loop(**kwargs):
+    """Let Celery's warm shutdown start now, not up to a second later.
+
+    Celery's signal handler only sets a flag, which its event loop reads when its poll returns,
+    and with no timer due that poll waits up to 1 s (kombu's ``Hub``); a callback queued with
+    ``call_soon`` ends the poll at once, but only when queued from another thread than the loop's
+    (this handler runs in the loop's thread), hence the thread.
+    """
+    hub = get_event_loop()
+    if hub is not None:
+        threading.Thread(target=hub.call_soon, args=(_nothing,), name="wake event loop", daemon=True).start()
 
 
 @signals.worker_shutdown.connect
