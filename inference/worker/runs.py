@@ -114,18 +114,23 @@ class RunDispatcher:
             client.close()
         return refused
 
+    def stop_popping(self) -> None:
+        """Take no more runs: the popping thread returns at once (its blocked ``BRPOP`` is woken through
+        ``wake_key``); runs in progress go on. Safe from any thread, and more than once."""
+        self._stop.set()
+        try:
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.lpush(self.wake_key, b"stop").pexpire(self.wake_key, WAKE_TTL_MS).execute()
+        except redis.RedisError:
+            log.warning("could not wake the run queue's reader; it stops within %s s", POP_TIMEOUT_S)
+
     def stop(self) -> int:
         """Stop taking runs, let running ones finish, answer the still-queued ones ``not_loaded``.
 
         Returns:
             How many queued runs were answered ``not_loaded``.
         """
-        self._stop.set()
-        try:  # wake the blocked BRPOP now rather than at its timeout
-            with self._client.pipeline(transaction=False) as pipe:
-                pipe.lpush(self.wake_key, b"stop").pexpire(self.wake_key, WAKE_TTL_MS).execute()
-        except redis.RedisError:
-            log.warning("could not wake the run queue's reader; it stops within %s s", POP_TIMEOUT_S)
+        self.stop_popping()
         self._pool.shutdown(wait=True)  # the popping thread stops; running runs finish
         self._client.close()
         return self.drain()

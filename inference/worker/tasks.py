@@ -47,17 +47,28 @@ def _nothing() -> None:
 
 
 @signals.worker_shutting_down.connect
-def _wake_event_loop(**kwargs):
-    """Let Celery's warm shutdown start now, not up to a second later.
+def _on_shutting_down(how: str = "Warm", **kwargs):
+    """Let Celery's shutdown start now, not up to a second later; on a cold one, stop taking runs.
 
     Celery's signal handler only sets a flag, which its event loop reads when its poll returns,
     and with no timer due that poll waits up to 1 s (kombu's ``Hub``); a callback queued with
     ``call_soon`` ends the poll at once, but only when queued from another thread than the loop's
-    (this handler runs in the loop's thread), hence the thread.
+    (this handler runs in the loop's thread), hence the thread. A cold shutdown (SIGQUIT, serve's
+    second Ctrl-C) sends no ``worker_shutdown``, so :func:`_worker_shutdown` never stops the run
+    dispatcher there, and its popping thread (not a daemon) kept the process from exiting: it is
+    told to stop popping here (runs in progress still finish; runs still queued are answered by
+    their senders' liveness watch, R7.4, as for any worker that goes away).
     """
     hub = get_event_loop()
-    if hub is not None:
-        threading.Thread(target=hub.call_soon, args=(_nothing,), name="wake event loop", daemon=True).start()
+    dispatchers = list(_DISPATCHER) if how == "Cold" else []
+
+    def wake() -> None:
+        for dispatcher in dispatchers:
+            dispatcher.stop_popping()
+        if hub is not None:
+            hub.call_soon(_nothing)
+
+    threading.Thread(target=wake, name="shutting down", daemon=True).start()
 
 
 @signals.worker_shutdown.connect
