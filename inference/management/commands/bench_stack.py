@@ -1,7 +1,8 @@
 """``python manage.py bench_stack``: how long a whole ``serve`` takes to start and to stop.
 
 Each cycle starts ``manage.py serve`` on the embedded default (private Redis, a fresh SQLite
-file, one eager ``silero_vad`` model on the CPU) in a temporary folder, as an operator starts it,
+file, one eager ``silero_vad`` model on the CPU) in a temporary folder, as an operator starts it
+(``inference.validation.servers.Server``, as the validation gate does),
 waits for its "listening on" line, answers one ``/health``, then sends Ctrl-C (SIGINT) and waits
 for it to exit. Printed per cycle, then as medians:
 
@@ -15,22 +16,18 @@ costs the suite beyond its tests (docs/benchmarks.md, "Stopping and starting a s
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import psutil
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.validation.servers import START_TIMEOUT_S, free_port
+from inference.validation.servers import Server
 
 POLL_S = 0.01
 STOP_TIMEOUT_S = 60.0
@@ -81,52 +78,36 @@ class Command(BaseCommand):
         """One start and stop: (start seconds, stop seconds, seconds after SIGINT at which each child exited).
 
         Raises:
-            CommandError: serve did not start within ``START_TIMEOUT_S`` or did not stop within
-                ``STOP_TIMEOUT_S`` (it is killed; the end of its log is in the message).
+            CommandError: serve did not start (from :class:`Server`) or did not stop within
+                ``STOP_TIMEOUT_S`` (it is then stopped by :meth:`Server.stop`); the end of its log is
+                in the message.
         """
-        port = free_port()
-        config = {"port": port, "backend": "cpu", "models": [{"id": "vad", "family": "silero_vad"}]}
-        (tmp / "server.json").write_text(json.dumps(config))
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("DATABASE_URL", "REDIS_URL") and not k.startswith("AUDIOSITE_")}
-        env.update(AUDIOSITE_VAR_DIR=str(tmp / "var"), PYTHONUNBUFFERED="1")
-        log = tmp / "serve.log"
-        began = time.monotonic()
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "manage.py", "serve", "--config", str(tmp / "server.json")],
-                                    cwd=settings.BASE_DIR, env=env, stdout=out, stderr=subprocess.STDOUT)
+        server = Server(tmp, [{"id": "vad", "family": "silero_vad"}], parallel=False,
+                        extra_config={"backend": "cpu", "lazy_load": False})
         try:
-            while b"listening on" not in log.read_bytes():
-                if proc.poll() is not None or time.monotonic() - began > START_TIMEOUT_S:
-                    raise CommandError("serve did not start:\n" + log.read_text(errors="replace")[-3000:])
-                time.sleep(POLL_S)
-            start_s = time.monotonic() - began
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+            with urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
                 resp.read()
-            children = {c: _role(c.cmdline()) for c in psutil.Process(proc.pid).children()}
+            children = {c: _role(c.cmdline()) for c in psutil.Process(server.proc.pid).children()}
             stopped = time.monotonic()
-            proc.send_signal(signal.SIGINT)
+            server.proc.send_signal(signal.SIGINT)
             exited: dict[str, float] = {}
-            while proc.poll() is None:
+            while server.proc.poll() is None:
                 for child, role in children.items():
                     if role in ROLES and role not in exited and not _alive(child):
                         exited[role] = time.monotonic() - stopped
                 if time.monotonic() - stopped > STOP_TIMEOUT_S:
-                    raise CommandError("serve did not stop:\n" + log.read_text(errors="replace")[-3000:])
+                    raise CommandError("serve did not stop:\n" + server.log.read_text(errors="replace")[-3000:])
                 time.sleep(POLL_S)
             stop_s = time.monotonic() - stopped
             for role in children.values():
                 if role in ROLES and role not in exited:
                     exited[role] = stop_s
-            if proc.returncode != 0:
-                raise CommandError(f"serve exited {proc.returncode}:\n" + log.read_text(errors="replace")[-3000:])
-            return start_s, stop_s, exited
+            if server.proc.returncode != 0:
+                raise CommandError(f"serve exited {server.proc.returncode}:\n"
+                                   + server.log.read_text(errors="replace")[-3000:])
+            return server.start_s, stop_s, exited
         finally:
-            if proc.poll() is None:
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    child.kill()
-                proc.kill()
-                proc.wait()
+            server.stop()
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -446,7 +446,8 @@ class Command(BaseCommand):
     def _await_exit(self, name: str, proc: subprocess.Popen, budget_s: float) -> None:
         """Wait for ``proc`` to exit within ``budget_s`` (shortened to ``FORCED_STOP_S`` by a second signal),
         else kill it."""
-        deadline = time.monotonic() + budget_s
+        began = time.monotonic()
+        deadline = began + budget_s
         forced = False
         while proc.poll() is None:
             if self.forced and not forced:
@@ -455,7 +456,7 @@ class Command(BaseCommand):
                 proc.send_signal(signal.SIGINT if name == "web" else
                                  signal.SIGQUIT if name.startswith("worker") else signal.SIGTERM)
             if time.monotonic() > deadline:
-                self.stderr.write(f"{name} did not stop in {budget_s:.0f} s; killing it")
+                self.stderr.write(f"{name} did not stop in {time.monotonic() - began:.0f} s; killing it")
                 proc.kill()
                 proc.wait()
                 return
