@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import io
+import struct
 import threading
 import time
 import tracemalloc
+import wave
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import soundfile
 
 from inference import audio
 
-from .helpers import wav_bytes
+from .helpers import FIXTURES, ROOT, wav_bytes
 
 
 def tone(rate: int, seconds: float = 0.5, freq: float = 440.0) -> np.ndarray:
@@ -140,6 +142,103 @@ def test_16_bit_pcm_at_the_model_rate_travels_as_int16_and_reads_back_to_the_sam
 def test_only_exact_16_bit_pcm_is_kept_as_int16(data, why):
     samples, _ = audio.decode(data, 16000, keep_pcm16=True)
     assert samples.dtype == np.float32, why
+
+
+def _riff(*chunks: tuple[bytes, bytes], declared: dict | None = None) -> bytes:
+    """A RIFF/WAVE file of ``(id, body)`` chunks (padded to even sizes); ``declared`` overrides a chunk's size field."""
+    out = b""
+    for chunk_id, body in chunks:
+        size = (declared or {}).get(chunk_id, len(body))
+        out += chunk_id + size.to_bytes(4, "little") + body + (b"\0" if len(body) % 2 else b"")
+    return b"RIFF" + (len(out) + 4).to_bytes(4, "little") + b"WAVE" + out
+
+
+def _fmt(rate=16000, channels=1, bits=16, tag=1, extra=b"") -> bytes:
+    align = channels * bits // 8
+    return struct.pack("<HHIIHH", tag, channels, rate, rate * align, align, bits) + extra
+
+
+_PCM = np.concatenate([np.array([-32768, 32767, 0, 1, -1], np.int16),
+                       np.random.default_rng(3).integers(-32768, 32768, 4000).astype(np.int16)])
+_LIST = b"INFOISFT" + (14).to_bytes(4, "little") + b"Lavf58.76.100\0"
+
+
+def _python_wave(samples: np.ndarray, rate: int = 16000) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as handle:
+        handle.setnchannels(1)
+        handle.setsampwidth(2)
+        handle.setframerate(rate)
+        handle.writeframes(samples.tobytes())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("data, why", [
+    (wav_bytes(_PCM, 16000, "WAV", "PCM_16"), "soundfile's own layout"),
+    (wav_bytes(_PCM[:1], 16000, "WAV", "PCM_16"), "one frame"),
+    (_python_wave(_PCM), "Python's wave module"),
+    (_riff((b"fmt ", _fmt(extra=b"\0\0")), (b"data", _PCM.tobytes())), "an 18-byte fmt chunk (cbSize 0)"),
+    (_riff((b"fmt ", _fmt()), (b"LIST", _LIST), (b"data", _PCM.tobytes())), "a LIST chunk before the data (ffmpeg)"),
+    (_riff((b"JUNK", b"\0" * 27), (b"fmt ", _fmt()), (b"fact", b"\0" * 4), (b"data", _PCM.tobytes())),
+     "an odd-sized JUNK chunk before fmt, a fact chunk"),
+])
+def test_a_wav_that_needs_no_decoding_is_read_as_is_exactly_as_libsndfile_reads_it(data, why):
+    """Issue 8 item 7: a 16-bit mono WAV at the model's rate, laid out canonically, is read on the event loop
+    (no pool hop) with Python's wave module; header and samples are what libsndfile gives."""
+    assert audio.plain_pcm16_wav(data, 16000, 1 << 20), why
+    header, samples = audio.read_pcm16_as_is(data, 16000, 1800.0, 1 << 20, lambda header: True)
+    assert header == audio.read_header(data), why
+    decoded, _ = audio.decode(data, 16000, keep_pcm16=True)
+    assert samples.dtype == np.int16 and np.array_equal(samples, decoded), why
+    assert np.array_equal(audio.from_bytes(bytes(audio.to_bytes(samples)), audio.S16LE), audio.decode(data, 16000)[0])
+    assert audio.read_pcm16_as_is(data, 16000, 1800.0, 1 << 20, lambda header: False) == (header, None)
+
+
+def test_the_shipped_speech_fixtures_are_read_as_is():
+    paths = sorted(FIXTURES.glob("*.wav")) + sorted((ROOT / "samples").glob("*.wav"))
+    assert paths
+    for path in paths:
+        data = path.read_bytes()
+        header, samples = audio.read_pcm16_as_is(data, 16000, 1800.0, 1 << 20, lambda header: True)
+        assert np.array_equal(samples, soundfile.read(path, dtype="int16")[0]), path.name
+
+
+@pytest.mark.parametrize("data, why", [
+    (_riff((b"fmt ", _fmt()), (b"data", _PCM.tobytes()), (b"LIST", _LIST)),
+     "a chunk after the data: libsndfile walks it"),
+    (_riff((b"fmt ", _fmt()), (b"data", _PCM.tobytes()), declared={b"data": _PCM.nbytes + 400}),
+     "a data chunk cut short (libsndfile reads what is there)"),
+    (_riff((b"fmt ", _fmt()), (b"data", _PCM.tobytes() + b"\0")), "an odd data size"),
+    (_riff((b"fmt ", _fmt()), (b"data", b"")), "no frames"),
+    (_riff(*[(b"JUNK", b"")] * 3, (b"fmt ", _fmt()), (b"data", _PCM.tobytes())), "more chunks than AS_IS_MAX_CHUNKS"),
+    (_riff(*[(b"JUNK", b"")] * 8000, (b"fmt ", _fmt()), (b"data", _PCM.tobytes())), "8,000 empty chunks"),
+    (_riff((b"data", _PCM.tobytes()), (b"fmt ", _fmt())), "data before fmt"),
+    (_riff((b"fmt ", _fmt(rate=8000)), (b"data", _PCM.tobytes())), "another rate"),
+    (_riff((b"fmt ", _fmt(channels=2)), (b"data", _PCM.tobytes())), "two channels"),
+    (_riff((b"fmt ", _fmt(bits=8)), (b"data", _PCM.tobytes())), "8-bit"),
+    (_riff((b"fmt ", _fmt(tag=3, bits=32)), (b"data", _PCM.tobytes())), "float"),
+    (_riff((b"fmt ", _fmt(tag=0xFFFE, extra=b"\x16\0" + b"\0" * 22)), (b"data", _PCM.tobytes())),
+     "WAVE_FORMAT_EXTENSIBLE"),
+    (_riff((b"fmt ", struct.pack("<HHIIHH", 1, 1, 16000, 16000, 2, 16))), "a wrong byte rate, no data"),
+    (wav_bytes(_PCM, 16000, "FLAC", "PCM_16"), "FLAC"),
+    (b"RIFX" + wav_bytes(_PCM, 16000, "WAV", "PCM_16")[4:], "big-endian RIFX"),
+    (b"", "empty"),
+])
+def test_every_other_wav_is_left_to_libsndfile(data, why):
+    """Anything but the canonical layout goes to the decode pools, where libsndfile decides (and words the
+    refusals); the layout check looks at no more than AS_IS_MAX_CHUNKS chunk headers."""
+    assert not audio.plain_pcm16_wav(data, 16000, 1 << 20), why
+    assert audio.read_pcm16_as_is(data, 16000, 1800.0, 1 << 20, lambda header: True) is None, why
+
+
+def test_a_wav_read_as_is_is_refused_with_read_header_s_words():
+    data = wav_bytes(np.zeros(16000 * 3, np.int16), 16000, "WAV", "PCM_16")
+    with pytest.raises(audio.AudioTooLong) as as_is:
+        audio.read_pcm16_as_is(data, 16000, 2.0, 1 << 20, lambda header: True)
+    with pytest.raises(audio.AudioTooLong) as libsndfile:
+        audio.read_header(data, 2.0)
+    assert str(as_is.value) == str(libsndfile.value)
+    assert audio.read_pcm16_as_is(data, 16000, 1800.0, 16000, lambda header: True) is None  # over max_frames
 
 
 def test_an_unknown_sample_format_is_refused():

@@ -13,10 +13,22 @@ send Celery tasks or big Redis values (``inference.runtime.rpc``):
 
 A few huge uploads (30 min at 384 kHz takes seconds to resample) therefore
 occupy the bulk pool only: a short request to any model still finds a quick
-thread, instead of waiting behind them (issue 9 item 3). Headers are never
-read on the loop, small uploads included: a typical header takes 0.07 ms, but
-a crafted WAV of 8,000 empty chunks (67 KB) keeps libsndfile walking it,
-through soundfile's Python I/O callbacks, for about 30 ms.
+thread, instead of waiting behind them (issue 9 item 3). Headers are not read
+on the loop in general: a typical header takes 0.07 ms, but a crafted WAV of
+8,000 empty chunks (67 KB) keeps libsndfile walking it, through soundfile's
+Python I/O callbacks, for about 30 ms.
+
+**No decoding, no hop.** One kind of upload needs no decoding at all: a WAV
+of 16-bit PCM, mono, already at the model's rate (the shipped samples, most
+recorders' output), whose samples are sent to the worker as they are. Such a
+file, laid out canonically (``inference.audio.plain_pcm16_wav``: at most
+``AS_IS_MAX_CHUNKS`` chunks, the ``data`` chunk last, at most
+``QUICK_DECODE_MAX_SAMPLES`` frames), is read on the event loop
+(:func:`read_as_is`, with Python's ``wave`` module: 15 µs, 0.1 ms after
+the process sat idle), against about 0.7 ms for the round trip through a
+pool thread on a 2-core VM (two thread wake-ups; ``docs/benchmarks.md``). Every file that
+needs decoding, mixing or resampling, and every other layout, goes to the
+pools as above.
 
 **The budget.** Every decode first reserves its peak
 (:func:`inference.audio.decode_peak_bytes`, from the header) in the process's
@@ -117,6 +129,61 @@ async def read_header(data: bytes, max_seconds: float) -> audio.AudioHeader:
         inference.audio.AudioError: see :func:`inference.audio.read_header`.
     """
     return await asyncio.get_running_loop().run_in_executor(_QUICK_POOL, audio.read_header, data, max_seconds)
+
+
+def read_as_is(data: bytes, target_rate_hz: int, max_seconds: float,
+               bytes_needed: Callable[[audio.AudioHeader], int] | None) -> Inspected | None:
+    """On the event loop, for an upload that needs no decoding (module doc): its header and, when
+    ``bytes_needed(header)`` fits in the budget now (reserved before a sample is read), its samples.
+
+    Args:
+        bytes_needed: the budget a decode of this header reserves; None reads the header only.
+
+    Returns:
+        None when the upload needs decoding (use :func:`inspect_and_decode`, :func:`read_header` and
+        :func:`decode`); else the :class:`Inspected` header, with ``samples`` and ``reservation``
+        when they were read.
+
+    Raises:
+        inference.audio.AudioError: as :func:`inspect_and_decode` (nothing stays reserved).
+    """
+    reserved: list[Reservation] = []
+
+    def admit(header: audio.AudioHeader) -> bool:
+        if bytes_needed is None:
+            return False
+        spent = budget()
+        needed_bytes = bytes_needed(header)
+        reservation = spent.reserve(needed_bytes) if spent.fits_alone(needed_bytes) else None
+        if reservation is not None:
+            reserved.append(reservation)
+        return reservation is not None
+
+    try:
+        found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, admit)
+    except BaseException:
+        for reservation in reserved:
+            reservation.release()
+        raise
+    if found is None:
+        for reservation in reserved:
+            reservation.release()
+        return None
+    header, samples = found
+    if samples is None:
+        return Inspected(header)
+    return Inspected(header, samples, reserved[0])
+
+
+def samples_as_is(data: bytes, target_rate_hz: int, max_seconds: float) -> np.ndarray | None:
+    """On the event loop: the int16 samples of an upload that needs no decoding (module doc), or None when
+    it needs decoding (use :func:`decode`). The caller holds the reservation, as for :func:`decode`.
+
+    Raises:
+        inference.audio.AudioError: as :func:`decode`.
+    """
+    found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, lambda header: True)
+    return None if found is None else found[1]
 
 
 @dataclass(frozen=True)
