@@ -13,6 +13,7 @@ import redis
 
 from audiosite.errors import ServerBusy
 from inference.runtime.context import KEYS, async_context
+from inference.runtime.published import legacy_slots_ignored
 from inference import audio
 from inference.runtime.rpc import INPUT_TTL_MS, inline_element, load_single_flight, split_element
 from inference.scheduler import LoadEnd, Scheduler
@@ -278,3 +279,13 @@ def test_the_sync_client_sends_large_samples_without_copying_them(redis_client):
         assert grown < 16, f"peak RSS grew {grown:.1f} MB while sending {samples.nbytes / 1e6:.1f} MB"
     finally:
         client.delete(KEYS.input("copy-check"))
+
+
+def test_a_legacy_start_names_the_registrations_whose_slots_it_does_not_run():
+    """R1.1: a registration made through the API under --parallel-jobs keeps ``slots``; a later legacy
+    ``serve`` runs it with one session and says so at start (walkthrough finding of 2026-12-02)."""
+    metas = {"vad2": {"id": "vad2", "slots": 4}, "vad": {"id": "vad", "slots": None}, "one": {"id": "one", "slots": 1}}
+    warning = legacy_slots_ignored(metas, "legacy")
+    assert warning is not None and warning.endswith(": vad2 (slots=4)"), warning
+    assert legacy_slots_ignored(metas, "parallel") is None
+    assert legacy_slots_ignored({"vad": {"slots": None}}, "legacy") is None

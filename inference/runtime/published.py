@@ -40,6 +40,20 @@ def eager_ids(metas: dict[str, dict], lazy_default: bool | None = None) -> list[
     return sorted(model_id for model_id, meta in metas.items() if not is_lazy(meta, lazy_default))
 
 
+def legacy_slots_ignored(metas: dict[str, dict], runtime: str) -> str | None:
+    """On the legacy runtime, the start-up warning for registrations that ask for more than one slot
+    (made through the API while the deployment ran ``--parallel-jobs``; the legacy runtime serves every
+    model with one session, R1.1), naming them; else None."""
+    if runtime != "legacy":
+        return None
+    named = sorted(f"{model_id} (slots={meta['slots']})" for model_id, meta in metas.items()
+                   if isinstance(meta.get("slots"), int) and meta["slots"] > 1)
+    if not named:
+        return None
+    return ("warning: the legacy runtime serves one session per model; these registrations (made under "
+            f"--parallel-jobs) keep their slots but run with one: {', '.join(named)}")
+
+
 def ceiling_ms(meta: dict | None) -> int:
     """A model's admission ceiling in ms (R3.1): its ``busy_timeout_ms``, else the server's."""
     if meta is not None and meta.get("busy_timeout_ms") is not None:

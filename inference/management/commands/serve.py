@@ -192,6 +192,9 @@ class Command(BaseCommand):
                                 "audiosite.asgi:application"], env)
             self._wait_healthy(config.host, config.port)
             metas = self._published(redis_url)
+            ignored = published.legacy_slots_ignored(metas, config.runtime)
+            if ignored:
+                self.stdout.write(self.style.WARNING(ignored))
             eager = published.eager_ids(metas, config.lazy_load)
             if eager:
                 self._preload(eager)
