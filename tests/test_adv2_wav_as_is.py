@@ -1,0 +1,163 @@
+"""Adversarial tests of the WAV read on the event loop (commit 4df5faa: ``inference.audio.plain_pcm16_wav``,
+``read_pcm16_as_is``; ``inference.runtime.decoding.read_as_is``/``samples_as_is``).
+
+The promise: a WAV that takes the as-is path gets the same header, the same int16 samples and the same
+refusals (class and words) as the libsndfile path it replaced, and every other failure is an ``AudioError``
+(so the HTTP answer is the 4xx libsndfile's path gave, never a 500). Each file below passes
+``plain_pcm16_wav`` (at most 4 chunks, fmt 16 bytes tag 1 mono 16-bit 16 kHz, data last and ending at EOF).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import struct
+
+import numpy as np
+import pytest
+import soundfile
+
+from inference import audio
+
+from .helpers import FIXTURES, MODEL_S, mclient, run, run_stack, wav_bytes, within
+
+RATE = 16000
+_PCM = (np.arange(1000) * 37 % 65536 - 32768).astype(np.int16)
+
+
+def _fmt(extra: bytes = b"") -> bytes:
+    return struct.pack("<HHIIHH", 1, 1, RATE, 2 * RATE, 2, 16) + extra
+
+
+def _wav(*chunks: tuple[bytes, bytes], pcm: bytes = _PCM.tobytes(), riff_size: int | None = None) -> bytes:
+    """RIFF/WAVE: ``chunks`` (padded to even sizes), then the data chunk ending at EOF; ``riff_size``
+    overrides the RIFF header's size field (libsndfile reads on whatever it says)."""
+    out = b""
+    for chunk_id, chunk_body in chunks:
+        out += chunk_id + len(chunk_body).to_bytes(4, "little") + chunk_body + (b"\0" if len(chunk_body) % 2 else b"")
+    out += b"data" + len(pcm).to_bytes(4, "little") + pcm
+    size = len(out) + 4 if riff_size is None else riff_size
+    return b"RIFF" + size.to_bytes(4, "little") + b"WAVE" + out
+
+
+# RIFF size field smaller than the chunks it holds (libsndfile ignores it: it reads the whole file).
+RIFF_SIZE_LIES = {
+    "fmt18_riff_ends_inside_fmt": _wav((b"fmt ", _fmt(b"\0\0")), riff_size=4 + 8 + 16),
+    "list_then_fmt_riff_ends_inside_list": _wav((b"LIST", b"INFO"), (b"fmt ", _fmt()), riff_size=4 + 8),
+}
+
+# Chunks libsndfile parses and refuses (or misreads), which the as-is path skips unread.
+LIBSNDFILE_PARSES = {
+    "peak_before_fmt": _wav((b"PEAK", b"\0" * 16), (b"fmt ", _fmt())),
+    "short_fact": _wav((b"fmt ", _fmt()), (b"fact", b"\0\0")),
+    "short_smpl": _wav((b"fmt ", _fmt()), (b"smpl", b"\0" * 8)),
+    "non_printable_chunk_id": _wav((b"\x01\x02\x03\x04", b"\0" * 4), (b"fmt ", _fmt())),
+    "short_acid_after_fmt": _wav((b"fmt ", _fmt()), (b"acid", b"\0" * 12)),
+}
+
+
+def _libsndfile(data: bytes):
+    """What the libsndfile path answers: ("ok", header, int16 samples) or ("refused", class, message)."""
+    try:
+        header = audio.read_header(data, 1800.0)
+        samples, _ = audio.decode(data, RATE, 1800.0, None, True)
+    except audio.AudioError as exc:
+        return "refused", type(exc).__name__, str(exc)
+    return "ok", header, samples.tobytes()
+
+
+def _as_is(data: bytes):
+    """What the as-is path answers, in the same shape; None when it leaves the file to libsndfile."""
+    try:
+        found = audio.read_pcm16_as_is(data, RATE, 1800.0, 1 << 20, lambda header: True)
+    except audio.AudioError as exc:
+        return "refused", type(exc).__name__, str(exc)
+    if found is None:
+        return None
+    header, samples = found
+    return "ok", header, samples.tobytes()
+
+
+@pytest.mark.parametrize("name", sorted(RIFF_SIZE_LIES))
+def test_a_riff_size_field_too_small_is_not_an_internal_error(name):
+    """Python's wave module seeks within the RIFF chunk its size field states and raises RuntimeError
+    (not wave.Error/EOFError) when a chunk's skip goes past it; read_pcm16_as_is lets that escape, and
+    services.inspect_audio/inspect_and_decode_audio catch only AudioError: a 500 for a file libsndfile
+    reads (200 at a1413f9)."""
+    data = RIFF_SIZE_LIES[name]
+    assert audio.plain_pcm16_wav(data, RATE, 1 << 20)
+    assert _libsndfile(data)[0] == "ok"
+    found = _as_is(data)  # RuntimeError here today
+    assert found is None or found == _libsndfile(data)
+
+
+@pytest.mark.parametrize("name", sorted(LIBSNDFILE_PARSES))
+def test_a_file_read_as_is_gets_libsndfile_s_answer(name):
+    """The as-is path must answer what libsndfile answers for the same bytes (header, samples, refusal and
+    its words), or leave the file to libsndfile (None). It skips chunks libsndfile parses: a PEAK chunk
+    before fmt, a fact or smpl chunk shorter than libsndfile reads, a chunk id of non-printable bytes are
+    415 there and 200 here; a 12-byte acid chunk (libsndfile reads 24) gives libsndfile 992 frames, 1000 here."""
+    data = LIBSNDFILE_PARSES[name]
+    assert audio.plain_pcm16_wav(data, RATE, 1 << 20)
+    found = _as_is(data)
+    assert found is None or found == _libsndfile(data), (found and found[:2], _libsndfile(data)[:2])
+
+
+# -- the same over HTTP --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vstack(tmp_path_factory):
+    yield from run_stack(tmp_path_factory.mktemp("adv2wav"), [{"id": "vad", "family": "silero_vad", "slots": 1}],
+                         redis_db=9, name="adv2wav", parallel=True)
+
+
+def _speech_pcm() -> np.ndarray:
+    path = sorted(FIXTURES.glob("*.wav"))[0]
+    samples, rate = soundfile.read(io.BytesIO(path.read_bytes()), dtype="int16")
+    assert rate == RATE
+    return samples[: RATE * 3]
+
+
+async def _run(c, data: bytes):
+    return await within(c.post("/v1/tasks/run", json={
+        "model": "vad", "request": {"audio_base64": base64.b64encode(data).decode()}}), MODEL_S)
+
+
+def _result(resp) -> dict:
+    return {key: value for key, value in resp.json().items() if key != "timing"}
+
+
+@pytest.mark.stack
+def test_over_http_a_riff_size_lie_is_answered_like_the_same_samples_as_flac(vstack):
+    """A WAV with a RIFF size too small (fmt 18 bytes) is read by libsndfile; /v1/tasks/run must answer it
+    as it answers the same samples in FLAC (a1413f9 did); today the as-is path's RuntimeError gives 500."""
+    pcm = _speech_pcm()
+    lying = _wav((b"fmt ", _fmt(b"\0\0")), pcm=pcm.tobytes(), riff_size=4 + 8 + 16)
+    flac = wav_bytes(pcm, RATE, "FLAC", "PCM_16")
+
+    async def scenario():
+        async with mclient(vstack, None, timeout=MODEL_S) as c:
+            reference = await _run(c, flac)
+            assert reference.status_code == 200, reference.text
+            resp = await _run(c, lying)
+            assert resp.status_code == 200, (resp.status_code, resp.text[:300])
+            assert _result(resp) == _result(reference)
+            again = await _run(c, flac)  # nothing left held
+            assert again.status_code == 200, again.text
+
+    run(scenario())
+
+
+@pytest.mark.stack
+def test_over_http_a_peak_chunk_before_fmt_is_refused_as_libsndfile_refuses_it(vstack):
+    """libsndfile refuses a PEAK chunk before fmt (415, a1413f9 answered so); the as-is path serves it."""
+    data = _wav((b"PEAK", b"\0" * 16), (b"fmt ", _fmt()), pcm=_speech_pcm().tobytes())
+    expected = _libsndfile(data)
+    assert expected[0] == "refused" and expected[1] == "UndecodableAudio"
+
+    async def scenario():
+        async with mclient(vstack, None, timeout=MODEL_S) as c:
+            resp = await _run(c, data)
+            assert resp.status_code == 415, (resp.status_code, resp.text[:300])
+            error = resp.json()["error"]
+            assert error["param"] == "request.audio_base64", error
+
+    run(scenario())
