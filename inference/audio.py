@@ -332,44 +332,35 @@ F32LE, S16LE = "f32le", "s16le"
 float32 ``x / PCM16_SCALE`` (16-bit PCM decoded with ``keep_pcm16``: half the bytes, same values)."""
 
 
-AS_IS_MAX_CHUNKS = 4
-"""Most RIFF chunks (``fmt ``, ``data`` and up to two others before ``data``) of a WAV read as it is
-(:func:`read_pcm16_as_is`): libsndfile then walks at most these, whatever the file."""
-
-
 def plain_pcm16_wav(data: bytes, target_rate_hz: int, max_frames: int) -> bool:
-    """Whether ``data`` is laid out as a WAV whose samples need no decoding at ``target_rate_hz``: RIFF/WAVE,
-    a ``fmt `` chunk of integer PCM (tag 1), one channel, 16 bits, ``target_rate_hz`` (with the byte rate and
-    block alignment that implies), then a ``data`` chunk of 1..``max_frames`` frames that ends exactly
-    where the file ends, within :data:`AS_IS_MAX_CHUNKS` chunks (the canonical layout of soundfile,
-    Python's ``wave``, sox and most recorders).
+    """Whether ``data`` is a WAV whose samples need no decoding at ``target_rate_hz``, in the one layout
+    read without libsndfile (:func:`read_pcm16_as_is`): ``RIFF`` with a size field of exactly the file's
+    length - 8, ``WAVE``, then a ``fmt `` chunk of 16 or 18 bytes stating integer PCM (tag 1), one
+    channel, 16 bits, ``target_rate_hz`` (and the byte rate and block alignment that implies), then at
+    once a ``data`` chunk of 1..``max_frames`` frames that ends exactly where the file ends. That is the
+    layout soundfile, Python's ``wave`` and sox write.
 
-    A check of at most :data:`AS_IS_MAX_CHUNKS` chunk headers (microseconds, whatever ``data`` holds);
-    it decides only where such a file is read, never what is read: :func:`read_pcm16_as_is` reads it
-    with libsndfile like any other file. Layout source: the RIFF WAVE format (Microsoft/IBM, 1991), as
-    libsndfile reads it (``src/wav.c``).
+    Any other chunk (``LIST``, ``fact``, ``PEAK``, ``acid``, ...) sends the file to libsndfile: libsndfile
+    parses some of them and may then refuse the file or read it otherwise (an adversary's test found
+    ``PEAK`` before ``fmt `` refused, short ``fact``/``smpl`` chunks refused, an ``acid`` chunk shifting
+    the samples: ``tests/test_adv2_wav_as_is.py``), and only libsndfile's answer counts. A constant-time
+    check of two chunk headers, whatever ``data`` holds. Layout source: the RIFF WAVE format
+    (Microsoft/IBM, 1991).
     """
     size_all = len(data)
-    if size_all < 44 or data[0:4] != b"RIFF" or data[8:12] != b"WAVE":
+    if (size_all < 46 or data[0:4] != b"RIFF" or data[8:16] != b"WAVE" + b"fmt "
+            or struct.unpack_from("<I", data, 4)[0] != size_all - 8):
         return False
-    offset, fmt_seen = 12, False
-    for _ in range(AS_IS_MAX_CHUNKS):
-        if offset + 8 > size_all:
-            return False
-        chunk_id = data[offset:offset + 4]
-        (size,) = struct.unpack_from("<I", data, offset + 4)
-        body = offset + 8
-        if chunk_id == b"fmt ":
-            if size not in (16, 18) or body + size > size_all:
-                return False
-            fields = struct.unpack_from("<HHIIHH", data, body)
-            if fields != (1, 1, target_rate_hz, 2 * target_rate_hz, 2, 16):
-                return False
-            fmt_seen = True
-        elif chunk_id == b"data":
-            return fmt_seen and size % 2 == 0 and 0 < size // 2 <= max_frames and body + size == size_all
-        offset = body + size + (size & 1)
-    return False
+    (fmt_size,) = struct.unpack_from("<I", data, 16)
+    if fmt_size not in (16, 18):
+        return False
+    if struct.unpack_from("<HHIIHH", data, 20) != (1, 1, target_rate_hz, 2 * target_rate_hz, 2, 16):
+        return False
+    data_header = 20 + fmt_size
+    if size_all < data_header + 8 or data[data_header:data_header + 4] != b"data":
+        return False
+    (size,) = struct.unpack_from("<I", data, data_header + 4)
+    return size % 2 == 0 and 0 < size // 2 <= max_frames and data_header + 8 + size == size_all
 
 
 def read_pcm16_as_is(data: bytes, target_rate_hz: int, max_seconds: float, max_frames: int,
@@ -404,7 +395,9 @@ def read_pcm16_as_is(data: bytes, target_rate_hz: int, max_seconds: float, max_f
             if not admit(header):
                 return header, None
             raw = handle.readframes(frames)
-    except (wave.Error, EOFError):
+    except AudioError:
+        raise
+    except Exception:  # wave's refusals are not ours to word (a RuntimeError among them): libsndfile decides
         return None
     if len(raw) != 2 * frames:  # not reached for a file plain_pcm16_wav accepts: let libsndfile decide
         return None

@@ -21,8 +21,8 @@ Python I/O callbacks, for about 30 ms.
 **No decoding, no hop.** One kind of upload needs no decoding at all: a WAV
 of 16-bit PCM, mono, already at the model's rate (the shipped samples, most
 recorders' output), whose samples are sent to the worker as they are. Such a
-file, laid out canonically (``inference.audio.plain_pcm16_wav``: at most
-``AS_IS_MAX_CHUNKS`` chunks, the ``data`` chunk last, at most
+file, laid out canonically (``inference.audio.plain_pcm16_wav``: ``fmt `` then
+``data`` and nothing else, the sizes exact, at most
 ``QUICK_DECODE_MAX_SAMPLES`` frames), is read on the event loop
 (:func:`read_as_is`, with Python's ``wave`` module: 15 µs, 0.1 ms after
 the process sat idle), against about 0.7 ms for the round trip through a
