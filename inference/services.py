@@ -123,7 +123,7 @@ def decoded_bytes_needed(header: audio.AudioHeader, target_rate_hz: int) -> int:
 
 async def inspect_audio(audio_input: AudioInput, family: str) -> audio.AudioHeader:
     """Check an upload's container header before the request queues; decode nothing (the header is read
-    in the quick pool, or on the event loop for an upload that needs no decoding: ``decoding.read_as_is``).
+    in the quick pool, or on the event loop for a WAV that needs no decoding: ``decoding.read_header``).
 
     A request whose audio could never be served is refused here, holding no
     ticket: bad header, too long, or a decode larger than the whole decode
@@ -135,10 +135,10 @@ async def inspect_audio(audio_input: AudioInput, family: str) -> audio.AudioHead
             needing more than ``max_decoded_bytes_in_flight`` (413).
         InvalidRequest: empty, no frames, implausible sample rate, more than 8 channels (400).
     """
-    max_seconds = get_config().max_audio_seconds
+    config = get_config()
     try:
-        as_is = decoding.read_as_is(audio_input.data, specs.require_spec(family)["sample_rate_hz"], max_seconds, None)
-        header = as_is.header if as_is is not None else await decoding.read_header(audio_input.data, max_seconds)
+        header = await decoding.read_header(audio_input.data, specs.require_spec(family)["sample_rate_hz"],
+                                            config.max_audio_seconds)
     except audio.AudioError as exc:
         raise _audio_refusal(exc, audio_input.param) from None
     _check_decodable(header, family, audio_input.param)
@@ -160,22 +160,18 @@ def _check_decodable(header: audio.AudioHeader, family: str, param: str) -> None
 async def inspect_and_decode_audio(audio_input: AudioInput, family: str,
                                    options: dict) -> tuple[audio.AudioHeader, rpc.RunInput | None]:
     """:func:`inspect_audio` and, for small audio that fits in the decode budget now, :func:`decode_audio`
-    too, in one pool hop (``inference.runtime.decoding.inspect_and_decode``), or on the event loop with no
-    hop for an upload that needs no decoding (``decoding.read_as_is``): for a request that will most
-    likely be granted at once. Returns the header and the run's input, or None when the audio is
-    to be decoded after the grant as usual.
+    too, in one pool hop (``inference.runtime.decoding.inspect_and_decode``; none for a WAV that needs no
+    decoding): for a request that will most likely be granted at once. Returns the header and the run's
+    input, or None when the audio is to be decoded after the grant as usual.
 
     Raises:
         UnsupportedMedia, PayloadTooLarge, InvalidRequest: as :func:`inspect_audio` and
             :func:`decode_audio` (no ticket is held yet).
     """
-    rate, max_seconds = specs.require_spec(family)["sample_rate_hz"], get_config().max_audio_seconds
+    rate = specs.require_spec(family)["sample_rate_hz"]
     try:
-        inspected = decoding.read_as_is(audio_input.data, rate, max_seconds,
-                                        lambda header: decoded_bytes_needed(header, rate))
-        if inspected is None:
-            inspected = await decoding.inspect_and_decode(audio_input.data, rate, max_seconds,
-                                                          lambda header: decoded_bytes_needed(header, rate))
+        inspected = await decoding.inspect_and_decode(audio_input.data, rate, get_config().max_audio_seconds,
+                                                      lambda header: decoded_bytes_needed(header, rate))
     except audio.AudioError as exc:
         raise _audio_refusal(exc, audio_input.param) from None
     if inspected.samples is None or inspected.reservation is None:
@@ -187,8 +183,7 @@ async def inspect_and_decode_audio(audio_input: AudioInput, family: str,
 async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, family: str,
                        options: dict) -> rpc.RunInput:
     """Reserve the decode's bytes in this process's budget, decode ``audio_input`` to mono float32
-    ``(n,)`` at the family's rate (int16 as they are for an upload that needs no decoding, read on the
-    event loop: ``decoding.samples_as_is``), and return it as a run's input.
+    ``(n,)`` at the family's rate, and return it as a run's input.
 
     The reservation goes back when the samples are in Redis (see
     ``inference.runtime.rpc.RunInput``), or here on any error or cancellation.
@@ -213,11 +208,8 @@ async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, famil
             f"this server process is busy decoding other audio: {_mib(budget.in_flight_bytes)} of decoded audio in "
             f"flight, this request needs {_mib(needed_bytes)} more, and at most {_mib(budget.limit_bytes)} may be "
             "in flight (max_decoded_bytes_in_flight); retry", code="decode_budget", retry_after_s=1)
-    max_seconds = get_config().max_audio_seconds
     try:
-        samples = decoding.samples_as_is(audio_input.data, rate, max_seconds)
-        if samples is None:
-            samples = await decoding.decode(audio_input.data, header, rate, max_seconds)
+        samples = await decoding.decode(audio_input.data, header, rate, get_config().max_audio_seconds)
     except audio.AudioError as exc:
         reservation.release()
         raise _audio_refusal(exc, audio_input.param) from None

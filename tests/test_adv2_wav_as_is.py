@@ -81,13 +81,12 @@ def _as_is(data: bytes):
 
 @pytest.mark.parametrize("name", sorted(RIFF_SIZE_LIES))
 def test_a_riff_size_field_too_small_is_not_an_internal_error(name):
-    """Python's wave module seeks within the RIFF chunk its size field states and raises RuntimeError
-    (not wave.Error/EOFError) when a chunk's skip goes past it; read_pcm16_as_is lets that escape, and
-    services.inspect_audio/inspect_and_decode_audio catch only AudioError: a 500 for a file libsndfile
-    reads (200 at a1413f9)."""
+    """A RIFF size field that ends inside a chunk: libsndfile reads the file anyway. The first as-is reader
+    (Python's wave module) raised a bare RuntimeError here, answered 500 (200 at a1413f9); now such a
+    file is not in the as-is layout and goes to libsndfile."""
     data = RIFF_SIZE_LIES[name]
     assert _libsndfile(data)[0] == "ok"
-    found = _as_is(data)  # RuntimeError here today
+    found = _as_is(data)
     assert found is None or found == _libsndfile(data)
 
 

@@ -181,7 +181,7 @@ def _python_wave(samples: np.ndarray, rate: int = 16000) -> bytes:
 ])
 def test_a_wav_that_needs_no_decoding_is_read_as_is_exactly_as_libsndfile_reads_it(data, why):
     """Issue 8 item 7: a 16-bit mono WAV at the model's rate, laid out canonically, is read on the event loop
-    (no pool hop) with Python's wave module; header and samples are what libsndfile gives."""
+    (no pool hop) as a view of its data chunk; header and samples are what libsndfile gives."""
     assert audio.plain_pcm16_wav(data, 16000, 1 << 20), why
     header, samples = audio.read_pcm16_as_is(data, 16000, 1800.0, 1 << 20, lambda header: True)
     assert header == audio.read_header(data), why

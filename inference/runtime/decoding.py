@@ -23,12 +23,13 @@ of 16-bit PCM, mono, already at the model's rate (the shipped samples, most
 recorders' output), whose samples are sent to the worker as they are. Such a
 file, laid out canonically (``inference.audio.plain_pcm16_wav``: ``fmt `` then
 ``data`` and nothing else, the sizes exact, at most
-``QUICK_DECODE_MAX_SAMPLES`` frames), is read on the event loop
-(:func:`read_as_is`, with Python's ``wave`` module: 15 µs, 0.1 ms after
-the process sat idle), against about 0.7 ms for the round trip through a
-pool thread on a 2-core VM (two thread wake-ups; ``docs/benchmarks.md``). Every file that
-needs decoding, mixing or resampling, and every other layout, goes to the
-pools as above.
+``QUICK_DECODE_MAX_SAMPLES`` frames), is read on the event loop by
+:func:`read_header`, :func:`inspect_and_decode` and :func:`decode`
+themselves (a check of two chunk headers, then a view of the ``data``
+chunk: microseconds), against about 0.7 ms for the round trip through a
+pool thread on a 2-core VM (two thread wake-ups; ``docs/benchmarks.md``).
+Every file that needs decoding, mixing or resampling, and every other
+layout, goes to the pools as above.
 
 **The budget.** Every decode first reserves its peak
 (:func:`inference.audio.decode_peak_bytes`, from the header) in the process's
@@ -122,36 +123,34 @@ def budget() -> DecodeBudget:
     return _budget
 
 
-async def read_header(data: bytes, max_seconds: float) -> audio.AudioHeader:
-    """:func:`inference.audio.read_header`, in the quick pool.
+async def read_header(data: bytes, target_rate_hz: int, max_seconds: float) -> audio.AudioHeader:
+    """:func:`inference.audio.read_header`, in the quick pool; on the event loop for a WAV that needs no
+    decoding at ``target_rate_hz`` (module doc).
 
     Raises:
         inference.audio.AudioError: see :func:`inference.audio.read_header`.
     """
+    found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, _leave)
+    if found is not None:
+        return found[0]
     return await asyncio.get_running_loop().run_in_executor(_QUICK_POOL, audio.read_header, data, max_seconds)
 
 
-def read_as_is(data: bytes, target_rate_hz: int, max_seconds: float,
-               bytes_needed: Callable[[audio.AudioHeader], int] | None) -> Inspected | None:
-    """On the event loop, for an upload that needs no decoding (module doc): its header and, when
-    ``bytes_needed(header)`` fits in the budget now (reserved before a sample is read), its samples.
+def _leave(header: audio.AudioHeader) -> bool:
+    return False
 
-    Args:
-        bytes_needed: the budget a decode of this header reserves; None reads the header only.
 
-    Returns:
-        None when the upload needs decoding (use :func:`inspect_and_decode`, :func:`read_header` and
-        :func:`decode`); else the :class:`Inspected` header, with ``samples`` and ``reservation``
-        when they were read.
+def _take(header: audio.AudioHeader) -> bool:
+    return True
 
-    Raises:
-        inference.audio.AudioError: as :func:`inspect_and_decode` (nothing stays reserved).
-    """
+
+def _as_is(data: bytes, target_rate_hz: int, max_seconds: float,
+           bytes_needed: Callable[[audio.AudioHeader], int]) -> Inspected | None:
+    """:func:`inspect_and_decode` on the event loop for a WAV that needs no decoding (module doc), else None;
+    its samples are taken only when ``bytes_needed(header)`` fits in the budget now (then reserved)."""
     reserved: list[Reservation] = []
 
     def admit(header: audio.AudioHeader) -> bool:
-        if bytes_needed is None:
-            return False
         spent = budget()
         needed_bytes = bytes_needed(header)
         reservation = spent.reserve(needed_bytes) if spent.fits_alone(needed_bytes) else None
@@ -159,31 +158,11 @@ def read_as_is(data: bytes, target_rate_hz: int, max_seconds: float,
             reserved.append(reservation)
         return reservation is not None
 
-    try:
-        found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, admit)
-    except BaseException:
-        for reservation in reserved:
-            reservation.release()
-        raise
+    found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, admit)
     if found is None:
-        for reservation in reserved:
-            reservation.release()
         return None
     header, samples = found
-    if samples is None:
-        return Inspected(header)
-    return Inspected(header, samples, reserved[0])
-
-
-def samples_as_is(data: bytes, target_rate_hz: int, max_seconds: float) -> np.ndarray | None:
-    """On the event loop: the int16 samples of an upload that needs no decoding (module doc), or None when
-    it needs decoding (use :func:`decode`). The caller holds the reservation, as for :func:`decode`.
-
-    Raises:
-        inference.audio.AudioError: as :func:`decode`.
-    """
-    found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, lambda header: True)
-    return None if found is None else found[1]
+    return Inspected(header) if samples is None else Inspected(header, samples, reserved[0])
 
 
 @dataclass(frozen=True)
@@ -220,7 +199,8 @@ async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: floa
                              bytes_needed: Callable[[audio.AudioHeader], int]) -> Inspected:
     """Read the header of ``data`` and, when it is small, decode it too: one quick-pool hop instead of
     :func:`read_header` now and :func:`decode` after the grant (for a request that will most likely be
-    granted at once: ``admission_probe.lua``'s ``free``).
+    granted at once: ``admission_probe.lua``'s ``free``); no hop at all for a WAV that needs no decoding
+    (module doc).
 
     Decodes only inputs of at most ``QUICK_DECODE_MAX_SAMPLES`` source samples whose
     ``bytes_needed(header)`` fits in the budget now (reserved before decoding, as :func:`decode`'s
@@ -231,6 +211,9 @@ async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: floa
     Raises:
         inference.audio.AudioError: see :func:`inference.audio.read_header` and :func:`inference.audio.decode`.
     """
+    inspected = _as_is(data, target_rate_hz, max_seconds, bytes_needed)
+    if inspected is not None:
+        return inspected
     cancel = threading.Event()
     future = _QUICK_POOL.submit(_inspect_and_decode, data, target_rate_hz, max_seconds, bytes_needed, cancel)
     try:
@@ -255,13 +238,17 @@ async def decode(data: bytes, header: audio.AudioHeader, target_rate_hz: int, ma
 
     The samples are float32, or int16 where that is exact (mono 16-bit PCM at the target rate,
     :func:`inference.audio.decode`'s ``keep_pcm16``): half the bytes to send to the worker, which
-    reads them back as the same float32 values (:func:`inference.audio.from_bytes`).
+    reads them back as the same float32 values (:func:`inference.audio.from_bytes`). A WAV that needs
+    no decoding (module doc) is taken on the event loop: a view of its ``data`` chunk.
 
     A cancelled caller (client gone) stops the decoder at its next block.
 
     Raises:
         inference.audio.AudioError: see :func:`inference.audio.decode`.
     """
+    found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, _take)
+    if found is not None and found[1] is not None:
+        return found[1]
     pool = _QUICK_POOL if header.frames * header.channels <= QUICK_DECODE_MAX_SAMPLES else _BULK_POOL
     cancel = threading.Event()
     try:
