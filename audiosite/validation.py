@@ -262,9 +262,6 @@ class InputField(serializers.Field):
         self.blank_is_absent = blank_is_absent
         super().__init__(**kwargs)
 
-    def __deepcopy__(self, memo):
-        return fresh_copy(self)
-
     @property
     def path(self) -> str:
         return field_path(self)
@@ -418,12 +415,9 @@ class InputSerializer(serializers.Serializer):
         for key in ("invalid", "null", "required"):
             self.error_messages[key] = self.body_message
 
-    def __deepcopy__(self, memo):
-        return fresh_copy(self)  # a nested serializer declared as a field (``request``)
-
     def get_fields(self) -> dict:
-        """DRF's ``Serializer.get_fields`` (a copy of each declared field for this instance), through
-        :func:`fresh_copy` without ``copy.deepcopy``'s memo bookkeeping."""
+        """DRF's ``Serializer.get_fields`` (a copy of each declared field for this instance, nested
+        serializers included), through :func:`fresh_copy` instead of ``copy.deepcopy``."""
         return {name: fresh_copy(field) for name, field in self._declared_fields.items()}
 
     def validate_empty_values(self, data):
