@@ -16,13 +16,14 @@ import redis
 
 from .helpers import FIXTURES, REDIS_BASE, Stack, Utterance, load_speech, run_stack
 
-# The modules that take longest (seconds in one serial run on 2 cores, 2026-12-02: 96, 88, 65, 54,
-# 54, 53, 52, 48, 44, 44, 43), run first: under ``pytest -n 2 --dist loadfile`` (scripts/test.sh)
-# each worker takes the next module when it is free, and a long module begun last would leave the
-# other worker idle at the end. A module missing here only runs later; the order changes nothing else.
-LONGEST_FIRST = ("test_scale", "test_validation", "test_operations", "test_parallel", "test_serve",
-                 "test_streaming", "test_ui", "test_validate_slots_cli", "test_management",
-                 "test_residency", "test_speech", "test_adversary_load_end")
+# The modules that take longest (seconds of setup + call + teardown under ``-n 2`` on 2 cores,
+# 2026-12-02 evening: 87, 66, 65, 64, 62, 61, 55, 55, 53, 53, 46, 46, 44, 41) run first: under
+# ``pytest -n 3 --dist loadfile`` (scripts/test.sh) each worker takes the next module when it is free,
+# and a long module begun last would leave the other workers idle at the end. A module missing here
+# only runs later; the order changes nothing else.
+LONGEST_FIRST = ("test_validation", "test_operations", "test_adversary_load_end", "test_streaming",
+                 "test_parallel", "test_speech", "test_management", "test_ui", "test_serve", "test_residency",
+                 "test_validate_slots_cli", "test_scale", "test_http", "test_catalogue")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
