@@ -3,16 +3,21 @@
 It sends no ``worker_shutdown`` signal, so the run dispatcher is told to stop popping from
 ``worker_shutting_down`` (``inference.worker.tasks``); before, its popping thread (not a daemon)
 kept the process from exiting, and serve killed it after ``FORCED_STOP_S`` (the adversary's
-finding of 2026-12-02). R8.4: a second signal stops at once.
+finding of 2026-12-02). A run in progress did the same (Python joins the run threads at exit;
+the README walkthrough's finding of 2026-12-02 evening): a cold shutdown abandons it, as Celery's
+does, and the process ends with ``os._exit``. R8.4: a second signal stops at once.
 """
 from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
 import pytest
+
+from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS
 
 from .helpers import FIXTURE_ENV, QUICK_S, body, run_cluster, run_stack
 
@@ -56,6 +61,79 @@ def test_a_second_ctrl_c_stops_the_worker_by_its_cold_shutdown_not_a_kill(tmp_pa
         took = time.monotonic() - began
         log = stack.log_path.read_text()
         assert "killing it" not in log, log[-3000:]
+        assert took < 4, took
+    finally:
+        next(stacks, None)
+
+
+def _run_in_background(url: str, answers: list) -> threading.Thread:
+    """POST a fixture run held at the barrier ``cold`` (never released) from a thread; its answer, or the
+    exception the client raised, goes to ``answers`` with the monotonic time it came."""
+    def send() -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=40) as client:
+                answers.append((client.post("/v1/tasks/run", json=body("q", barrier="cold")), time.monotonic()))
+        except httpx.HTTPError as exc:
+            answers.append((exc, time.monotonic()))
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.stack
+def test_a_cold_shutdown_abandons_a_run_in_progress_and_its_sender_gets_worker_lost(tmp_path):
+    """A separately run worker gets SIGQUIT while one of its runs is held in the adapter: it exits with
+    Celery's cold exit code 1 within a few seconds (not when the run would end), and the web process
+    answers that run's client 503 ``worker_lost`` (R7.4) soon: the worker deleted its liveness key on
+    the way out (had it only expired, the answer could not come before ``LIVENESS_TTL_MS`` minus one
+    beat interval, 8 s, after the signal); the lease is given back."""
+    gen = run_cluster(tmp_path, MODELS, redis_db=REDIS_DB, name="cold3", webs=1, workers=1, extra_env=FIXTURE_ENV)
+    cluster = next(gen)
+    try:
+        [worker] = cluster.workers
+        answers: list = []
+        sender = _run_in_background(cluster.webs[0].url, answers)
+        cluster.wait_arrived("cold", timeout_s=QUICK_S)
+        began = time.monotonic()
+        worker.proc.send_signal(signal.SIGQUIT)
+        try:
+            code = worker.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait(timeout=QUICK_S)
+            raise AssertionError("the worker did not exit within 10 s of SIGQUIT:\n" + worker.log_tail(60)) from None
+        took = time.monotonic() - began
+        assert code == 1 and took < 4, (code, took, worker.log_tail(30))
+        assert "cold shutdown: exiting now" in worker.log_path.read_text()
+        sender.join(timeout=30)
+        [(answer, answered_at)] = answers
+        assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
+        assert answered_at - began < LIVENESS_TTL_MS / 1000 - LIVENESS_EVERY_S - 1, answered_at - began
+        assert answer.json()["error"]["code"] == "worker_lost", answer.text
+        cluster.wait_idle("q", timeout_s=QUICK_S)
+    finally:
+        next(gen, None)
+
+
+@pytest.mark.stack
+def test_a_second_ctrl_c_during_a_run_in_progress_stops_everything_without_a_kill(tmp_path):
+    """serve's second Ctrl-C while a run is held in the adapter: every child is gone within 4 s and
+    none had to be killed (before: the worker waited for its run until serve killed it 5 s later)."""
+    stacks = run_stack(tmp_path, MODELS, redis_db=REDIS_DB, name="cold4", parallel=True, extra_env=FIXTURE_ENV)
+    stack = next(stacks)
+    try:
+        answers: list = []
+        _run_in_background(stack.url, answers)
+        stack.wait_arrived("cold", timeout_s=QUICK_S)
+        began = time.monotonic()
+        stack.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        stack.proc.send_signal(signal.SIGINT)
+        stack.proc.wait(timeout=30)
+        took = time.monotonic() - began
+        log = stack.log_path.read_text()
+        assert "killing it" not in log, log[-3000:]
+        assert "cold shutdown: exiting now" in log, log[-3000:]
         assert took < 4, took
     finally:
         next(stacks, None)

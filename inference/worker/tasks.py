@@ -9,6 +9,8 @@ started and stopped by the signals below.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 from celery import shared_task, signals
@@ -26,6 +28,17 @@ from .state import WORKER
 log = logging.getLogger(__name__)
 
 _DISPATCHER: list[RunDispatcher] = []  # this process's run dispatcher, once the worker is set up
+
+COLD_MAIN_GRACE_S = 1.0
+"""After a cold shutdown begins, how long Celery's main thread may take to finish its own shutdown
+(a warm shutdown already in progress may be waiting for a run there), in seconds."""
+
+COLD_EXIT_GRACE_S = 0.3
+"""Then how long the interpreter may take to exit by itself (it joins the run threads, so a run in
+progress would hold it for as long as the run lasts) before the process ends with ``os._exit``."""
+
+COLD_CLEANUP_S = 0.5
+"""How long the cold exit may spend deleting the worker's liveness key, in seconds."""
 
 
 @signals.celeryd_after_setup.connect
@@ -47,28 +60,66 @@ def _nothing() -> None:
 
 
 @signals.worker_shutting_down.connect
-def _on_shutting_down(how: str = "Warm", **kwargs):
-    """Let Celery's shutdown start now, not up to a second later; on a cold one, stop taking runs.
+def _on_shutting_down(how: str = "Warm", exitcode: int = 1, **kwargs):
+    """Let Celery's shutdown start now, not up to a second later; on a cold one, end the process soon.
 
     Celery's signal handler only sets a flag, which its event loop reads when its poll returns,
     and with no timer due that poll waits up to 1 s (kombu's ``Hub``); a callback queued with
     ``call_soon`` ends the poll at once, but only when queued from another thread than the loop's
-    (this handler runs in the loop's thread), hence the thread. A cold shutdown (SIGQUIT, serve's
-    second Ctrl-C) sends no ``worker_shutdown``, so :func:`_worker_shutdown` never stops the run
-    dispatcher there, and its popping thread (not a daemon) kept the process from exiting: it is
-    told to stop popping here (runs in progress still finish; runs still queued are answered by
-    their senders' liveness watch, R7.4, as for any worker that goes away).
+    (this handler runs in the loop's thread), hence the thread.
+
+    A cold shutdown (SIGQUIT: serve's second Ctrl-C, or an operator's) means what it means for
+    Celery: stop now, abandoning the work in progress. It sends no ``worker_shutdown``, so the run
+    dispatcher is told here to stop popping; and the runs in progress are not waited for: Python
+    joins the run threads at exit (they are not daemons), so a long run kept the process alive
+    until serve killed it ``FORCED_STOP_S`` later, or forever under another supervisor. Once the
+    main thread has finished (``COLD_MAIN_GRACE_S`` at most: a warm shutdown begun before may be
+    waiting for those runs in it) and the interpreter has had ``COLD_EXIT_GRACE_S`` to exit on its
+    own, the process ends with ``os._exit(exitcode)`` (Celery's cold exit code, 1). The senders of
+    abandoned runs get ``worker_lost`` from their liveness watch (R7.4), as for a killed worker;
+    runs still queued likewise.
     """
     hub = get_event_loop()
-    dispatchers = list(_DISPATCHER) if how == "Cold" else []
+    cold = how == "Cold"
+    dispatchers = list(_DISPATCHER) if cold else []
 
     def wake() -> None:
         for dispatcher in dispatchers:
             dispatcher.stop_popping()
         if hub is not None:
             hub.call_soon(_nothing)
+        if cold:
+            _exit_after_cold_shutdown(exitcode)
 
     threading.Thread(target=wake, name="shutting down", daemon=True).start()
+
+
+def _exit_after_cold_shutdown(exitcode: int) -> None:
+    """End the process with ``exitcode`` unless it ends by itself first (see :func:`_on_shutting_down`).
+
+    Before ``os._exit``, the worker's liveness key is deleted (at most ``COLD_CLEANUP_S``, in a
+    thread of its own: an unreachable Redis must not hold the exit), so the senders of abandoned
+    runs learn at their next look, not when the key would have expired (``LIVENESS_TTL_MS``).
+    """
+    threading.main_thread().join(COLD_MAIN_GRACE_S)
+    threading.Event().wait(COLD_EXIT_GRACE_S)
+    log.warning("cold shutdown: exiting now; runs still in progress are abandoned (their senders "
+                "answer worker_lost)")
+
+    def forget() -> None:
+        try:
+            liveness.liveness_stop(WORKER, sync_redis(), KEYS)
+        except Exception:  # the key expires by itself
+            log.warning("cold shutdown: could not delete the liveness key; it expires by itself")
+    cleanup = threading.Thread(target=forget, name="cold cleanup", daemon=True)
+    cleanup.start()
+    cleanup.join(COLD_CLEANUP_S)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(exitcode)
 
 
 @signals.worker_shutdown.connect

@@ -426,7 +426,8 @@ class Command(BaseCommand):
                 [c for c in self.children if c[0] == "redis"]
         for name, proc in order:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # daphne: the drain starts at once (new calls get 503)
+                if not self.forced:  # forced: _await_exit sends the immediate-stop signal alone
+                    proc.send_signal(signal.SIGTERM)  # daphne: the drain starts at once (new calls get 503)
                 if name == "web":
                     self._close_live_sessions()
                 budget_s = timeout_s + WEB_STOP_MARGIN_S if name == "web" else max(timeout_s, 1)
