@@ -53,17 +53,22 @@ def test_a_second_ctrl_c_stops_the_worker_by_its_cold_shutdown_not_a_kill(tmp_pa
     stacks = run_stack(tmp_path, MODELS, redis_db=REDIS_DB, name="cold2", parallel=True, extra_env=FIXTURE_ENV)
     stack = next(stacks)
     try:
-        began = time.monotonic()
-        stack.proc.send_signal(signal.SIGINT)
-        time.sleep(0.05)
-        stack.proc.send_signal(signal.SIGINT)
-        stack.proc.wait(timeout=30)
-        took = time.monotonic() - began
-        log = stack.log_path.read_text()
+        took, log = _ctrl_c_twice(stack, pause_s=0.05)
         assert "killing it" not in log, log[-3000:]
         assert took < 4, took
     finally:
         next(stacks, None)
+
+
+def _ctrl_c_twice(stack, pause_s: float) -> tuple[float, str]:
+    """Send ``serve`` SIGINT, then again ``pause_s`` later; wait for it to exit. Returns the seconds from
+    the first signal to the exit and serve's log."""
+    began = time.monotonic()
+    stack.proc.send_signal(signal.SIGINT)
+    time.sleep(pause_s)
+    stack.proc.send_signal(signal.SIGINT)
+    stack.proc.wait(timeout=30)
+    return time.monotonic() - began, stack.log_path.read_text()
 
 
 def _run_in_background(url: str, answers: list) -> threading.Thread:
@@ -125,13 +130,7 @@ def test_a_second_ctrl_c_during_a_run_in_progress_stops_everything_without_a_kil
         answers: list = []
         _run_in_background(stack.url, answers)
         stack.wait_arrived("cold", timeout_s=QUICK_S)
-        began = time.monotonic()
-        stack.proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        stack.proc.send_signal(signal.SIGINT)
-        stack.proc.wait(timeout=30)
-        took = time.monotonic() - began
-        log = stack.log_path.read_text()
+        took, log = _ctrl_c_twice(stack, pause_s=0.3)
         assert "killing it" not in log, log[-3000:]
         assert "cold shutdown: exiting now" in log, log[-3000:]
         assert took < 4, took
