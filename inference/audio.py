@@ -7,10 +7,12 @@ All functions raise :class:`AudioError` subclasses, which the web side maps to
 from __future__ import annotations
 
 import io
+import math
 import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -83,7 +85,35 @@ class AudioHeader:
         return self.frames / self.sample_rate_hz
 
 
+UNKNOWN_LENGTH_FRAMES = 2**63 - 1
+"""What libsndfile reports as the length of a stream that does not state one (``SF_COUNT_MAX``): a FLAC
+whose STREAMINFO says 0 total samples ("unknown", which the FLAC format allows and streaming encoders
+write, ``SpeechEncoder`` included)."""
+
+
+def max_frames_for(max_seconds: float, rate: int) -> int:
+    """Most frames at ``rate`` Hz that last no longer than ``max_seconds``: ``floor(max_seconds x rate)``
+    computed on the decimal value as written (``Fraction(repr(...))``), so that 8.12 s at 16 kHz allows
+    129,920 frames, not the 129,919 of binary ``int(8.12 * 16000)``."""
+    return math.floor(Fraction(repr(float(max_seconds))) * rate)
+
+
+def _seconds_over(frames: int, rate: int, max_seconds: float) -> str:
+    """``frames / rate`` in seconds with as few decimals as show it over ``max_seconds`` (at most 9)."""
+    seconds = frames / rate
+    for digits in range(10):
+        text = f"{seconds:.{digits}f}"
+        if float(text) > max_seconds:
+            return text
+    return f"{seconds:.9f}"
+
+
 def _checked_header(handle: soundfile.SoundFile, max_seconds: float) -> AudioHeader:
+    if int(handle.frames) >= UNKNOWN_LENGTH_FRAMES:
+        raise UndecodableAudio(
+            f"the {handle.format} stream does not state its length (a FLAC written by a streaming encoder "
+            "says 0 total samples), which this server cannot read; send it with its length (any encoder "
+            "writing to a file does) or as WAV")
     return _checked_stated(int(handle.samplerate), int(handle.channels), int(handle.frames), max_seconds)
 
 
@@ -95,8 +125,8 @@ def _checked_stated(rate: int, channels: int, frames: int, max_seconds: float) -
         )
     if channels > MAX_CHANNELS:
         raise TooManyChannels(f"the audio has {channels} channels; at most {MAX_CHANNELS} are accepted")
-    if frames > int(max_seconds * rate):
-        raise AudioTooLong(f"the audio lasts {frames / rate:.0f} s; the limit is "
+    if frames > max_frames_for(max_seconds, rate):
+        raise AudioTooLong(f"the audio lasts {_seconds_over(frames, rate, max_seconds)} s; the limit is "
                            f"max_audio_seconds={max_seconds:g}")
     if frames <= 0:
         raise EmptyAudio("the audio file holds no samples")
@@ -146,10 +176,11 @@ def output_frames_bound(frames: int, source_rate_hz: int, target_rate_hz: int) -
     return -(-frames * target_rate_hz // source_rate_hz)
 
 
-def _chunk_frames_bound(source_rate_hz: int, target_rate_hz: int) -> int:
-    """Most samples one ``resample_chunk`` call returns for one block: it may release samples held back
-    from earlier blocks (at the end, up to about 45,000 source frames' worth), so twice a block's worth."""
-    return -(-2 * BLOCK_FRAMES * target_rate_hz // source_rate_hz)
+def _chunk_frames_bound(source_rate_hz: int, target_rate_hz: int, frames: int = BLOCK_FRAMES) -> int:
+    """Most samples one ``resample_chunk`` call returns for one block of a file of ``frames`` frames: it
+    may release samples held back from earlier blocks (at the end, up to about 45,000 source frames'
+    worth), so twice a block's worth; a file shorter than a block has one block, of its own length."""
+    return -(-2 * min(BLOCK_FRAMES, frames) * target_rate_hz // source_rate_hz)
 
 
 def decode_peak_bytes(header: AudioHeader, target_rate_hz: int) -> int:
@@ -173,7 +204,7 @@ def decode_peak_bytes(header: AudioHeader, target_rate_hz: int) -> int:
     if header.channels > 1:
         total += BLOCK_FRAMES * FLOAT32_BYTES
     if rate != target_rate_hz:
-        total += 3 * _chunk_frames_bound(rate, target_rate_hz) * FLOAT32_BYTES + RESAMPLER_TABLES_BYTES
+        total += 3 * _chunk_frames_bound(rate, target_rate_hz, header.frames) * FLOAT32_BYTES + RESAMPLER_TABLES_BYTES
     return total
 
 
@@ -251,7 +282,7 @@ def _decode_blocks(handle: soundfile.SoundFile, header: AudioHeader, target_rate
     """The body of :func:`decode`: ``(samples, source frames read)``; int16 samples when ``pcm16``
     (the caller checked :func:`is_pcm16_exact`: no mix, no resampling, no non-finite value possible)."""
     rate, channels = header.sample_rate_hz, header.channels
-    max_frames = int(max_seconds * rate)
+    max_frames = max_frames_for(max_seconds, rate)
     if pcm16:
         return _read_pcm16(handle, header, max_frames, max_seconds, cancel)
     out = np.empty(output_frames_bound(header.frames, rate, target_rate_hz), dtype=np.float32)

@@ -312,19 +312,22 @@ def test_the_header_is_read_without_decoding_and_checked_like_decode_checks_it()
         audio.read_header(wav_bytes(np.zeros(64, dtype=np.float32), 400000), 60)
 
 
-@pytest.mark.parametrize("rate, channels, fmt, subtype", [(16000, 1, "FLAC", "PCM_16"), (48000, 2, "FLAC", "PCM_16"),
-                                                           (8000, 8, "WAV", "PCM_16"), (44100, 2, "OGG", "VORBIS")])
-def test_decoding_allocates_the_output_once_and_stays_within_its_estimate(rate, channels, fmt, subtype):
+@pytest.mark.parametrize("rate, channels, fmt, subtype, seconds", [
+    (16000, 1, "FLAC", "PCM_16", 60), (48000, 2, "FLAC", "PCM_16", 60), (8000, 8, "WAV", "PCM_16", 60),
+    (44100, 2, "OGG", "VORBIS", 60),
+    # shorter than one block, resampled: the estimate bounds the resampler's chunk by the file's length
+    (8000, 1, "WAV", "PCM_16", 0.5), (1000, 1, "WAV", "PCM_16", 0.01), (22050, 2, "FLAC", "PCM_16", 2)])
+def test_decoding_allocates_the_output_once_and_stays_within_its_estimate(rate, channels, fmt, subtype, seconds):
     """Issue 9 item 2 (copies on the path): the Python-visible allocations of a decode peak at the output
     array plus one block's buffers (no list of pieces, no concatenated copy), and decode_peak_bytes, what
     the web process reserves, covers them. tracemalloc sees numpy's buffers, not libsndfile's or soxr's
     own (those are in the estimate's resampler allowance)."""
-    seconds = 60
     buf = io.BytesIO()
     rng = np.random.default_rng(rate)
+    piece_s = min(10, seconds)
     with soundfile.SoundFile(buf, "w", rate, channels, format=fmt, subtype=subtype) as out:
-        for _ in range(seconds // 10):
-            out.write((0.1 * rng.standard_normal((rate * 10, channels))).astype(np.float32))
+        for _ in range(round(seconds / piece_s)):
+            out.write((0.1 * rng.standard_normal((round(rate * piece_s), channels))).astype(np.float32))
     data = buf.getvalue()
     header = audio.read_header(data, 1800)
     tracemalloc.start()
