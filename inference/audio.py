@@ -6,6 +6,7 @@ All functions raise :class:`AudioError` subclasses, which the web side maps to
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 import struct
@@ -91,10 +92,12 @@ whose STREAMINFO says 0 total samples ("unknown", which the FLAC format allows a
 write, ``SpeechEncoder`` included)."""
 
 
+@functools.lru_cache(maxsize=256)
 def max_frames_for(max_seconds: float, rate: int) -> int:
     """Most frames at ``rate`` Hz that last no longer than ``max_seconds``: ``floor(max_seconds x rate)``
     computed on the decimal value as written (``Fraction(repr(...))``), so that 8.12 s at 16 kHz allows
-    129,920 frames, not the 129,919 of binary ``int(8.12 * 16000)``."""
+    129,920 frames, not the 129,919 of binary ``int(8.12 * 16000)``. Cached: every header check asks,
+    with the one configured limit and a handful of rates (4 µs uncached)."""
     return math.floor(Fraction(repr(float(max_seconds))) * rate)
 
 

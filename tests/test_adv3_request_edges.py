@@ -85,12 +85,12 @@ def speech_pcm() -> np.ndarray:
 
 
 def riff(pcm: bytes, rate: int = RATE, channels: int = 1, bits: int = 16, tag: int = 1,
-         claim: int | None = None, between: bytes = b"") -> bytes:
-    """A RIFF/WAVE of ``fmt `` (16 bytes), then ``between`` (whole chunks), then ``data`` holding ``pcm``
-    whose size field says ``claim`` (default: the real size). With the defaults and nothing between,
-    the layout the server reads as-is (``inference.audio.plain_pcm16_wav``)."""
+         claim: int | None = None, between: bytes = b"", fmt_extra: bytes = b"") -> bytes:
+    """A RIFF/WAVE of ``fmt `` (16 bytes, then ``fmt_extra``), then ``between`` (whole chunks), then
+    ``data`` holding ``pcm`` whose size field says ``claim`` (default: the real size). With the defaults
+    and nothing between, the layout the server reads as-is (``inference.audio.plain_pcm16_wav``)."""
     align = channels * bits // 8
-    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * align, align, bits)
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * align, align, bits) + fmt_extra
     body = (b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + between
             + b"data" + struct.pack("<I", len(pcm) if claim is None else claim) + pcm)
     return b"RIFF" + struct.pack("<I", len(body)) + body
@@ -242,9 +242,7 @@ def test_a_one_sample_8khz_wav_is_not_refused_as_too_big_to_decode(estack):
 # -- odd but legal audio at the boundaries (regression: these pass) ------------------------------------
 def fmt18(pcm: bytes) -> bytes:
     """A WAV whose ``fmt `` chunk is 18 bytes (cbSize 0), otherwise in the as-is layout."""
-    fmt = struct.pack("<HHIIHHH", 1, 1, RATE, 2 * RATE, 2, 16, 0)
-    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(pcm)) + pcm
-    return b"RIFF" + struct.pack("<I", len(body)) + body
+    return riff(pcm, fmt_extra=struct.pack("<H", 0))
 
 
 def boundary_cases() -> dict[str, tuple[bytes, int]]:

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from celery import shared_task, signals
 from kombu.asynchronous import get_event_loop
@@ -102,7 +103,7 @@ def _exit_after_cold_shutdown(exitcode: int) -> None:
     runs learn at their next look, not when the key would have expired (``LIVENESS_TTL_MS``).
     """
     threading.main_thread().join(COLD_MAIN_GRACE_S)
-    threading.Event().wait(COLD_EXIT_GRACE_S)
+    time.sleep(COLD_EXIT_GRACE_S)
     log.warning("cold shutdown: exiting now; runs still in progress are abandoned (their senders "
                 "answer worker_lost)")
 
