@@ -27,6 +27,7 @@ import select
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -114,6 +115,40 @@ def wav_bytes(samples: np.ndarray, rate: int, fmt: str = "WAV", subtype: str | N
     buf = io.BytesIO()
     soundfile.write(buf, samples, rate, format=fmt, subtype=subtype)
     return buf.getvalue()
+
+
+def wav_fmt(rate: int = 16000, channels: int = 1, bits: int = 16, tag: int = 1, extra: bytes = b"") -> bytes:
+    """The body of a WAVE ``fmt `` chunk (16 bytes: format ``tag``, 1 = integer PCM; ``channels``; ``rate``
+    in Hz; byte rate and block align derived from them and ``bits``), then ``extra`` (cbSize and beyond)."""
+    align = channels * bits // 8
+    return struct.pack("<HHIIHH", tag, channels, rate, rate * align, align, bits) + extra
+
+
+def riff_wave(*chunks: tuple[bytes, bytes], declared: dict[bytes, int] | None = None,
+              riff_size: int | None = None, pad_last: bool = True) -> bytes:
+    """A RIFF/WAVE file of ``(chunk id, body)`` chunks in the order given, each padded to an even size
+    (the last one only with ``pad_last``: without, an odd last chunk ends the file unpadded).
+
+    ``declared`` maps a chunk id to the size its header states instead of its real size; ``riff_size``
+    is the RIFF header's size field (default: the real one). Built byte by byte, so tests can write
+    the layouts no encoder writes (a chunk before ``fmt ``, lying sizes, 8,000 empty chunks)."""
+    out = b""
+    for index, (chunk_id, chunk_body) in enumerate(chunks):
+        size = (declared or {}).get(chunk_id, len(chunk_body))
+        pad = len(chunk_body) % 2 and (pad_last or index < len(chunks) - 1)
+        out += chunk_id + size.to_bytes(4, "little") + chunk_body + (b"\0" if pad else b"")
+    return b"RIFF" + (len(out) + 4 if riff_size is None else riff_size).to_bytes(4, "little") + b"WAVE" + out
+
+
+def pcm_wav(pcm: bytes, rate: int = 16000, channels: int = 1, bits: int = 16, tag: int = 1,
+            claim: int | None = None, between: Iterable[tuple[bytes, bytes]] = (), fmt_extra: bytes = b"") -> bytes:
+    """A RIFF/WAVE of ``fmt `` (:func:`wav_fmt`, then ``fmt_extra``), the ``between`` chunks, then ``data``
+    holding ``pcm`` (raw sample bytes; odd-sized, it ends the file unpadded) whose size field says ``claim``
+    (default: its real size). With the defaults the canonical 44-byte-header layout the server reads as-is
+    (``inference.audio.plain_pcm16_wav``)."""
+    declared = {} if claim is None else {b"data": claim}
+    return riff_wave((b"fmt ", wav_fmt(rate, channels, bits, tag, fmt_extra)), *between, (b"data", pcm),
+                     declared=declared, pad_last=False)
 
 
 def padded(utt: Utterance, seconds: float = 1.5) -> np.ndarray:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
 
 import numpy as np
 import pytest
@@ -20,40 +19,30 @@ import soundfile
 
 from inference import audio
 
-from .helpers import FIXTURES, MODEL_S, mclient, run, run_stack, wav_bytes, within
+from .helpers import FIXTURES, MODEL_S, mclient, riff_wave, run, run_stack, wav_bytes, wav_fmt, within
 
 RATE = 16000
 _PCM = (np.arange(1000) * 37 % 65536 - 32768).astype(np.int16)
 
 
-def _fmt(extra: bytes = b"") -> bytes:
-    return struct.pack("<HHIIHH", 1, 1, RATE, 2 * RATE, 2, 16) + extra
-
-
 def _wav(*chunks: tuple[bytes, bytes], pcm: bytes = _PCM.tobytes(), riff_size: int | None = None) -> bytes:
-    """RIFF/WAVE: ``chunks`` (padded to even sizes), then the data chunk ending at EOF; ``riff_size``
-    overrides the RIFF header's size field (libsndfile reads on whatever it says)."""
-    out = b""
-    for chunk_id, chunk_body in chunks:
-        out += chunk_id + len(chunk_body).to_bytes(4, "little") + chunk_body + (b"\0" if len(chunk_body) % 2 else b"")
-    out += b"data" + len(pcm).to_bytes(4, "little") + pcm
-    size = len(out) + 4 if riff_size is None else riff_size
-    return b"RIFF" + size.to_bytes(4, "little") + b"WAVE" + out
+    """``chunks``, then the data chunk holding ``pcm`` at EOF (:func:`riff_wave`)."""
+    return riff_wave(*chunks, (b"data", pcm), riff_size=riff_size)
 
 
 # RIFF size field smaller than the chunks it holds (libsndfile ignores it: it reads the whole file).
 RIFF_SIZE_LIES = {
-    "fmt18_riff_ends_inside_fmt": _wav((b"fmt ", _fmt(b"\0\0")), riff_size=4 + 8 + 16),
-    "list_then_fmt_riff_ends_inside_list": _wav((b"LIST", b"INFO"), (b"fmt ", _fmt()), riff_size=4 + 8),
+    "fmt18_riff_ends_inside_fmt": _wav((b"fmt ", wav_fmt(extra=b"\0\0")), riff_size=4 + 8 + 16),
+    "list_then_fmt_riff_ends_inside_list": _wav((b"LIST", b"INFO"), (b"fmt ", wav_fmt()), riff_size=4 + 8),
 }
 
 # Chunks libsndfile parses and refuses (or misreads), which the as-is path skips unread.
 LIBSNDFILE_PARSES = {
-    "peak_before_fmt": _wav((b"PEAK", b"\0" * 16), (b"fmt ", _fmt())),
-    "short_fact": _wav((b"fmt ", _fmt()), (b"fact", b"\0\0")),
-    "short_smpl": _wav((b"fmt ", _fmt()), (b"smpl", b"\0" * 8)),
-    "non_printable_chunk_id": _wav((b"\x01\x02\x03\x04", b"\0" * 4), (b"fmt ", _fmt())),
-    "short_acid_after_fmt": _wav((b"fmt ", _fmt()), (b"acid", b"\0" * 12)),
+    "peak_before_fmt": _wav((b"PEAK", b"\0" * 16), (b"fmt ", wav_fmt())),
+    "short_fact": _wav((b"fmt ", wav_fmt()), (b"fact", b"\0\0")),
+    "short_smpl": _wav((b"fmt ", wav_fmt()), (b"smpl", b"\0" * 8)),
+    "non_printable_chunk_id": _wav((b"\x01\x02\x03\x04", b"\0" * 4), (b"fmt ", wav_fmt())),
+    "short_acid_after_fmt": _wav((b"fmt ", wav_fmt()), (b"acid", b"\0" * 12)),
 }
 
 
@@ -129,7 +118,7 @@ def test_over_http_a_riff_size_lie_is_answered_like_the_same_samples_as_flac(vst
     """A WAV with a RIFF size too small (fmt 18 bytes) is read by libsndfile; /v1/tasks/run must answer it
     as it answers the same samples in FLAC (a1413f9 did); today the as-is path's RuntimeError gives 500."""
     pcm = _speech_pcm()
-    lying = _wav((b"fmt ", _fmt(b"\0\0")), pcm=pcm.tobytes(), riff_size=4 + 8 + 16)
+    lying = _wav((b"fmt ", wav_fmt(extra=b"\0\0")), pcm=pcm.tobytes(), riff_size=4 + 8 + 16)
     flac = wav_bytes(pcm, RATE, "FLAC", "PCM_16")
 
     async def scenario():
@@ -148,7 +137,7 @@ def test_over_http_a_riff_size_lie_is_answered_like_the_same_samples_as_flac(vst
 @pytest.mark.stack
 def test_over_http_a_peak_chunk_before_fmt_is_refused_as_libsndfile_refuses_it(vstack):
     """libsndfile refuses a PEAK chunk before fmt (415, a1413f9 answered so); the as-is path serves it."""
-    data = _wav((b"PEAK", b"\0" * 16), (b"fmt ", _fmt()), pcm=_speech_pcm().tobytes())
+    data = _wav((b"PEAK", b"\0" * 16), (b"fmt ", wav_fmt()), pcm=_speech_pcm().tobytes())
     expected = _libsndfile(data)
     assert expected[0] == "refused" and expected[1] == "UndecodableAudio"
 

@@ -43,7 +43,7 @@ import soundfile
 
 from inference import audio, services
 
-from .helpers import FIXTURES, MODEL_S, mclient, run, run_stack, silent_flac, wav_bytes, within
+from .helpers import FIXTURES, MODEL_S, mclient, pcm_wav, run, run_stack, silent_flac, wav_bytes, within
 
 pytestmark = pytest.mark.stack
 
@@ -82,18 +82,6 @@ def speech_pcm() -> np.ndarray:
     samples, rate = soundfile.read(io.BytesIO(path.read_bytes()), dtype="int16")
     assert rate == RATE
     return samples
-
-
-def riff(pcm: bytes, rate: int = RATE, channels: int = 1, bits: int = 16, tag: int = 1,
-         claim: int | None = None, between: bytes = b"", fmt_extra: bytes = b"") -> bytes:
-    """A RIFF/WAVE of ``fmt `` (16 bytes, then ``fmt_extra``), then ``between`` (whole chunks), then
-    ``data`` holding ``pcm`` whose size field says ``claim`` (default: the real size). With the defaults
-    and nothing between, the layout the server reads as-is (``inference.audio.plain_pcm16_wav``)."""
-    align = channels * bits // 8
-    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * align, align, bits) + fmt_extra
-    body = (b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + between
-            + b"data" + struct.pack("<I", len(pcm) if claim is None else claim) + pcm)
-    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 def as_float(pcm: np.ndarray) -> np.ndarray:
@@ -174,7 +162,7 @@ def test_a_streamed_flac_of_unknown_length_is_refused_415_saying_so_not_413(esta
 
     async def scenario():
         async with mclient(estack, None, timeout=MODEL_S) as c:
-            reference = await task_run(c, "vad", riff(pcm.tobytes()))
+            reference = await task_run(c, "vad", pcm_wav(pcm.tobytes()))
             assert reference.status_code == 200, reference.text
             for resp in (await task_run(c, "vad", flac), await transcribe(c, flac)):
                 assert "does not state its length" in error_of(resp, (415,))["message"], resp.text[:300]
@@ -195,10 +183,10 @@ def test_audio_of_exactly_max_audio_seconds_is_served(estack):
 
     async def scenario():
         async with mclient(estack, None, timeout=MODEL_S) as c:
-            over = riff(np.resize(pcm, frames + 1).tobytes())
+            over = pcm_wav(np.resize(pcm, frames + 1).tobytes())
             error_of(await task_run(c, "vad", over), (413,))
             error_of(await transcribe(c, over), (413,))
-            exact = riff(pcm.tobytes())
+            exact = pcm_wav(pcm.tobytes())
             for resp in (await task_run(c, "vad", exact), await transcribe(c, exact)):
                 assert resp.status_code == 200, (resp.status_code, resp.text[:300])
                 assert resp.json()["timing"]["audio_duration_ms"] == pytest.approx(MAX_SECONDS * 1000)
@@ -210,7 +198,7 @@ def test_audio_of_exactly_max_audio_seconds_is_served(estack):
 def test_a_too_long_refusal_states_a_length_over_the_limit(estack):
     """The 413 for audio over ``max_audio_seconds`` states a length over the limit (it rounded to whole
     seconds: "the audio lasts 8 s; the limit is max_audio_seconds=8.12")."""
-    over = riff(np.resize(speech_pcm(), round(MAX_SECONDS * RATE) + RATE // 10).tobytes())  # 8.22 s
+    over = pcm_wav(np.resize(speech_pcm(), round(MAX_SECONDS * RATE) + RATE // 10).tobytes())  # 8.22 s
 
     async def scenario():
         async with mclient(estack, None, timeout=MODEL_S) as c:
@@ -227,12 +215,12 @@ def test_a_one_sample_8khz_wav_is_not_refused_as_too_big_to_decode(estack):
     estimate bounds the resampler's chunk by the file's own length (it counted three whole 65,536-frame
     blocks of output for any file below the model's rate: 5.3 MiB for one sample at 8 kHz, 26 MiB at
     1 kHz, so a 413 "send shorter audio" that shorter audio could not help)."""
-    one = riff(b"\x10\x00", rate=8000)
+    one = pcm_wav(b"\x10\x00", rate=8000)
     assert reservation(one) < BUDGET_BYTES
 
     async def scenario():
         async with mclient(estack, None, timeout=MODEL_S) as c:
-            assert (await task_run(c, "vad", riff(b"\x10\x00"))).status_code == 200
+            assert (await task_run(c, "vad", pcm_wav(b"\x10\x00"))).status_code == 200
             for resp in (await task_run(c, "vad", one), await transcribe(c, one)):
                 assert resp.status_code == 200, (resp.status_code, resp.text[:300])
 
@@ -242,7 +230,7 @@ def test_a_one_sample_8khz_wav_is_not_refused_as_too_big_to_decode(estack):
 # -- odd but legal audio at the boundaries (regression: these pass) ------------------------------------
 def fmt18(pcm: bytes) -> bytes:
     """A WAV whose ``fmt `` chunk is 18 bytes (cbSize 0), otherwise in the as-is layout."""
-    return riff(pcm, fmt_extra=struct.pack("<H", 0))
+    return pcm_wav(pcm, fmt_extra=struct.pack("<H", 0))
 
 
 def boundary_cases() -> dict[str, tuple[bytes, int]]:
@@ -251,28 +239,28 @@ def boundary_cases() -> dict[str, tuple[bytes, int]]:
     raw = pcm.tobytes()
     f32 = as_float(pcm)
     return {
-        "zero_length_data": (riff(b""), 400),
-        "odd_data_1_byte": (riff(b"\x01"), 400),
-        "odd_data_3_bytes": (riff(b"\x10\x00\x20"), 200),
-        "odd_data_speech_plus_1": (riff(raw + b"\x01"), 200),
-        "one_sample": (riff(b"\x10\x00"), 200),
-        "one_sample_at_48k": (riff(b"\x10\x00", rate=48000), 400),  # nothing left at 16 kHz: "too short"
-        "header_says_44k1": (riff(raw, rate=44100), 200),
-        "byte_rate_mismatch": (riff(raw)[:28] + struct.pack("<I", 1234) + riff(raw)[32:], 200),
+        "zero_length_data": (pcm_wav(b""), 400),
+        "odd_data_1_byte": (pcm_wav(b"\x01"), 400),
+        "odd_data_3_bytes": (pcm_wav(b"\x10\x00\x20"), 200),
+        "odd_data_speech_plus_1": (pcm_wav(raw + b"\x01"), 200),
+        "one_sample": (pcm_wav(b"\x10\x00"), 200),
+        "one_sample_at_48k": (pcm_wav(b"\x10\x00", rate=48000), 400),  # nothing left at 16 kHz: "too short"
+        "header_says_44k1": (pcm_wav(raw, rate=44100), 200),
+        "byte_rate_mismatch": (pcm_wav(raw)[:28] + struct.pack("<I", 1234) + pcm_wav(raw)[32:], 200),
         "fmt_18_bytes": (fmt18(raw), 200),
-        "rate_999": (riff(raw[:4000], rate=999), 400),
-        "rate_384001": (riff(raw, rate=384001), 400),
-        "stereo": (riff(raw, channels=2), 200),
-        "stereo_half_frame": (riff(raw[:-2], channels=2), 200),
-        "nine_channels": (riff(raw[:18000], channels=9), 400),
+        "rate_999": (pcm_wav(raw[:4000], rate=999), 400),
+        "rate_384001": (pcm_wav(raw, rate=384001), 400),
+        "stereo": (pcm_wav(raw, channels=2), 200),
+        "stereo_half_frame": (pcm_wav(raw[:-2], channels=2), 200),
+        "nine_channels": (pcm_wav(raw[:18000], channels=9), 400),
         "unsigned_8_bit": (wav_bytes(f32, RATE, subtype="PCM_U8"), 200),
         "float32": (wav_bytes(f32, RATE, subtype="FLOAT"), 200),
-        "float_nan": (riff(np.full(1000, np.nan, np.float32).tobytes(), bits=32, tag=3), 400),
-        "data_claims_4x": (riff(raw, claim=4 * len(raw)), 200),
-        "data_claims_4x_plus_1": (riff(raw, claim=4 * len(raw) + 1), 200),
-        "data_claims_ffffffff": (riff(raw, claim=0xFFFFFFFF), 200),
-        "data_claims_0": (riff(raw, claim=0), 400),
-        "list_before_data": (riff(raw, between=b"LIST\x04\x00\x00\x00INFO"), 200),
+        "float_nan": (pcm_wav(np.full(1000, np.nan, np.float32).tobytes(), bits=32, tag=3), 400),
+        "data_claims_4x": (pcm_wav(raw, claim=4 * len(raw)), 200),
+        "data_claims_4x_plus_1": (pcm_wav(raw, claim=4 * len(raw) + 1), 200),
+        "data_claims_ffffffff": (pcm_wav(raw, claim=0xFFFFFFFF), 200),
+        "data_claims_0": (pcm_wav(raw, claim=0), 400),
+        "list_before_data": (pcm_wav(raw, between=[(b"LIST", b"INFO")]), 200),
         "flac_one_sample": (wav_bytes(np.zeros(1, np.float32), RATE, "FLAC", "PCM_16"), 200),
         "garbage": (b"RIFF" + bytes(range(256)) * 8, 415),
     }
@@ -291,7 +279,7 @@ def test_odd_but_legal_audio_gets_its_answer_on_both_routes(estack):
 
     async def scenario():
         async with mclient(estack, None, timeout=MODEL_S) as c:
-            speech = riff(speech_pcm().tobytes())
+            speech = pcm_wav(speech_pcm().tobytes())
             reference = {"vad": result_of(await task_run(c, "vad", speech)),
                          "whisper": (await transcribe(c, speech)).json()["text"]}
             for name, (data, status) in cases.items():
@@ -315,14 +303,14 @@ def burst_variants() -> dict[str, bytes]:
     pcm = speech_pcm()
     long = np.resize(pcm, 8 * RATE)
     return {
-        "plain_3s": riff(pcm.tobytes()),
-        "plain_8s": riff(long.tobytes()),
-        "plain_1_sample": riff(b"\x01\x00"),
+        "plain_3s": pcm_wav(pcm.tobytes()),
+        "plain_8s": pcm_wav(long.tobytes()),
+        "plain_1_sample": pcm_wav(b"\x01\x00"),
         "flac_3s": wav_bytes(as_float(pcm), RATE, "FLAC", "PCM_16"),
-        "wav_with_list": riff(pcm.tobytes(), between=b"LIST\x04\x00\x00\x00INFO"),
-        "wav_claims_more": riff(pcm.tobytes(), claim=4 * pcm.nbytes),
-        "stereo": riff(pcm.tobytes(), channels=2),
-        "zero_length": riff(b""),
+        "wav_with_list": pcm_wav(pcm.tobytes(), between=[(b"LIST", b"INFO")]),
+        "wav_claims_more": pcm_wav(pcm.tobytes(), claim=4 * pcm.nbytes),
+        "stereo": pcm_wav(pcm.tobytes(), channels=2),
+        "zero_length": pcm_wav(b""),
         "garbage": b"RIFF" + bytes(200),
     }
 
@@ -396,7 +384,7 @@ def test_clients_leaving_mid_upload_and_mid_inference_leave_nothing_held(estack)
     transcriptions left after their first event; base64 uploads to VAD cut off mid-body. The model keeps
     its one lease until the running step ends, then everything is given back and both models serve."""
     pcm = speech_pcm()
-    long = riff(np.resize(pcm, 8 * RATE).tobytes())
+    long = pcm_wav(np.resize(pcm, 8 * RATE).tobytes())
     host, port = estack.url.rsplit("//", 1)[1].split(":")
     boundary = "adv3boundary"
     multipart = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n"
@@ -449,9 +437,9 @@ def test_concurrent_large_uploads_under_a_small_decode_budget(estack):
     budget minus 1 MiB is served)."""
     pcm = np.resize(speech_pcm(), 8 * RATE)
     uploads = {
-        "plain": riff(pcm.tobytes()),
+        "plain": pcm_wav(pcm.tobytes()),
         "flac": wav_bytes(as_float(pcm), RATE, "FLAC", "PCM_16"),
-        "stereo": riff(np.repeat(pcm, 2).tobytes(), channels=2),
+        "stereo": pcm_wav(np.repeat(pcm, 2).tobytes(), channels=2),
         "wav_48k_4s": wav_bytes(np.repeat(as_float(pcm[: 4 * RATE]), 3), 48000, subtype="PCM_16"),
     }
     too_big = silent_flac(8.0, rate=48000, channels=8)

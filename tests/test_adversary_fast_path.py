@@ -13,7 +13,6 @@ import base64
 import io
 import os
 import signal
-import struct
 import time
 
 import httpx
@@ -23,8 +22,8 @@ import soundfile
 
 from inference import audio
 
-from .helpers import (FIXTURE_ENV, FIXTURES, MODEL_S, TINY, fx, mclient, post, run, run_stack, silent_flac,
-                      wav_bytes, within, worker_pids)
+from .helpers import (FIXTURE_ENV, FIXTURES, MODEL_S, TINY, fx, mclient, pcm_wav, post, run, run_stack,
+                      silent_flac, wav_bytes, within, worker_pids)
 
 pytestmark = pytest.mark.stack
 
@@ -98,13 +97,6 @@ def speech() -> tuple[np.ndarray, int]:
     return samples[: rate * 4], rate
 
 
-def raw_wav(channels: int, rate: int, bits: int, data: bytes, claim: int | None = None) -> bytes:
-    align = channels * bits // 8
-    size = len(data) if claim is None else claim
-    fmt = struct.pack("<IHHIIHH", 16, 1, channels, rate, rate * align, align, bits)
-    return b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", size) + data
-
-
 def audio_variants() -> dict[str, bytes]:
     samples, rate = speech()
     assert rate == 16000
@@ -118,15 +110,15 @@ def audio_variants() -> dict[str, bytes]:
         "pcm8": wav_bytes(samples, 16000, subtype="PCM_U8"),
         "float": wav_bytes(samples, 16000, subtype="FLOAT"),
         "truncated": pcm16[:-1001],
-        "claims_more": raw_wav(1, 16000, 16, pcm, claim=len(pcm) * 4),
-        "claims_huge": raw_wav(1, 16000, 16, pcm, claim=0xFFFFFFF0),
+        "claims_more": pcm_wav(pcm, claim=len(pcm) * 4),
+        "claims_huge": pcm_wav(pcm, claim=0xFFFFFFF0),
     }
 
 
 BAD_AUDIO = {
-    "zero_data": (raw_wav(1, 16000, 16, b""), 400),
+    "zero_data": (pcm_wav(b""), 400),
     "garbage": (os.urandom(3000), 415),
-    "header_only": (raw_wav(1, 16000, 16, b"")[:30], 415),
+    "header_only": (pcm_wav(b"")[:30], 415),
 }
 
 

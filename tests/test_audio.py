@@ -14,7 +14,7 @@ import soundfile
 
 from inference import audio
 
-from .helpers import FIXTURES, ROOT, wav_bytes
+from .helpers import FIXTURES, ROOT, riff_wave, wav_bytes, wav_fmt
 
 
 def tone(rate: int, seconds: float = 0.5, freq: float = 440.0) -> np.ndarray:
@@ -144,20 +144,6 @@ def test_only_exact_16_bit_pcm_is_kept_as_int16(data, why):
     assert samples.dtype == np.float32, why
 
 
-def _riff(*chunks: tuple[bytes, bytes], declared: dict | None = None) -> bytes:
-    """A RIFF/WAVE file of ``(id, body)`` chunks (padded to even sizes); ``declared`` overrides a chunk's size field."""
-    out = b""
-    for chunk_id, body in chunks:
-        size = (declared or {}).get(chunk_id, len(body))
-        out += chunk_id + size.to_bytes(4, "little") + body + (b"\0" if len(body) % 2 else b"")
-    return b"RIFF" + (len(out) + 4).to_bytes(4, "little") + b"WAVE" + out
-
-
-def _fmt(rate=16000, channels=1, bits=16, tag=1, extra=b"") -> bytes:
-    align = channels * bits // 8
-    return struct.pack("<HHIIHH", tag, channels, rate, rate * align, align, bits) + extra
-
-
 _PCM = np.concatenate([np.array([-32768, 32767, 0, 1, -1], np.int16),
                        np.random.default_rng(3).integers(-32768, 32768, 4000).astype(np.int16)])
 _LIST = b"INFOISFT" + (14).to_bytes(4, "little") + b"Lavf58.76.100\0"
@@ -177,7 +163,7 @@ def _python_wave(samples: np.ndarray, rate: int = 16000) -> bytes:
     (wav_bytes(_PCM, 16000, "WAV", "PCM_16"), "soundfile's own layout"),
     (wav_bytes(_PCM[:1], 16000, "WAV", "PCM_16"), "one frame"),
     (_python_wave(_PCM), "Python's wave module"),
-    (_riff((b"fmt ", _fmt(extra=b"\0\0")), (b"data", _PCM.tobytes())), "an 18-byte fmt chunk (cbSize 0)"),
+    (riff_wave((b"fmt ", wav_fmt(extra=b"\0\0")), (b"data", _PCM.tobytes())), "an 18-byte fmt chunk (cbSize 0)"),
 ])
 def test_a_wav_that_needs_no_decoding_is_read_as_is_exactly_as_libsndfile_reads_it(data, why):
     """Issue 8 item 7: a 16-bit mono WAV at the model's rate, laid out canonically, is read on the event loop
@@ -201,26 +187,27 @@ def test_the_shipped_speech_fixtures_are_read_as_is():
 
 
 @pytest.mark.parametrize("data, why", [
-    (_riff((b"fmt ", _fmt()), (b"data", _PCM.tobytes()), (b"LIST", _LIST)),
+    (riff_wave((b"fmt ", wav_fmt()), (b"data", _PCM.tobytes()), (b"LIST", _LIST)),
      "a chunk after the data: libsndfile walks it"),
-    (_riff((b"fmt ", _fmt()), (b"data", _PCM.tobytes()), declared={b"data": _PCM.nbytes + 400}),
+    (riff_wave((b"fmt ", wav_fmt()), (b"data", _PCM.tobytes()), declared={b"data": _PCM.nbytes + 400}),
      "a data chunk cut short (libsndfile reads what is there)"),
-    (_riff((b"fmt ", _fmt()), (b"data", _PCM.tobytes() + b"\0")), "an odd data size"),
-    (_riff((b"fmt ", _fmt()), (b"data", b"")), "no frames"),
-    (_riff((b"fmt ", _fmt()), (b"LIST", _LIST), (b"data", _PCM.tobytes())), "a LIST chunk before the data (ffmpeg)"),
-    (_riff((b"JUNK", b"\0" * 27), (b"fmt ", _fmt()), (b"data", _PCM.tobytes())), "a JUNK chunk before fmt"),
-    (_riff((b"fmt ", _fmt()), (b"fact", b"\0" * 4), (b"data", _PCM.tobytes())), "a fact chunk"),
+    (riff_wave((b"fmt ", wav_fmt()), (b"data", _PCM.tobytes() + b"\0")), "an odd data size"),
+    (riff_wave((b"fmt ", wav_fmt()), (b"data", b"")), "no frames"),
+    (riff_wave((b"fmt ", wav_fmt()), (b"LIST", _LIST), (b"data", _PCM.tobytes())),
+     "a LIST chunk before the data (ffmpeg)"),
+    (riff_wave((b"JUNK", b"\0" * 27), (b"fmt ", wav_fmt()), (b"data", _PCM.tobytes())), "a JUNK chunk before fmt"),
+    (riff_wave((b"fmt ", wav_fmt()), (b"fact", b"\0" * 4), (b"data", _PCM.tobytes())), "a fact chunk"),
     (wav_bytes(_PCM, 16000, "WAV", "PCM_16")[:4] + (100).to_bytes(4, "little")
      + wav_bytes(_PCM, 16000, "WAV", "PCM_16")[8:], "a RIFF size field that is not the file's"),
-    (_riff(*[(b"JUNK", b"")] * 8000, (b"fmt ", _fmt()), (b"data", _PCM.tobytes())), "8,000 empty chunks"),
-    (_riff((b"data", _PCM.tobytes()), (b"fmt ", _fmt())), "data before fmt"),
-    (_riff((b"fmt ", _fmt(rate=8000)), (b"data", _PCM.tobytes())), "another rate"),
-    (_riff((b"fmt ", _fmt(channels=2)), (b"data", _PCM.tobytes())), "two channels"),
-    (_riff((b"fmt ", _fmt(bits=8)), (b"data", _PCM.tobytes())), "8-bit"),
-    (_riff((b"fmt ", _fmt(tag=3, bits=32)), (b"data", _PCM.tobytes())), "float"),
-    (_riff((b"fmt ", _fmt(tag=0xFFFE, extra=b"\x16\0" + b"\0" * 22)), (b"data", _PCM.tobytes())),
+    (riff_wave(*[(b"JUNK", b"")] * 8000, (b"fmt ", wav_fmt()), (b"data", _PCM.tobytes())), "8,000 empty chunks"),
+    (riff_wave((b"data", _PCM.tobytes()), (b"fmt ", wav_fmt())), "data before fmt"),
+    (riff_wave((b"fmt ", wav_fmt(rate=8000)), (b"data", _PCM.tobytes())), "another rate"),
+    (riff_wave((b"fmt ", wav_fmt(channels=2)), (b"data", _PCM.tobytes())), "two channels"),
+    (riff_wave((b"fmt ", wav_fmt(bits=8)), (b"data", _PCM.tobytes())), "8-bit"),
+    (riff_wave((b"fmt ", wav_fmt(tag=3, bits=32)), (b"data", _PCM.tobytes())), "float"),
+    (riff_wave((b"fmt ", wav_fmt(tag=0xFFFE, extra=b"\x16\0" + b"\0" * 22)), (b"data", _PCM.tobytes())),
      "WAVE_FORMAT_EXTENSIBLE"),
-    (_riff((b"fmt ", struct.pack("<HHIIHH", 1, 1, 16000, 16000, 2, 16))), "a wrong byte rate, no data"),
+    (riff_wave((b"fmt ", struct.pack("<HHIIHH", 1, 1, 16000, 16000, 2, 16))), "a wrong byte rate, no data"),
     (wav_bytes(_PCM, 16000, "FLAC", "PCM_16"), "FLAC"),
     (b"RIFX" + wav_bytes(_PCM, 16000, "WAV", "PCM_16")[4:], "big-endian RIFX"),
     (b"", "empty"),
