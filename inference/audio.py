@@ -64,6 +64,7 @@ RESAMPLER_TABLES_BYTES = 1 << 20
 # Python objects of a decode: a few KB traced, well under this.
 DECODER_STATE_BYTES = 1 << 20
 FLOAT32_BYTES = 4
+INT16_BYTES = 2  # a 16-bit PCM sample, as a WAV read as-is carries them
 
 
 @dataclass(frozen=True)

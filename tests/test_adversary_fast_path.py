@@ -52,9 +52,10 @@ def token(astack) -> str:
 # -- invariants ----------------------------------------------------------------------------------------
 def fitting_input() -> bytes:
     """Silence whose reservation (16 kHz mono for a 16 kHz model, sent without copies) is the whole budget
-    minus 64 KiB: refused 503 ``decode_budget`` if any earlier reservation leaked (each is over 1 MiB)."""
+    minus 4 KiB: refused 503 ``decode_budget`` if any earlier reservation leaked (a decode's is over 1 MiB;
+    a WAV read as-is reserves the send copies of its samples, 4 bytes a frame: 256 KB for 4 s)."""
     fixed = audio.decode_peak_bytes(audio.read_header(silent_flac(1), 3600), 16000) - 16000 * audio.FLOAT32_BYTES
-    frames = (BUDGET_BYTES - (1 << 16) - fixed) // audio.FLOAT32_BYTES
+    frames = (BUDGET_BYTES - (1 << 12) - fixed) // audio.FLOAT32_BYTES
     data = silent_flac(frames / 16000)
     assert audio.decode_peak_bytes(audio.read_header(data, 3600), 16000) <= BUDGET_BYTES
     return data

@@ -15,6 +15,7 @@ from django.db import connections
 
 from audiosite.errors import UnsupportedMedia
 from audiosite.serverconfig import parse_config
+from inference import audio
 from inference import services as inference_services
 from inference.runtime import decoding
 from inference.runtime.context import KEYS, async_context
@@ -242,6 +243,46 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
     assert after["queued"] == 0 and after["active_leases"] == 1  # only the other holder
     assert refused["queued"] == 0 and refused["active_leases"] == 1
     assert in_flight == 0
+
+
+@pytest.mark.parametrize("layout", ["wav read as-is", "wav with a LIST chunk", "flac"])
+def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_client, layout):
+    """A request that decoded before it queued keeps its reservation while it waits (previous test). A
+    WAV read as-is decoded nothing (its samples are a view of the upload): it holds only the two copies
+    its 16-bit samples take while sent (4 bytes a frame), not a float32 decode's peak, so a burst of such
+    uploads to a busy model no longer fills the budget that granted requests need (the test_adv3 flake
+    of 2026-12-03: 8 s clips reserved 2.9 MB each under a 3.9 MB budget). The same samples in any other
+    layout reserve their decode's peak. Every reservation goes back when the client leaves."""
+    meta = _register("asis")
+    pcm = (np.arange(8 * 16000) * 37 % 65536 - 32768).astype(np.int16).tobytes()
+    data = {"wav read as-is": helpers.pcm_wav(pcm),
+            "wav with a LIST chunk": helpers.pcm_wav(pcm, between=[(b"LIST", b"INFO")]),
+            "flac": helpers.wav_bytes(np.frombuffer(pcm, np.int16) / 32768, 16000, "FLAC", "PCM_16")}[layout]
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        probe = await inference_services.probe_for_request(ctx, "asis", None)
+        holder = await ctx.scheduler.acquire(ctx.listener, "asis", 0)
+        budget = decoding.budget()
+        before = budget.in_flight_bytes
+        request = asyncio.ensure_future(inference_services.run(
+            ctx, probe.entry, inference_services.AudioInput(data, "file"), {}, 0, probe=probe))
+        await helpers.until(lambda: budget.in_flight_bytes > before, 10)
+        held = budget.in_flight_bytes - before
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        await ctx.scheduler.release("asis", holder.lease_id)
+        return probe, held, budget.in_flight_bytes - before
+
+    probe, held, left = _run(scenario)
+    assert probe.free and left == 0
+    assert decoding.reads_as_is(data, 16000) == (layout == "wav read as-is")
+    if layout == "wav read as-is":
+        assert held == 4 * 8 * 16000  # int16 samples, copied twice while sent (rpc.send_copies_bytes)
+    else:
+        header = audio.read_header(data, 3600)
+        assert held == inference_services.decoded_bytes_needed(header, 16000) > 5 * 4 * 8 * 16000
 
 
 def test_a_run_offered_with_its_enqueue_goes_to_the_ready_worker_only_when_granted_at_once(redis_client):
