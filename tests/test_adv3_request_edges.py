@@ -402,7 +402,7 @@ def test_clients_leaving_mid_upload_and_mid_inference_leave_nothing_held(estack)
         try:
             resp = await asyncio.wait_for(c.post("/v1/audio/transcriptions", data={"model": "whisper"},
                                                  files={"file": ("a.wav", long)}), seconds)
-            return str(resp.status_code)
+            return str(resp.status_code) + ("" if resp.status_code == 200 else ":" + resp.json()["error"]["code"])
         except TimeoutError:
             return "left"
 
