@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -25,11 +26,16 @@ from inference.scheduler import (
     InvalidTransition,
     LeaseKind,
     LeaseNotHeld,
+    LoadAction,
+    LoadEnd,
+    LoadOutcome,
     ModelState,
     ProbeVerdict,
     RunOffer,
     effective_timeout_ms,
 )
+from inference.worker import work
+from inference.worker.state import WorkerState
 from registry import services
 from registry.models import LifecycleEvent, ModelRegistration
 
@@ -243,6 +249,56 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
     assert after["queued"] == 0 and after["active_leases"] == 1  # only the other holder
     assert refused["queued"] == 0 and refused["active_leases"] == 1
     assert in_flight == 0
+
+
+def test_a_load_ended_as_lost_is_recorded_once_though_its_frozen_worker_finishes_it_later(redis_client,
+                                                                                          monkeypatch):
+    """One writer per step (issue 8 item 2): a worker frozen in a load past its claim is counted lost (R7.4)
+    by a web process, which records the failed ``load`` and the state ``unloaded``. When the worker wakes
+    and finishes, ``finish_load`` says its claim is stale: it discards the pool and writes nothing (before
+    2026-12-03 it wrote a second failed ``load`` row and the state again, which could say ``unloaded``
+    over a newer load that was ready). The worker is ``inference.worker.work.load_pool`` itself, run in a
+    thread and held in the fixture family's load barrier while the claim is ended."""
+    monkeypatch.setenv("AUDIOSITE_ENABLE_FIXTURE_FAMILY", "1")
+    services.registration_sync_config(parse_config(
+        {"models": [helpers.fx("stalled", load_barrier="stalled-load")]}))
+    meta = ModelRegistration.objects.get(model_id="stalled").as_meta()
+    host = "gpu0@frozen"
+    worker = WorkerState()
+    worker.hostname = host
+    helpers.live_worker(redis_client, host)
+    lost = f"worker {host} was lost while loading the model"
+    outcome: list = []
+
+    def frozen_worker(token: str) -> None:
+        try:
+            outcome.append(work.load_pool(worker, "stalled", token))
+        finally:
+            connections.close_all()
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        token = "frozen-load"
+        decision = await ctx.scheduler.begin_load(ctx.listener, "stalled", token, False)
+        assert decision.action is LoadAction.LOAD
+        thread = threading.Thread(target=frozen_worker, args=(token,))
+        thread.start()
+        await helpers.until(lambda: redis_client.get(KEYS.fixture_arrived("stalled-load")) == "1", 10)
+        # What the web process does when the claim lapses (rpc.load_single_flight, services._record_lost_load).
+        assert await ctx.scheduler.finish_load("stalled", token, LoadEnd.WORKER_LOST, error=lost) is LoadOutcome.OK
+        await sync_to_async(services.registration_record_load)("stalled", False, error=lost, actor=host)
+        redis_client.lpush(KEYS.fixture_release("stalled-load"), "go")
+        await asyncio.to_thread(thread.join, 10)
+        return (await ctx.scheduler.snapshot(["stalled"]))["stalled"]
+
+    status = _run(scenario)
+    assert outcome and outcome[0]["ok"] is False and "abandoned or superseded" in outcome[0]["error"]
+    assert worker.get("stalled") is None and status["state"] == "unloaded"
+    rows = list(LifecycleEvent.objects.filter(model_id="stalled", event="load")
+                .values_list("outcome", "detail", "actor"))
+    assert rows == [("failed", lost, host)]
+    registration = ModelRegistration.objects.get(model_id="stalled")
+    assert (registration.state, registration.last_error) == ("unloaded", lost)
 
 
 @pytest.mark.parametrize("layout", ["wav read as-is", "wav with a LIST chunk", "flac"])

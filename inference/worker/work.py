@@ -93,7 +93,9 @@ def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, 
 
 
 def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
-    """Build ``model_id``'s pool as the single loader holding ``token`` (R4.2); record the outcome.
+    """Build ``model_id``'s pool as the single loader holding ``token`` (R4.2); record the outcome in the
+    database, unless the claim was ended meanwhile by someone who records that end (stale: the pool is
+    discarded and nothing is written).
 
     Returns:
         The reply payload ``{"ok": true, "owner", "boot", "duration_ms"}`` or
@@ -125,16 +127,21 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
     duration_ms = int((time.monotonic() - started) * 1000)
     ok = not error
     outcome = LoadEnd.READY if ok else LoadEnd.FAILED
-    if scheduler.finish_load(model_id, token, outcome, host, worker.boot, error, capacity) is LoadOutcome.STALE:
-        # Our claim was replaced or abandoned (an unload, a takeover): publish nothing.
+    stale = scheduler.finish_load(model_id, token, outcome, host, worker.boot, error, capacity) is LoadOutcome.STALE
+    if stale:
+        # Our claim was ended by someone who records that end: a web process that counted this worker
+        # lost (R7.4; inference.services._record_lost_load writes the failed load) or a manager whose
+        # teardown began (set_state.lua; its teardown writes the states). Publish nothing and write
+        # nothing: one writer per step (issue 8 item 2).
         if built is not None:
             worker.discard(model_id, built)
         ok, error = False, "the load was abandoned or superseded"
         log.info("load of %s (token %s) finished after its claim was gone; discarded", model_id, token)
-    try:
-        records.registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=host)
-    except Exception:
-        log.exception("recording a load outcome failed")
+    else:
+        try:
+            records.registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=host)
+        except Exception:
+            log.exception("recording a load outcome failed")
     metrics.record_sync(sync_redis(), metrics.count(metrics.MODEL_LOADS, model_id, "ok" if ok else "failed"),
                         metrics.observe(metrics.MODEL_LOAD, duration_ms / 1000, model_id))
     payload: dict = {"ok": True, "owner": worker.hostname, "boot": worker.boot} if ok else {"ok": False, "error": error}
