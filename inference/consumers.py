@@ -25,7 +25,6 @@ LIVE_GROUP = "live.sessions"
 ``live.close`` message sent to it closes them all with the given code (e.g. 1001 when the
 server goes away)."""
 
-CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL_ERROR = 1011

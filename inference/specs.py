@@ -12,7 +12,7 @@ import importlib.metadata
 import importlib.resources
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jsonschema
 
@@ -24,7 +24,6 @@ ADMISSION_DIR = SPEC_DIR / "admission"
 # admits the counts under test: a count must be served before evidence for it can exist (R9.2).
 # Infrastructure only; never set in a deployment.
 ADMISSION_DIR_ENV = "AUDIOSITE_ADMISSION_DIR"
-OPTION_BLOCKS = ("load_options", "session_options", "request_options")
 MAX_SLOTS = 16
 FIXTURE_FAMILY_ENV = "AUDIOSITE_ENABLE_FIXTURE_FAMILY"
 
@@ -87,27 +86,40 @@ def _schema_errors(schema: dict, value: Any) -> list[tuple[list[str], str]]:
             for error in sorted(validator.iter_errors(value), key=lambda e: list(e.path))]
 
 
-def _schema_problems(schema: dict, value: Any, block: str) -> list[str]:
-    return [f"key {'.'.join([block, *keys])!r}: {message}" for keys, message in _schema_errors(schema, value)]
+class EntryProblem(NamedTuple):
+    """One problem of a model entry: ``param``, the dotted path of the key at fault (``load_options.beam_size``),
+    and ``message``; ``str()`` gives the text users read, ``key '<param>': <message>``."""
+
+    param: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"key {self.param!r}: {self.message}"
 
 
-def check_model_entry(entry: dict) -> list[str]:
+def _schema_problems(schema: dict, value: Any, block: str) -> list[EntryProblem]:
+    return [EntryProblem(".".join([block, *keys]), message) for keys, message in _schema_errors(schema, value)]
+
+
+def check_model_entry(entry: dict) -> list[EntryProblem]:
     """Check one model entry (``ModelConfig.model_dump()``) against its family spec.
 
     Returns:
-        One message per problem (unknown family, task or mode; an option
+        One :class:`EntryProblem` per problem (unknown family, task or mode; an option
         block that fails its schema; a ``path`` that does not exist); empty
         when the entry is valid.
     """
     spec = get_spec(entry["family"])
     if spec is None:
-        return [f"key 'family': unknown family {entry['family']!r} (known: {', '.join(sorted(all_specs()))})"]
+        known = ", ".join(sorted(all_specs()))
+        return [EntryProblem("family", f"unknown family {entry['family']!r} (known: {known})")]
     problems = []
     task = entry.get("task")
     if task is not None and task not in spec["tasks"]:
-        problems.append(f"key 'task': family {spec['family']!r} serves {spec['tasks']}, not {task!r}")
+        problems.append(EntryProblem("task", f"family {spec['family']!r} serves {spec['tasks']}, not {task!r}"))
     if entry.get("mode", "offline") not in spec["modes"]:
-        problems.append(f"key 'mode': family {spec['family']!r} supports modes {spec['modes']}, not {entry['mode']!r}")
+        problems.append(EntryProblem("mode", f"family {spec['family']!r} supports modes {spec['modes']}, "
+                                             f"not {entry['mode']!r}"))
     for block in ("load_options", "session_options"):
         problems.extend(_schema_problems(spec[block], entry.get(block) or {}, block))
     problems.extend(
@@ -117,15 +129,17 @@ def check_model_entry(entry: dict) -> list[str]:
     path = entry.get("path")
     kind = spec.get("checkpoint_kind")  # 'file' or 'directory' (e.g. a CTranslate2 model folder)
     if path is not None and not Path(path).exists():
-        problems.append(f"key 'path': {path!r} does not exist")
+        problems.append(EntryProblem("path", f"{path!r} does not exist"))
     elif path is not None and kind == "file" and not Path(path).is_file():
-        problems.append(f"key 'path': {path!r} is not a file (family {spec['family']!r} loads one checkpoint file)")
+        problems.append(EntryProblem("path", f"{path!r} is not a file (family {spec['family']!r} loads one "
+                                             "checkpoint file)"))
     elif path is not None and kind == "directory" and not Path(path).is_dir():
-        problems.append(f"key 'path': {path!r} is not a directory (family {spec['family']!r} loads a model folder)")
+        problems.append(EntryProblem("path", f"{path!r} is not a directory (family {spec['family']!r} loads a "
+                                             "model folder)"))
     return problems
 
 
-def _voice_problems(spec: dict, entry: dict) -> list[str]:
+def _voice_problems(spec: dict, entry: dict) -> list[EntryProblem]:
     """Problems of ``voice_presets`` / ``default_voice_preset``: only a ``tts`` family has voices; each
     preset's ``options`` must pass the family's ``request_options`` schema; the default must be a
     preset. (Whether a preset's ``voice`` exists is checked when requests resolve it: the web answers
@@ -135,13 +149,14 @@ def _voice_problems(spec: dict, entry: dict) -> list[str]:
     if not presets and default is None:
         return []
     if "tts" not in spec["tasks"]:
-        return [f"key 'voice_presets': family {spec['family']!r} does not synthesise speech (no voices)"]
+        return [EntryProblem("voice_presets", f"family {spec['family']!r} does not synthesise speech (no voices)")]
     problems = []
     for name, preset in presets.items():
         problems.extend(_schema_problems(spec["request_options"], preset.get("options") or {},
                                          f"voice_presets.{name}.options"))
     if default is not None and default not in presets:
-        problems.append(f"key 'default_voice_preset': {default!r} is not one of voice_presets {sorted(presets)}")
+        problems.append(EntryProblem("default_voice_preset",
+                                     f"{default!r} is not one of voice_presets {sorted(presets)}"))
     return problems
 
 

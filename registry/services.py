@@ -269,7 +269,7 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
         raise InvalidRequest(f"key {key!r}: {message}", param=key) from None
     problems = specs.check_model_entry(entry.model_dump())
     if problems:
-        raise InvalidRequest(problems[0], param=problems[0].split("'")[1] if problems[0].startswith("key '") else None)
+        raise InvalidRequest(str(problems[0]), param=problems[0].param)
     try:
         specs.resolve_checkpoint(entry.family, entry.path)
     except FileNotFoundError as exc:

@@ -383,7 +383,7 @@ def test_lost_wake_up_is_recovered_at_the_next_lease_expiry(redis_client):
 
 # -- several slots and managers (parallel runtime) --------------------------------------------
 async def _capacity(rig: Rig, model_id: str, slots: int) -> None:
-    await rig.scheduler.set_capacity(model_id, slots)
+    await rig.scheduler.publish_entry({"id": model_id}, slots)  # as the service publishes a registration
 
 
 @pytest.mark.parametrize("slots", [1, 2, 4])

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from audiosite.errors import ServerBusy
 from inference.scheduler import AdmissionExpired, AdmissionOverdue, AdmissionTimeout, Lease, LeaseKind, RunOffer
@@ -164,5 +164,3 @@ class GuardHeld:
             raise ServerBusy("this server process stalled past the lease TTL and lost its turn for a cold load; "
                              "retry", code="residency_full")
 
-
-Transition = Callable[[Lease], Awaitable[Any]]

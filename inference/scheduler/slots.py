@@ -350,10 +350,6 @@ class Scheduler:
                     "processes with the same runtime.")
         return _then(self._run("claim_runtime", [self.keys.runtime], [runtime]), check)
 
-    def set_capacity(self, model_id: str, slots: int):
-        """Set the number of slots of a model (tests of the scheduler alone; the service publishes with the entry)."""
-        return self.redis.set(self.keys.capacity(model_id), slots)
-
     # -- async admission (web processes) --------------------------------------
     async def acquire(self, listener: Listener, model_id: str, timeout_ms: int,
                       kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None) -> Lease:

@@ -188,7 +188,6 @@ def fixtures_manifest(workload: Workload) -> dict:
     return out
 
 
-_SPEECH = ("speech", "speech_2s", "speech_x2", "speech_pad", "speech_quiet")
 _TEXTS = ("Concorde returned to its place amidst the tents.",
           "Hello there.",
           "The validation gate runs real servers. Every answer is compared with a serial reference, byte for byte.",
