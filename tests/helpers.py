@@ -39,12 +39,16 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import psutil
 import psycopg
 import redis
 import redis.asyncio as aioredis
 import soundfile
 from django.core.management import call_command
+from inference import specs
+from inference.adapters import get_adapter
+from inference.adapters.base import LoadContext
 from inference.runtime.context import KEYS as RUNTIME_KEYS
 from inference.runtime.context import async_context
 from inference.scheduler import Keys, Listener, LoadEnd, Scheduler
@@ -151,6 +155,26 @@ def pcm_wav(pcm: bytes, rate: int = 16000, channels: int = 1, bits: int = 16, ta
                      declared=declared, pad_last=False)
 
 
+def adapter_session(family: str):
+    """Slot 0's session of ``family``'s packaged checkpoint, loaded in this process on the CPU with one
+    thread and default options (for comparing the server's answers with a direct adapter call)."""
+    ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", 0, 1, {}, {})
+    adapter = get_adapter(family)
+    return adapter.new_session(adapter.load(specs.get_spec(family), ctx), 0)
+
+
+def without_timing(answer: dict | httpx.Response) -> dict:
+    """An answer's JSON body (given as a dict or a response) without ``timing``, which differs between two
+    runs of the same request: what must be equal when outputs are compared."""
+    payload = answer.json() if isinstance(answer, httpx.Response) else answer
+    return {key: value for key, value in payload.items() if key != "timing"}
+
+
+def openai_client(stack) -> openai.OpenAI:
+    """The official OpenAI SDK pointed at ``stack`` (no retries; a model-sized timeout)."""
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=MODEL_S)
+
+
 def padded(utt: Utterance, seconds: float = 1.5) -> np.ndarray:
     """The utterance with ``seconds`` of digital silence before and after."""
     pad = np.zeros(int(seconds * utt.rate), dtype=np.float32)
@@ -195,6 +219,8 @@ def unique_prefix() -> str:
 
 
 RIG_TTL_MS = 1000
+GRANT_MARGIN_S = 5.0
+"""How long past a request's own timeout a test waits for the scheduler's answer (grant or 503)."""
 
 
 class Rig:
@@ -216,7 +242,12 @@ class Rig:
         await self.redis.aclose()
 
     async def acquire(self, model_id: str, timeout_ms: int, kind: str = "request"):
-        return await self.scheduler.acquire(self.listener, model_id, timeout_ms, kind)
+        """The scheduler's ``acquire`` through this rig's listener, bounded: a grant (or refusal) that never
+        comes fails the test after the request's own timeout plus ``GRANT_MARGIN_S`` (``QUICK_S`` for an
+        unbounded request, ``timeout_ms`` 0) with an AssertionError naming the bound, not at the
+        scenario's or pytest's limit."""
+        bound_s = QUICK_S if timeout_ms == 0 else timeout_ms / 1000 + GRANT_MARGIN_S
+        return await within(self.scheduler.acquire(self.listener, model_id, timeout_ms, kind), bound_s)
 
     async def counts(self, model_id: str) -> tuple[int, int]:
         """``(active leases, queued)`` of ``model_id``."""

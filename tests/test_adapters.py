@@ -11,13 +11,7 @@ from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, InvalidInput, LoadContext
 
-from .helpers import padded
-
-
-def session_of(family: str):
-    ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", 0, 1, {}, {})
-    adapter = get_adapter(family)
-    return adapter.new_session(adapter.load(specs.get_spec(family), ctx), 0)
+from .helpers import adapter_session, padded
 
 
 def normalise(text: str) -> str:
@@ -27,12 +21,12 @@ def normalise(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def whisper():
-    return session_of("whisper")
+    return adapter_session("whisper")
 
 
 @pytest.fixture(scope="module")
 def vad():
-    return session_of("silero_vad")
+    return adapter_session("silero_vad")
 
 
 def test_whisper_pooled_wer_is_at_most_20_percent(whisper, speech):

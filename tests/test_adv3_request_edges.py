@@ -43,7 +43,8 @@ import soundfile
 
 from inference import audio, services
 
-from .helpers import FIXTURES, MODEL_S, mclient, pcm_wav, run, run_stack, silent_flac, wav_bytes, within
+from .helpers import (FIXTURES, MODEL_S, mclient, pcm_wav, run, run_stack, silent_flac, wav_bytes, within,
+                      without_timing)
 
 pytestmark = pytest.mark.stack
 
@@ -107,10 +108,6 @@ async def task_run(c: httpx.AsyncClient, model: str, data: bytes, **extra) -> ht
 async def transcribe(c: httpx.AsyncClient, data: bytes, **fields) -> httpx.Response:
     return await within(c.post("/v1/audio/transcriptions", data={"model": "whisper", **fields},
                                files={"file": ("audio.bin", data)}), MODEL_S)
-
-
-def result_of(resp: httpx.Response) -> dict:
-    return {key: value for key, value in resp.json().items() if key != "timing"}
 
 
 def error_of(resp: httpx.Response, statuses: tuple[int, ...]) -> dict:
@@ -280,7 +277,7 @@ def test_odd_but_legal_audio_gets_its_answer_on_both_routes(estack):
     async def scenario():
         async with mclient(estack, None, timeout=MODEL_S) as c:
             speech = pcm_wav(speech_pcm().tobytes())
-            reference = {"vad": result_of(await task_run(c, "vad", speech)),
+            reference = {"vad": without_timing(await task_run(c, "vad", speech)),
                          "whisper": (await transcribe(c, speech)).json()["text"]}
             for name, (data, status) in cases.items():
                 answers = {"vad": await task_run(c, "vad", data), "whisper-task": await task_run(c, "whisper", data),
@@ -291,7 +288,7 @@ def test_odd_but_legal_audio_gets_its_answer_on_both_routes(estack):
                         error = error_of(resp, (status,))
                         assert error["param"] in ("file", "request.audio_base64"), (name, route, error)
                 if name in SAME_AS_SPEECH:
-                    assert result_of(answers["vad"]) == reference["vad"], name
+                    assert without_timing(answers["vad"]) == reference["vad"], name
                     assert answers["whisper-multipart"].json()["text"] == reference["whisper"], name
             await drained(estack, c)
 

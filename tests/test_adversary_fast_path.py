@@ -23,7 +23,7 @@ import soundfile
 from inference import audio
 
 from .helpers import (FIXTURE_ENV, FIXTURES, MODEL_S, TINY, fx, mclient, pcm_wav, post, run, run_stack,
-                      silent_flac, wav_bytes, within, worker_pids)
+                      silent_flac, wav_bytes, within, without_timing, worker_pids)
 
 pytestmark = pytest.mark.stack
 
@@ -59,11 +59,6 @@ def fitting_input() -> bytes:
     data = silent_flac(frames / 16000)
     assert audio.decode_peak_bytes(audio.read_header(data, 3600), 16000) <= BUDGET_BYTES
     return data
-
-
-def result_of(resp: httpx.Response) -> dict:
-    """A response's body without its timing (which differs between two runs of the same request)."""
-    return {key: value for key, value in resp.json().items() if key != "timing"}
 
 
 def assert_error_shape(resp: httpx.Response, statuses: tuple[int, ...]) -> dict:
@@ -136,7 +131,7 @@ def test_a_burst_of_mixed_audio_on_a_one_slot_model_answers_as_when_idle(astack)
             for name, data in variants.items():
                 resp, _, _ = await post(c, "vad", data)
                 assert resp.status_code == 200, (name, resp.text)
-                alone[name] = result_of(resp)
+                alone[name] = without_timing(resp)
             assert alone["pcm16"]["segments"], alone["pcm16"]
             # the same samples through the int16 transport whatever the container or its stated length
             assert alone["pcm16"] == alone["pcm16_flac"] == alone["claims_more"] == alone["claims_huge"]
@@ -151,7 +146,7 @@ def test_a_burst_of_mixed_audio_on_a_one_slot_model_answers_as_when_idle(astack)
                 resp = got[0] if isinstance(got, tuple) else got
                 if name in variants:
                     assert resp.status_code == 200, (name, resp.text)
-                    assert result_of(resp) == alone[name], name
+                    assert without_timing(resp) == alone[name], name
                 elif name in BAD_AUDIO:
                     assert_error_shape(resp, (BAD_AUDIO[name][1],))
                 else:

@@ -152,7 +152,7 @@ def test_a_wait_dropped_by_unregister_reads_woken_and_resurrects_no_key(redis_cl
             sched = rig.scheduler
             assert (await sched.begin_load(rig.listener, "m", "loader")).action == "load"
             assert (await sched.begin_load(rig.listener, "m", "w1")).action == "wait"
-            manager = await sched.acquire(rig.listener, "m", 1000, LeaseKind.MANAGER)
+            manager = await within(sched.acquire(rig.listener, "m", 1000, LeaseKind.MANAGER), 10)
             await sched.unregister("m", manager.lease_id)  # raises LeaseNotHeld if not held
             assert (await sched.begin_load(rig.listener, "m", "w2", replaces="w1")).action == "woken"
             assert await rig.model_keys("m") == {"load": {}, "loadwait": {}}

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from inference import diarization, specs
-from inference.adapters import get_adapter
-from inference.adapters.base import AudioRequest, InvalidInput, LoadContext
+from inference.adapters.base import AudioRequest, InvalidInput
 
-from .helpers import MODEL_S, Stack, mclient, post, run, run_stack, until, wav_bytes
+from .helpers import (MODEL_S, Stack, adapter_session, mclient, post, run, run_stack, until, wav_bytes,
+                      without_timing)
 
 MUSIC_RATE = 22050
 SLOT_COUNTS = [1, 2, 3, 4]
@@ -142,20 +142,14 @@ def attribution(turns: list[dict], reference: list[tuple[str, float, float]]) ->
 
 # -- the adapters called directly -------------------------------------------------------------------
 
-def session_of(family: str):
-    ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", 0, 1, {}, {})
-    adapter = get_adapter(family)
-    return adapter.new_session(adapter.load(specs.get_spec(family), ctx), 0)
-
-
 @pytest.fixture(scope="module")
 def embedder():
-    return session_of("speaker_embedding")
+    return adapter_session("speaker_embedding")
 
 
 @pytest.fixture(scope="module")
 def transcriber():
-    return session_of("basic_pitch")
+    return adapter_session("basic_pitch")
 
 
 def embed(session, samples: np.ndarray) -> np.ndarray:
@@ -263,10 +257,6 @@ def task(stack: Stack, model: str, data: bytes, **options):
             "audio_base64": base64.b64encode(data).decode(), "options": options}})
 
 
-def _comparable(payload: dict) -> dict:
-    return {k: v for k, v in payload.items() if k != "timing"}
-
-
 def test_models_lists_the_new_families(cstack):
     with cstack.client() as client:
         listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
@@ -344,12 +334,12 @@ def test_bad_input_is_a_clear_4xx_and_leaves_nothing_held(cstack, speech):
 def _concurrent_equals_serial(stack: Stack, model: str, inputs: list[bytes], options: dict) -> None:
     async def scenario():
         async with mclient(stack, None, timeout=MODEL_S) as c:
-            serial = [_comparable((await post(c, model, data, **options))[0].json()) for data in inputs]
+            serial = [without_timing((await post(c, model, data, **options))[0].json()) for data in inputs]
             waves = []
             for order in (inputs, inputs[::-1]):
                 results = await asyncio.gather(*[post(c, model, data, **options) for data in order])
                 assert all(r[0].status_code == 200 for r in results), [r[0].text for r in results]
-                waves.append([_comparable(r[0].json()) for r in results])
+                waves.append([without_timing(r[0].json()) for r in results])
             return serial, waves
     serial, waves = run(scenario())
     assert waves[0] == serial
@@ -383,7 +373,7 @@ def test_two_pipelines_sharing_two_models_finish_around_a_component_barrier(csta
     embedding model (a manager: a barrier) queued among them: all finish, with the serial answers."""
     samples, _ = conversation(speech)
     data = wav_bytes(samples, 16000)
-    expected = _comparable(task(cstack, "diar", data).json())
+    expected = without_timing(task(cstack, "diar", data).json())
 
     async def scenario():
         async with mclient(cstack, None, timeout=MODEL_S) as c:
@@ -397,7 +387,7 @@ def test_two_pipelines_sharing_two_models_finish_around_a_component_barrier(csta
     results, code, out = run(scenario())
     assert code == 0, out
     assert all(r.status_code == 200 for r in results), [r.text for r in results]
-    assert all(_comparable(r.json()) | {"model": "diar"} == expected for r in results)
+    assert all(without_timing(r.json()) | {"model": "diar"} == expected for r in results)
     for model in ("diar", "diar-b", "vad", "emb"):
         cstack.wait_idle(model)
 
@@ -472,5 +462,5 @@ def test_a_manager_on_the_pipeline_waits_for_the_diarization_in_progress(cstack,
     assert code == 0, out
     assert first_done, "the unload ended while the diarization still held the pipeline's slot"
     assert first.status_code == 200 and later.status_code == 200, (first.text, later.text)
-    assert _comparable(first.json()) == _comparable(later.json())
+    assert without_timing(first.json()) == without_timing(later.json())
     cstack.wait_idle("diar1")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, body, entry_of, mclient, padded, post, run, run_stack, until,
-                      wav_bytes)
+                      wav_bytes, without_timing)
 
 pytestmark = pytest.mark.stack
 
@@ -294,10 +294,6 @@ def _inputs(speech) -> list[bytes]:
             wav_bytes(np.concatenate([b.samples, a.samples]), 16000)]
 
 
-def _comparable(payload: dict) -> dict:
-    return {k: v for k, v in payload.items() if k != "timing"}
-
-
 @pytest.mark.parametrize("family", ["whisper", "vad"])
 @pytest.mark.parametrize("n", COUNTS)
 def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
@@ -307,7 +303,7 @@ def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
 
     async def scenario():
         async with client(pstack, timeout=MODEL_S) as c:  # real models: loads and inference
-            serial = [_comparable((await post(c, model, data))[0].json()) for data in inputs]
+            serial = [without_timing((await post(c, model, data))[0].json()) for data in inputs]
             peak = 0
 
             async def watch():
@@ -319,7 +315,7 @@ def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
             waves = []
             for order in (inputs, inputs[::-1]):
                 results = await asyncio.gather(*[post(c, model, data) for data in order])
-                waves.append([_comparable(r[0].json()) for r in results])
+                waves.append([without_timing(r[0].json()) for r in results])
             watcher.cancel()
             return serial, waves, peak
     serial, waves, peak = run(scenario())

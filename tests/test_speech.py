@@ -19,10 +19,9 @@ import httpx
 import httpx_sse
 import jiwer
 import numpy as np
-import openai
 import pytest
 
-from .helpers import MODEL_S, Stack, decode_speech, run, run_stack, within, words
+from .helpers import MODEL_S, Stack, decode_speech, openai_client, run, run_stack, within, words
 
 pytestmark = pytest.mark.stack
 
@@ -53,23 +52,19 @@ def tts(tmp_path_factory) -> Stack:
     yield from run_stack(tmp_path_factory.mktemp("tts"), TTS_MODELS, redis_db=13, name="tts", parallel=True)
 
 
-def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=MODEL_S)
-
-
 def speak(stack: Stack, text: str, **fields) -> httpx.Response:
     with stack.client() as client:
         return client.post("/v1/audio/speech", json={"model": "piper", "input": text, "voice": "joe", **fields})
 
 
 def hear(stack: Stack, wav: bytes) -> str:
-    return sdk(stack).audio.transcriptions.create(model="whisper", file=("s.wav", io.BytesIO(wav)),
+    return openai_client(stack).audio.transcriptions.create(model="whisper", file=("s.wav", io.BytesIO(wav)),
                                                   language="en").text
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
 def test_the_sdk_gets_every_response_format_as_mono_speech_at_the_right_rate(tts, fmt):
-    client = sdk(tts)
+    client = openai_client(tts)
     text = SENTENCES[3]
     body = client.audio.speech.create(model="piper", voice="alloy", input=text, response_format=fmt,
                                       extra_body={"seed": 11}).content

@@ -26,7 +26,7 @@ import soundfile
 import soxr
 import websockets
 
-from .helpers import MODEL_S, QUICK_S, Stack, run, run_stack, until, wav_bytes, within, words
+from .helpers import MODEL_S, QUICK_S, Stack, openai_client, run, run_stack, until, wav_bytes, within, words
 
 pytestmark = pytest.mark.stack
 
@@ -43,10 +43,6 @@ BUFFER_BYTES = 1024 * 1024  # live_ingest.max_body_bytes of the stack: about 21 
 def live(tmp_path_factory) -> Stack:
     yield from run_stack(tmp_path_factory.mktemp("live"), MODELS, redis_db=11, name="live", parallel=True,
                          extra_config={"live_ingest": {"idle_timeout_ms": IDLE_MS, "max_body_bytes": BUFFER_BYTES}})
-
-
-def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=MODEL_S)
 
 
 def two_utterances(speech) -> bytes:
@@ -72,7 +68,8 @@ def test_sse_deltas_concatenate_to_the_done_text_which_equals_the_plain_text(liv
     the plain (non-streamed) text and the fixtures' reference (WER), with ``usage`` in seconds of the audio; the
     slot the stream held is free once it has ended."""
     wav = two_utterances(speech)
-    plain = sdk(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en").text
+    plain = openai_client(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)),
+                                                            language="en").text
     events = sse_events(live, wav)
     deltas = [e["delta"] for e in events if e["type"] == "transcript.text.delta"]
     done = events[-1]
@@ -105,9 +102,10 @@ def wav_samples(wav: bytes) -> np.ndarray:
 
 def test_the_official_sdk_iterates_the_stream_and_json_bodies_stream_too(live, speech):
     wav = speech[1].wav
-    plain = sdk(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en").text
-    stream = sdk(live).audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en",
-                                                   stream=True)
+    client = openai_client(live)
+    plain = client.audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en").text
+    stream = client.audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(wav)), language="en",
+                                                stream=True)
     events = list(stream)
     assert [type(e).__name__ for e in events][-1] == "TranscriptionTextDoneEvent"
     assert "".join(e.delta for e in events[:-1]) == events[-1].text == plain
