@@ -135,6 +135,18 @@ async def model_request_stats(ctx: AsyncContext, model_id: str) -> dict:
             "max_held_ms": recent[-1] if recent else None}
 
 
+IN_USE_STATES = (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING, ModelState.RECONFIGURING)
+
+
+def models_in_use(statuses: dict[str, ModelStatus]) -> list[str]:
+    """The ids among ``statuses`` (a scheduler snapshot) that a live deployment is using: a pool ready on a
+    live worker or a load running (the snapshot reads those of dead workers as unloaded), a teardown in
+    progress, or requests and managers holding or waiting for it."""
+    return [model_id for model_id, status in statuses.items()
+            if status["state"] in IN_USE_STATES or status["active_leases"] or status["queued"]
+            or status["manager_leases"] or status["queued_managers"]]
+
+
 def registration_get(model_id: str) -> ModelRegistration | None:
     """The database row of ``model_id`` or None."""
     return ModelRegistration.objects.filter(model_id=model_id).first()

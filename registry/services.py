@@ -79,6 +79,29 @@ def lifecycle_event_create(model_id: str, event: str, ok: bool, *, actor: str = 
     )
 
 
+def _entry_changed(row: ModelRegistration, fields: dict) -> bool:
+    """Whether saving a config entry's ``fields`` over ``row`` changes it (or takes an API row over)."""
+    return any(getattr(row, k) != v for k, v in fields.items()) or row.source != ModelRegistration.Source.CONFIG
+
+
+def _stale_config_rows(config: ServerConfig):
+    """Config-sourced registrations the file no longer lists (a queryset)."""
+    listed = [entry.id for entry in config.models]
+    return ModelRegistration.objects.filter(source=ModelRegistration.Source.CONFIG).exclude(model_id__in=listed)
+
+
+def registration_sync_plan(config: ServerConfig) -> dict[str, list[str]]:
+    """The report :func:`registration_sync_config` would return for ``config`` now, writing nothing."""
+    rows = {row.model_id: row for row in ModelRegistration.objects.filter(model_id__in=[e.id for e in config.models])}
+    report: dict[str, list[str]] = {"created": [], "updated": [], "unchanged": [], "removed": []}
+    for entry in config.models:
+        row = rows.get(entry.id)
+        outcome = "created" if row is None else "updated" if _entry_changed(row, _entry_fields(entry)) else "unchanged"
+        report[outcome].append(entry.id)
+    report["removed"] = list(_stale_config_rows(config).values_list("model_id", flat=True))
+    return report
+
+
 @transaction.atomic
 def registration_sync_config(config: ServerConfig, actor: str = "config") -> dict[str, list[str]]:
     """Upsert the config file's models; remove config-sourced rows the file no longer lists.
@@ -90,9 +113,7 @@ def registration_sync_config(config: ServerConfig, actor: str = "config") -> dic
         ``{"created": [...], "updated": [...], "unchanged": [...], "removed": [...]}`` (model ids).
     """
     report: dict[str, list[str]] = {"created": [], "updated": [], "unchanged": [], "removed": []}
-    listed = set()
     for entry in config.models:
-        listed.add(entry.id)
         fields = _entry_fields(entry)
         row = ModelRegistration.objects.select_for_update().filter(model_id=entry.id).first()
         if row is None:
@@ -100,8 +121,7 @@ def registration_sync_config(config: ServerConfig, actor: str = "config") -> dic
             lifecycle_event_create(entry.id, "register", True, actor=actor, detail=json.dumps(fields))
             report["created"].append(entry.id)
             continue
-        changed = any(getattr(row, k) != v for k, v in fields.items()) or row.source != ModelRegistration.Source.CONFIG
-        if changed:
+        if _entry_changed(row, fields):
             for key, value in fields.items():
                 setattr(row, key, value)
             row.source = ModelRegistration.Source.CONFIG
@@ -111,7 +131,7 @@ def registration_sync_config(config: ServerConfig, actor: str = "config") -> dic
             report["updated"].append(entry.id)
         else:
             report["unchanged"].append(entry.id)
-    stale = ModelRegistration.objects.filter(source=ModelRegistration.Source.CONFIG).exclude(model_id__in=listed)
+    stale = _stale_config_rows(config)
     for row in stale:
         lifecycle_event_create(row.model_id, "unregister", True, actor=actor, detail="no longer in the config file")
         report["removed"].append(row.model_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 import time
 
 import httpx
@@ -569,6 +570,52 @@ def test_dynamic_registrations_survive_a_registry_resync(mstack, token):
     entry = entry_of(mstack, "keep")
     assert entry["id"] == "keep" and entry["state"] == "unloaded"
     assert entry_of(mstack, "fx-base")["id"] == "fx-base"  # the config file's entries stay too
+
+
+def test_sync_config_refuses_to_change_a_model_in_use_and_applies_once_it_is_unloaded(mstack, token, tmp_path):
+    """One teardown path (issue 8 item 2): ``sync_config`` writes registrations without tearing pools down,
+    so against a live deployment it refuses a file that changes a model in use (``fx-base``, loaded):
+    exit status 1, the model named, nothing written, the pool still serving the old configuration. Once
+    the model is unloaded through the API, the same file is applied and the next request loads it anew."""
+    config = json.loads((mstack.log_path.parent / "server.json").read_text())
+    original = dict(config, models=[dict(m) for m in config["models"]])
+    for entry in config["models"]:
+        if entry["id"] == "fx-base":
+            entry["load_options"] = {"version": "v-sync"}
+    changed_path, original_path = tmp_path / "changed.json", tmp_path / "original.json"
+    changed_path.write_text(json.dumps(config))
+    original_path.write_text(json.dumps(original))
+
+    def sync(path) -> subprocess.CompletedProcess:
+        return mstack.manage("sync_config", env={"AUDIOSITE_PARALLEL_JOBS": "1", "AUDIOSITE_CONFIG": str(path)})
+
+    async def version(c) -> str:
+        resp, _, _ = await post(c, "fx-base")
+        assert resp.status_code == 200, resp.text
+        return resp.json()["config_version"]
+
+    async def unload(op) -> None:
+        resp = await op.post("/v1/models/unload", json={"id": "fx-base"})
+        assert resp.status_code == 200, resp.text
+
+    async def scenario():
+        async with mclient(mstack, token, timeout=MODEL_S) as op:
+            assert await version(op) == "v1"
+            refused = sync(changed_path)
+            assert refused.returncode == 1, refused.stdout
+            assert "['fx-base']" in refused.stderr and "in use" in refused.stderr, refused.stderr
+            assert "Nothing was written" in refused.stderr
+            assert await version(op) == "v1" and entry_of(mstack, "fx-base")["state"] == "ready"
+            await unload(op)
+            applied = sync(changed_path)
+            assert applied.returncode == 0, applied.stderr
+            assert "updated ['fx-base']" in applied.stdout
+            assert await version(op) == "v-sync"
+            await unload(op)  # put the module's configuration back
+            assert sync(original_path).returncode == 0
+    run(scenario())
+    assert mstack.sql("SELECT options->'load_options' FROM registry_modelregistration WHERE model_id = 'fx-base'") == [
+        ({"version": "v1"},)]
 
 
 # -- bulk unload (R5) ------------------------------------------------------------------------------

@@ -1,4 +1,14 @@
-"""``python manage.py sync_config``: upsert the config file's models and publish the registry to Redis."""
+"""``python manage.py sync_config``: upsert the config file's models and publish the registry to Redis.
+
+Meant for a deployment whose processes are stopped (the start order of docs/operations.md, "Scale-out"):
+it writes registrations and marks changed models unloaded without tearing anything down. Run against a
+live deployment, it refuses when a model it would change or remove is in use (a pool loaded or loading,
+a teardown, requests or managers holding or waiting for it): changing it under its pool would leave the
+pool running the old configuration. Such a model is changed through the management API (which waits for
+older requests and tears the pool down, R4.4), or unloaded first (``manage.py unload_model``).
+Tolerated race: a request may load such a model between the check and the write.
+"""
+import asyncio
 import os
 
 from django.core.exceptions import ImproperlyConfigured
@@ -7,7 +17,8 @@ from django.core.management.base import BaseCommand, CommandError
 from audiosite.serverconfig import ConfigError, get_config
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_scheduler
 from inference.scheduler import RuntimeMismatch
-from registry.services import registry_start, start_summary
+from registry.selectors import models_in_use
+from registry.services import registration_sync_plan, registry_start, start_summary
 
 
 class Command(BaseCommand):
@@ -28,6 +39,16 @@ class Command(BaseCommand):
             config = get_config()
         except ConfigError as exc:
             raise CommandError("\n".join([f"{exc.source}:"] + [f"  - {p}" for p in exc.problems])) from None
+        plan = registration_sync_plan(config)
+        touched = plan["updated"] + plan["removed"]
+        in_use = models_in_use(asyncio.run(sync_scheduler().snapshot(touched)))
+        if in_use:
+            raise CommandError(
+                f"this file changes or removes model(s) {in_use}, which are in use on this deployment: changing a "
+                "registration under its pool leaves the pool running the old configuration. Unload each first "
+                "(python manage.py unload_model ID), or apply the change through the management API "
+                "(POST /v1/models/load reconfigures, DELETE /v1/models/<id> unregisters), then run sync_config "
+                "again. Nothing was written.")
         try:
             report, published = registry_start(config, sync_scheduler(), sync_redis(), KEYS)
         except RuntimeMismatch as exc:
