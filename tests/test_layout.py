@@ -168,10 +168,17 @@ def test_imports_run_one_way(layer, forbidden):
     assert offending == []
 
 
+# The one model adapter the web process runs itself: Silero VAD finds the turns of a live transcription
+# (inference/realtime.py, docs/operations.md "Streamed transcription"); every model that serves requests
+# runs on a worker.
+WEB_ADAPTERS = {"inference.adapters.base", "inference.adapters.silero_vad"}
+
+
 def test_the_web_process_imports_no_worker_module():
     web = _reach("audiosite.asgi") | _reach("audiosite.urls")
     assert "inference.services" in web  # the graph does follow the request path
     assert sorted(m for m in web if m.startswith("inference.worker")) == []
+    assert sorted(m for m in web if m.startswith("inference.adapters") and m not in WEB_ADAPTERS) == []
 
 
 def test_the_start_up_warning_names_exactly_the_untested_rules_of_the_contract():
