@@ -40,7 +40,7 @@ from typing import Any
 
 import redis
 
-from inference.scheduler import Keys, LoadEnd, Scheduler
+from inference.scheduler import Keys, Scheduler
 
 TICK_S = 0.2
 """How often serve calls :meth:`WorkerSupervisor.tick`, in seconds (serve's main loop period)."""
@@ -232,36 +232,18 @@ class WorkerSupervisor:
         return result
 
     def _forget(self, hostname: str) -> list[str]:
-        """Settle what a dead worker left, then delete its liveness and registry entries.
+        """Settle what a dead worker left and delete its liveness and registry entries, in one step
+        (``Scheduler.forget_worker``, one Lua script).
 
-        Its ready pools are marked unloaded (``mark_unloaded.lua``), and a load
-        it had started is ended as ``LoadEnd.WORKER_LOST`` (no
-        backoff), which wakes every caller waiting on that load with 503
+        Its ready pools are marked unloaded, and a load it had started is ended as
+        ``worker_lost`` (no backoff), which wakes every caller waiting on that load with 503
         ``worker_lost`` now rather than when its claim expires (``lease_ttl_ms``).
 
         Returns:
             The ids of models that were loaded on it (state changed by this call).
         """
         def forget() -> list[str]:
-            model_ids = sorted(self._redis.hkeys(self._keys.models_meta))
-            pipe = self._redis.pipeline(transaction=False)
-            for model_id in model_ids:
-                pipe.hmget(self._keys.load(model_id), "state", "owner", "boot", "loader", "loader_host")
-            rows = pipe.execute()
-            lost = []
-            for model_id, (state, owner, boot, loader, loader_host) in zip(model_ids, rows, strict=True):
-                if state == "ready" and owner == hostname:
-                    if self._scheduler.mark_unloaded(model_id, boot, "worker lost") == 1:
-                        lost.append(model_id)
-                elif state == "loading" and loader_host == hostname and loader:
-                    self._scheduler.finish_load(model_id, loader, LoadEnd.WORKER_LOST,
-                                                error=f"worker {hostname} was lost while loading the model")
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.delete(self._keys.worker_live(hostname))
-            pipe.hdel(self._keys.worker_pid, hostname)
-            pipe.hdel(self._keys.worker_memory, hostname)
-            pipe.execute()
-            return lost
+            return self._scheduler.forget_worker(hostname, sorted(self._redis.hkeys(self._keys.models_meta)))
         return self._redis_call(forget) or []
 
     def _watch_boots(self, now: float) -> None:

@@ -326,6 +326,44 @@ def test_a_load_whose_worker_stops_beating_is_ended_for_every_waiter(redis_clien
     run(scenario())
 
 
+def test_a_worker_seen_to_exit_is_forgotten_in_one_step(redis_client):
+    """R7.4 (issue 8 item 3: one script per transition): when ``serve`` sees a worker exit, one call
+    (``forget_worker.lua``) marks its ready pool unloaded, ends the load it ran as ``worker_lost`` (its
+    waiter woken now, no backoff) and deletes its liveness key and registry entries, while the pool of
+    another worker and its entries stay as they were."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys, ttl_ms=60000) as rig:
+            sched = rig.scheduler
+            for host, boot in (("w1", "b1"), ("w2", "b2")):
+                await rig.redis.set(keys.worker_live(host), boot, px=60000)
+                await rig.redis.hset(keys.worker_pid, host, 100)
+                await rig.redis.hset(keys.worker_memory, host, 2048)
+            for model_id, host, boot in (("on-w1", "w1", "b1"), ("on-w2", "w2", "b2")):
+                assert (await sched.begin_load(rig.listener, model_id, f"t-{model_id}")).action == "load"
+                assert await sched.renew_load(model_id, f"t-{model_id}", host, boot) == 1
+                assert await sched.finish_load(model_id, f"t-{model_id}", LoadEnd.READY, owner=host, boot=boot) == "ok"
+            assert (await sched.begin_load(rig.listener, "loading", "t-load")).action == "load"
+            assert await sched.renew_load("loading", "t-load", "w1", "b1") == 1
+            woken = rig.listener.expect("load:waiter")
+            assert (await sched.begin_load(rig.listener, "loading", "waiter")).action == "wait"
+            lost = await sched.forget_worker("w1", ["on-w1", "on-w2", "loading", "never-loaded"])
+            status = await sched.snapshot(["on-w1", "on-w2", "loading"])
+            load = await rig.redis.hgetall(keys.load("loading"))
+            end = (await within(woken, 2)).split("\n")
+            left = (await rig.redis.exists(keys.worker_live("w1"), keys.worker_live("w2")),
+                    await rig.redis.hkeys(keys.worker_pid), await rig.redis.hkeys(keys.worker_memory))
+            return lost, status, load, end, left
+    lost, status, load, end, left = run(scenario())
+    assert lost == ["on-w1"]
+    assert (status["on-w1"]["state"], status["on-w1"]["error"]) == ("unloaded", "worker lost")
+    assert status["on-w2"]["state"] == "ready" and status["loading"]["state"] == "unloaded"
+    assert (load["ended"], load["error"]) == ("worker_lost", "worker w1 was lost while loading the model")
+    assert "retry_at_ms" not in load and "loader" not in load
+    assert end[-1] == "worker_lost:worker w1 was lost while loading the model"
+    assert left == (1, ["w2"], ["w2"])
+
+
 def test_a_waiter_looking_again_just_after_the_load_ended_hears_of_that_end(redis_client):
     """R7.4/R4.2: a waiter's timed look and the loader's finding of the dead worker fall on the same
     instant (both wait for the worker's liveness expiry). When the load ends first and the waiter's

@@ -47,7 +47,7 @@ _SCRIPT_NAMES = (
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
-    "census",
+    "census", "forget_worker",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -257,6 +257,20 @@ class Scheduler:
     def mark_unloaded(self, model_id: str, boot: str, error: str):
         """Record that the pool loaded under ``boot`` is gone. Returns 1 if state changed."""
         return self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error])
+
+    def forget_worker(self, hostname: str, model_ids: list[str]) -> list[str]:
+        """Forget a worker known to be gone, in one step (``forget_worker.lua``, R7.4): its ready pools of
+        ``model_ids`` (pass every registered model) become unloaded, a load it ran ends ``worker_lost``
+        (waiters woken now, no backoff), and its liveness key and registry entries are deleted.
+
+        Returns:
+            The ids of the models whose pool was on that worker.
+        """
+        bases = {self.keys.model(model_id): model_id for model_id in model_ids}
+        return _then(self._run("forget_worker", [self.keys.worker_live(hostname), self.keys.worker_pid,
+                                                 self.keys.worker_memory, *bases],
+                               [hostname, "worker lost", f"worker {hostname} was lost while loading the model"]),
+                     lambda lost: [bases[_text(base)] for base in lost])
 
     def add_load_waiter(self, listener: Listener, model_id: str, token: str, replaces: str = ""):
         """Register ``token`` to be woken (``load:<token>``) when the running load ends (R4.5).
