@@ -23,9 +23,9 @@ from django.utils import timezone
 from pydantic import ValidationError
 
 from audiosite.errors import InvalidRequest
-from audiosite.serverconfig import ModelConfig, ServerConfig, get_config, slot_count
+from audiosite.serverconfig import ModelConfig, ServerConfig, slot_count
 from inference import specs
-from inference.scheduler import Keys, Scheduler
+from inference.scheduler import Scheduler
 
 from .models import ApiToken, LifecycleEvent, LifecycleState, ModelRegistration
 
@@ -139,8 +139,7 @@ def registration_sync_config(config: ServerConfig, actor: str = "config") -> dic
     return report
 
 
-def registry_start(config: ServerConfig, scheduler: Scheduler, redis_client, keys: Keys
-                   ) -> tuple[dict[str, list[str]], list[str]]:
+def registry_start(config: ServerConfig, scheduler: Scheduler) -> tuple[dict[str, list[str]], list[str]]:
     """What every start runs (``manage.py sync_config``, ``manage.py serve``): claim the deployment's
     runtime (R1.4), upsert the config file's models (:func:`registration_sync_config`) and publish
     every registration (:func:`registry_publish`).
@@ -153,7 +152,7 @@ def registry_start(config: ServerConfig, scheduler: Scheduler, redis_client, key
     """
     scheduler.claim_runtime(config.runtime)
     report = registration_sync_config(config)
-    return report, registry_publish(redis_client, keys, config.runtime)
+    return report, registry_publish(scheduler, config.runtime)
 
 
 def start_summary(report: dict[str, list[str]], published: list[str]) -> str:
@@ -162,7 +161,7 @@ def start_summary(report: dict[str, list[str]], published: list[str]) -> str:
             f"published {len(published)} model(s)")
 
 
-def registry_publish(redis_client, keys: Keys, runtime: str = "legacy") -> list[str]:
+def registry_publish(scheduler: Scheduler, runtime: str = "legacy") -> list[str]:
     """Publish every registration to Redis, replacing what was there (one script, ``publish_registry.lua``).
 
     Each model's slot count is its ``slots`` (1 when unset; always 1 on the
@@ -171,8 +170,7 @@ def registry_publish(redis_client, keys: Keys, runtime: str = "legacy") -> list[
     name is recorded too (R1.4).
 
     Args:
-        redis_client: synchronous ``redis.Redis`` (decode_responses=True).
-        keys: the deployment's key layout.
+        scheduler: the process's scheduler on a synchronous client (``sync_scheduler()``).
         runtime: 'legacy' or 'parallel'.
 
     Returns:
@@ -180,7 +178,7 @@ def registry_publish(redis_client, keys: Keys, runtime: str = "legacy") -> list[
     """
     rows = list(ModelRegistration.objects.all())
     entries = [(row.as_meta(), slot_count(row.slots, runtime)) for row in rows]
-    Scheduler(redis_client, keys, get_config().lease_ttl_ms).publish_registry(entries, runtime)
+    scheduler.publish_registry(entries, runtime)
     return [row.model_id for row in rows]
 
 

@@ -17,7 +17,7 @@ from rest_framework.request import Request
 from rest_framework.test import APIRequestFactory
 
 from audiosite.serverconfig import parse_config
-from inference.scheduler import Keys
+from inference.scheduler import Keys, Scheduler
 from registry import services
 from registry.authentication import AsyncTokenAuthentication
 from registry.models import ApiToken, LifecycleEvent, ModelRegistration
@@ -59,18 +59,19 @@ def test_sync_leaves_api_registrations_alone():
 
 def test_publish_writes_metadata_and_marks_changed_models_unloaded(redis_client):
     keys = Keys(unique_prefix())
+    scheduler = Scheduler(redis_client, keys, 30000)
     services.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
-    assert services.registry_publish(redis_client, keys) == ["a"]
+    assert services.registry_publish(scheduler) == ["a"]
     meta = json.loads(redis_client.hget(keys.models_meta, "a"))
     assert meta["family"] == "silero_vad" and meta["task"] == "vad" and meta["path"] is None
     assert redis_client.get(keys.model("a") + ":cap") == "1"
     assert redis_client.get(keys.runtime) == "legacy"
     redis_client.hset(keys.model("a") + ":load", mapping={"state": "ready", "owner": "w", "boot": "b"})
-    services.registry_publish(redis_client, keys)  # unchanged: state kept
+    services.registry_publish(scheduler)  # unchanged: state kept
     assert redis_client.hget(keys.model("a") + ":load", "state") == "ready"
     services.registration_sync_config(config_with({"id": "a", "family": "silero_vad",
                                                    "default_request_options": {"threshold": 0.6}}))
-    services.registry_publish(redis_client, keys)
+    services.registry_publish(scheduler)
     assert redis_client.hget(keys.model("a") + ":load", "state") == "unloaded"
 
 

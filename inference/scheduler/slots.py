@@ -58,6 +58,11 @@ TICKET_CHECK_S = LIVENESS_TTL_MS / 1000
 """A queued waiter looks at its ticket (``reap.lua``) at least this often, in seconds (R7.5)."""
 
 
+def _held(reply: Any) -> bool:
+    """A script's 1/0 answer (held, renewed, changed) as a bool."""
+    return int(reply) == 1
+
+
 def _then(result: Any, convert: Callable[[Any], Any]) -> Any:
     """``convert(result)``; with an async client ``result`` is an awaitable, and so is the return value."""
     if inspect.isawaitable(result):
@@ -185,8 +190,9 @@ class Scheduler:
 
     # -- leases ---------------------------------------------------------------
     def release(self, model_id: str, lease_id: str):
-        """Give a lease back (idempotent). Returns 1 if it was held, else 0."""
-        return self._run("release", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms])
+        """Give a lease back (idempotent). Returns True if it was held, else False (an awaitable of it with
+        an async client)."""
+        return _then(self._run("release", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms]), _held)
 
     def release_in(self, pipe, model_id: str, lease_id: str) -> None:
         """Queue :meth:`release` on ``pipe`` (a pipeline of this instance's synchronous client), by its
@@ -199,8 +205,9 @@ class Scheduler:
         pipe.evalsha(script.sha, 1, self.keys.model(model_id), lease_id, self.lease_ttl_ms)
 
     def renew(self, model_id: str, lease_id: str):
-        """Extend a lease by the TTL. Returns 1, or 0 when it was already reclaimed."""
-        return self._run("renew", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms])
+        """Extend a lease by the TTL. Returns True, or False when it was already reclaimed (an awaitable of it
+        with an async client)."""
+        return _then(self._run("renew", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms]), _held)
 
     def keep_alive(self, model_id: str, lease_id: str) -> KeepAlive:
         """A :class:`KeepAlive` renewing ``lease_id`` every third of the TTL (``async with`` or ``with``)."""
@@ -224,13 +231,15 @@ class Scheduler:
 
     # -- loads ----------------------------------------------------------------
     def renew_load(self, model_id: str, token: str, host: str, boot: str):
-        """Extend the single loader's claim. Returns 1 if still the loader.
+        """Extend the single loader's claim. Returns True if still the loader (an awaitable of it with an async
+        client).
 
         ``host`` and ``boot`` name the worker loading (its Celery hostname and
         boot id): while the claim lasts, the load counts as dead as soon as that
         worker's liveness key is gone (R7.4), not only when the claim expires.
         """
-        return self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms, host, boot])
+        return _then(self._run("renew_load", [self.keys.model(model_id)], [token, self.lease_ttl_ms, host, boot]),
+                     _held)
 
     def load_claim(self, model_id: str, token: str):
         """How the load claimed by ``token`` is doing: :class:`ClaimStatus` (an awaitable of it with an async
@@ -255,8 +264,9 @@ class Scheduler:
                      lambda r: LoadOutcome(_text(r)))
 
     def mark_unloaded(self, model_id: str, boot: str, error: str):
-        """Record that the pool loaded under ``boot`` is gone. Returns 1 if state changed."""
-        return self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error])
+        """Record that the pool loaded under ``boot`` is gone. Returns True if the state changed (an awaitable
+        of it with an async client)."""
+        return _then(self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error]), _held)
 
     def forget_worker(self, hostname: str, model_ids: list[str]) -> list[str]:
         """Forget a worker known to be gone, in one step (``forget_worker.lua``, R7.4): its ready pools of

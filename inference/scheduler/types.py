@@ -251,7 +251,7 @@ class ModelStatus(TypedDict):
     pool (ready) or running the load (loading), else ''.
     """
 
-    state: str
+    state: ModelState
     active_leases: int
     queued: int
     error: str

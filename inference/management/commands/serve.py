@@ -66,7 +66,7 @@ from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
 from inference.consumers import close_live_sessions
 from inference.runtime import published
 from inference.management.commands.load_models import report_failures, report_preload
-from inference.runtime.context import KEYS, async_context, sync_redis, sync_scheduler
+from inference.runtime.context import KEYS, async_context, sync_scheduler
 from inference.services import PreloadResult, models_preload
 from inference.scheduler import RuntimeMismatch
 from inference.worker.memory import arenas_bounded
@@ -370,7 +370,7 @@ class Command(BaseCommand):
             CommandError: the deployment's Redis runs the other runtime (R1.4).
         """
         try:
-            report, published_ids = records.registry_start(config, sync_scheduler(), sync_redis(), KEYS)
+            report, published_ids = records.registry_start(config, sync_scheduler())
         except RuntimeMismatch as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(records.start_summary(report, published_ids))

@@ -15,7 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.serverconfig import ConfigError, get_config
-from inference.runtime.context import KEYS, redis_url, sync_redis, sync_scheduler
+from inference.runtime.context import redis_url, sync_scheduler
 from inference.scheduler import RuntimeMismatch
 from registry.selectors import models_in_use
 from registry.services import registration_sync_plan, registry_start, start_summary
@@ -50,7 +50,7 @@ class Command(BaseCommand):
                 "(POST /v1/models/load reconfigures, DELETE /v1/models/<id> unregisters), then run sync_config "
                 "again. Nothing was written.")
         try:
-            report, published = registry_start(config, sync_scheduler(), sync_redis(), KEYS)
+            report, published = registry_start(config, sync_scheduler())
         except RuntimeMismatch as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(start_summary(report, published))
