@@ -185,6 +185,32 @@ def test_cancelled_waiter_loses_its_ticket_at_once(redis_client):
     run(scenario())
 
 
+def test_a_waiter_leaving_after_an_unheard_grant_gives_the_lease_back_in_one_step(redis_client):
+    """R8.1/R2.4: a waiter whose grant was pushed but never heard (its subscription gone) and whose client
+    then leaves gives the lease back in the same script that looks for its ticket (``cancel.lua`` in its
+    'release' mode): the slot is free at once and the next request is granted without waiting."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig, Rig(keys) as deaf:
+            holder = await rig.acquire("m", 0)
+            waiter = asyncio.create_task(deaf.acquire("m", 0))
+            for _ in range(200):
+                if await rig.counts("m") == (1, 1):
+                    break
+                await asyncio.sleep(0.01)
+            await deaf.listener._pubsub.unsubscribe()  # the grant will go nowhere
+            assert await rig.scheduler.release("m", holder.lease_id)
+            assert await rig.counts("m") == (1, 0)  # granted to the waiter, which does not know it
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            counts = await rig.counts("m")
+            later = await rig.acquire("m", 1000)
+            return counts, later
+    counts, later = run(scenario())
+    assert counts == (0, 0) and later.waited_ms < 500
+
+
 def test_two_processes_share_one_queue(redis_client):
     """R2.1: waiters of different processes (listeners) are served in enqueue order."""
     async def scenario():

@@ -459,7 +459,7 @@ class Scheduler:
                         settled = True
                         raise AdmissionExpired(model_id, self.lease_ttl_ms)
                     continue
-                outcome = _text(await self._run("cancel", [base], [ticket, self.lease_ttl_ms]))
+                outcome = _text(await self._run("cancel", [base], [ticket, self.lease_ttl_ms, ""]))
                 settled = True
                 if outcome == "granted":
                     return Lease(model_id, ticket, 0, (loop.time() - started) * 1000, kind)
@@ -570,7 +570,7 @@ class Scheduler:
         return KeepAlive(tend, self.lease_ttl_ms / 3000, "bulk manager tickets")
 
     async def abandon(self, model_id: str, ticket: str) -> None:
-        """Give up a ticket or lease wherever it is (queued, granted or gone)."""
+        """Give up a ticket or lease wherever it is (queued, granted or gone), in one step."""
         await self._abandon(None, model_id, ticket)
 
     async def _abandon(self, enqueue, model_id: str, ticket: str) -> None:
@@ -583,10 +583,8 @@ class Scheduler:
                         return  # the run went to its worker with the grant: the worker releases the lease
                 except Exception:
                     pass
-            try:
-                outcome = _text(await self._run("cancel", [self.keys.model(model_id)], [ticket, self.lease_ttl_ms]))
-                if outcome == "granted":
-                    await self.release(model_id, ticket)
+            try:  # one step: out of the queue, or released if the grant won the race (cancel.lua)
+                await self._run("cancel", [self.keys.model(model_id)], [ticket, self.lease_ttl_ms, "release"])
             except Exception:
                 # Redis is unreachable: the lease (if any) expires after its TTL (R2.5).
                 pass

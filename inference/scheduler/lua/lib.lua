@@ -197,3 +197,27 @@ local function end_load(base, ended, err, now)
   wake_load_waiters(base, ended .. ':' .. err, loader)
   changed(base)
 end
+
+-- A holder gives its lease back (release.lua; cancel.lua's 'release' mode). Returns 1 if the lease
+-- (request or manager) was held, else 0. Records the end of work in ':load' last_used_ms (LRU order
+-- and idle age, R6.1/R6.4); a request lease counts in ':stats' and its hold time (grant -> release, ms)
+-- goes to the head of ':held' (the last HELD_KEEP kept). Reaps and runs the grant pass.
+local function release_lease(base, lease, now, ttl_ms)
+  local granted_at = tonumber(redis.call('HGET', base .. ':leases', lease) or '-1')
+  local held = redis.call('HDEL', base .. ':leases', lease) + redis.call('HDEL', base .. ':mleases', lease)
+  redis.call('ZREM', base .. ':expiry', lease)
+  if held > 0 and redis.call('EXISTS', base .. ':load') == 1 then
+    redis.call('HSET', base .. ':load', 'last_used_ms', now)
+  end
+  if granted_at >= 0 then  -- a request lease: count it and keep its hold time (the UI's latency figures)
+    local held_ms = math.max(0, now - granted_at)
+    redis.call('HINCRBY', base .. ':stats', 'requests', 1)
+    redis.call('HINCRBY', base .. ':stats', 'held_ms', held_ms)
+    redis.call('LPUSH', base .. ':held', held_ms)
+    redis.call('LTRIM', base .. ':held', 0, HELD_KEEP - 1)
+  end
+  if held > 0 then changed(base) end
+  reap(base, now)
+  grant_pass(base, now, ttl_ms)
+  return held
+end

@@ -8,22 +8,5 @@
 -- A request lease also counts in ':stats' (requests, held_ms) and its hold time
 -- (grant -> release, ms) goes to the head of ':held' (the last HELD_KEEP kept), for
 -- the UI's request counts and latencies. Publishes a change notice when a lease was held.
-local base, lease, ttl_ms = KEYS[1], ARGV[1], tonumber(ARGV[2])
-local now = now_ms()
-local granted_at = tonumber(redis.call('HGET', base .. ':leases', lease) or '-1')
-local held = redis.call('HDEL', base .. ':leases', lease) + redis.call('HDEL', base .. ':mleases', lease)
-redis.call('ZREM', base .. ':expiry', lease)
-if held > 0 and redis.call('EXISTS', base .. ':load') == 1 then
-  redis.call('HSET', base .. ':load', 'last_used_ms', now)
-end
-if granted_at >= 0 then  -- a request lease: count it and keep its hold time (the UI's latency figures)
-  local held_ms = math.max(0, now - granted_at)
-  redis.call('HINCRBY', base .. ':stats', 'requests', 1)
-  redis.call('HINCRBY', base .. ':stats', 'held_ms', held_ms)
-  redis.call('LPUSH', base .. ':held', held_ms)
-  redis.call('LTRIM', base .. ':held', 0, HELD_KEEP - 1)
-end
-if held > 0 then changed(base) end
-reap(base, now)
-grant_pass(base, now, ttl_ms)
-return held
+-- (lib's release_lease.) Clock: redis TIME.
+return release_lease(KEYS[1], ARGV[1], now_ms(), tonumber(ARGV[2]))
