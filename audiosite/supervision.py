@@ -5,12 +5,12 @@ killer, ``kill -9``, even a clean exit nobody asked for) is replaced:
 
 1. serve notices the exit within one tick (``TICK_S``) and logs it;
 2. it forgets the dead worker at once instead of letting its liveness key run
-   out (``LIVENESS_TTL_MS``): the models whose pools it owned are marked
-   unloaded in Redis (``mark_unloaded.lua``; serve records them in the
-   database through its ``on_lost`` callback), a load it had started is ended
-   as failed (its waiters get 503 ``worker_lost`` at once), then its liveness
-   key and its entries in ``Keys.worker_pid`` / ``Keys.worker_memory`` are
-   deleted. Web
+   out (``LIVENESS_TTL_MS``), in one script (``forget_worker.lua``): the models
+   whose pools it owned are marked unloaded in Redis, a load it had started is
+   ended as ``worker_lost`` (its waiters get 503 ``worker_lost`` at once), and
+   its liveness key and its entries in ``Keys.worker_pid`` /
+   ``Keys.worker_memory`` are deleted; serve then records both in the database
+   through its ``on_lost`` callback (the pools unloaded, the load failed). Web
    processes waiting for one of its runs then answer 503 ``worker_lost`` at
    their next watchdog tick (``inference.runtime.rpc.WATCHDOG_S``), and
    ``/health`` reports ``degraded`` while no other worker is alive;
@@ -40,7 +40,7 @@ from typing import Any
 
 import redis
 
-from inference.scheduler import Keys, Scheduler
+from inference.scheduler import ForgottenWorker, Keys, Scheduler
 
 TICK_S = 0.2
 """How often serve calls :meth:`WorkerSupervisor.tick`, in seconds (serve's main loop period)."""
@@ -122,15 +122,15 @@ class WorkerSupervisor:
         lease_ttl_ms: the deployment's lease TTL (the scheduler's scripts take it).
         first_delay_s, max_delay_s: the restart backoff (:class:`RestartBackoff`).
         say: writes one line to serve's log.
-        on_lost: ``on_lost(hostname, returncode, model_ids)`` after a worker exited and the
-            models it had loaded (``model_ids``) were marked unloaded in Redis.
+        on_lost: ``on_lost(hostname, returncode, forgotten)`` after a worker exited and what it held
+            was settled in Redis (``forgotten``: a :class:`ForgottenWorker`, its pools and its load).
         clock: monotonic seconds (``time.monotonic``).
     """
 
     def __init__(self, count: int, spawn: Callable[[int, str], subprocess.Popen],
                  new_hostname: Callable[[int], str], redis_client: Any, keys: Keys, lease_ttl_ms: int,
                  first_delay_s: float, max_delay_s: float, say: Callable[[str], None],
-                 on_lost: Callable[[str, int, list[str]], None], clock: Callable[[], float] = time.monotonic):
+                 on_lost: Callable[[str, int, ForgottenWorker], None], clock: Callable[[], float] = time.monotonic):
         self._spawn = spawn
         self._new_hostname = new_hostname
         self._redis = redis_client
@@ -204,16 +204,18 @@ class WorkerSupervisor:
         uptime_s = now - slot.started_at
         line = f"worker {slot.hostname} exited with {describe_exit(returncode)} after {uptime_s:.1f} s"
         slot.proc = None
-        lost = self._forget(slot.hostname)
-        if lost:
-            line += f"; its models {', '.join(lost)} are unloaded"
+        forgotten = self._forget(slot.hostname)
+        if forgotten.pools:
+            line += f"; its models {', '.join(forgotten.pools)} are unloaded"
+        if forgotten.loads:
+            line += f"; its load of {', '.join(forgotten.loads)} is ended"
         if restart:
             delay_s = slot.backoff.next_delay_s(uptime_s)
             slot.restart_at = now + delay_s
             line += f"; restarting it in {delay_s:g} s"
         self._say(line)
         try:
-            self._on_lost(slot.hostname, returncode, lost)
+            self._on_lost(slot.hostname, returncode, forgotten)
         except Exception as exc:  # the record is informative; supervision goes on
             self._say(f"recording the models of {slot.hostname} as unloaded failed: {exc}")
         return line
@@ -231,7 +233,7 @@ class WorkerSupervisor:
         self._redis_failing = False
         return result
 
-    def _forget(self, hostname: str) -> list[str]:
+    def _forget(self, hostname: str) -> ForgottenWorker:
         """Settle what a dead worker left and delete its liveness and registry entries, in one step
         (``Scheduler.forget_worker``, one Lua script).
 
@@ -240,11 +242,12 @@ class WorkerSupervisor:
         ``worker_lost`` now rather than when its claim expires (``lease_ttl_ms``).
 
         Returns:
-            The ids of models that were loaded on it (state changed by this call).
+            What it held: the models whose pool was on it and those whose load it ran (nothing when Redis
+            is unreachable).
         """
-        def forget() -> list[str]:
+        def forget() -> ForgottenWorker:
             return self._scheduler.forget_worker(hostname, sorted(self._redis.hkeys(self._keys.models_meta)))
-        return self._redis_call(forget) or []
+        return self._redis_call(forget) or ForgottenWorker([], [])
 
     def _watch_boots(self, now: float) -> None:
         for slot in self._slots:

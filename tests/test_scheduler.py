@@ -11,6 +11,7 @@ import pytest
 from inference.scheduler import (
     AdmissionOverdue,
     AdmissionTimeout,
+    ForgottenWorker,
     Keys,
     LoadEnd,
     LoadEndRecord,
@@ -381,7 +382,7 @@ def test_a_worker_seen_to_exit_is_forgotten_in_one_step(redis_client):
                     await rig.redis.hkeys(keys.worker_pid), await rig.redis.hkeys(keys.worker_memory))
             return lost, status, load, end, left
     lost, status, load, end, left = run(scenario())
-    assert lost == ["on-w1"]
+    assert lost == ForgottenWorker(pools=["on-w1"], loads=["loading"])
     assert (status["on-w1"]["state"], status["on-w1"]["error"]) == ("unloaded", "worker lost")
     assert status["on-w2"]["state"] == "ready" and status["loading"]["state"] == "unloaded"
     assert (load["ended"], load["error"]) == ("worker_lost", "worker w1 was lost while loading the model")

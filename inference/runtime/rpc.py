@@ -33,6 +33,7 @@ from inference.scheduler import (
     LoadLost,
     LoadOutcome,
     RunOffer,
+    Scheduler,
 )
 
 from .context import KEYS, AsyncContext, sync_redis_bytes
@@ -335,7 +336,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                 if claim is LoadClaim.EXPIRED:
                     # The loading worker is gone (R7.4): nobody will answer. End the load for everyone.
                     host = await ctx.redis.hget(KEYS.load(model_id), "loader_host") or ""
-                    error = f"worker {host} was lost while loading the model"
+                    error = Scheduler.lost_load_error(host)
                     ended = await ctx.scheduler.finish_load(model_id, token, LoadEnd.WORKER_LOST, error=error)
                     if ended is LoadOutcome.OK:
                         if on_load_lost is not None:

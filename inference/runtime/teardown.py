@@ -76,9 +76,7 @@ async def teardown_held(ctx: AsyncContext, lease: Lease, state: ModelState = Mod
     model_id = lease.model_id
     started = time.monotonic()
     await wait_for_load_in_progress(ctx, model_id)
-    load = await ctx.redis.hgetall(KEYS.load(model_id))
-    owner, boot = load.get("owner"), load.get("boot")
-    await ctx.scheduler.set_state(model_id, state, lease.lease_id)
+    owner, boot = await ctx.scheduler.set_state(model_id, state, lease.lease_id)  # the pool, forgotten in one step
     outcome, error, recorded_pool = TeardownOutcome.NOT_LOADED, "", bool(owner and boot)
     if owner and boot:
         outcome = TeardownOutcome.WORKER_LOST

@@ -20,6 +20,7 @@ from .slots import (
 from .types import (
     AdmissionProbe,
     Census,
+    ForgottenWorker,
     ClaimStatus,
     Lease,
     LeaseKind,
@@ -51,6 +52,7 @@ __all__ = [
     "AdmissionOverdue",
     "AdmissionTimeout",
     "Census",
+    "ForgottenWorker",
     "InvalidTransition",
     "KeepAlive",
     "Keys",

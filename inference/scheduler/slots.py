@@ -22,6 +22,7 @@ from .listener import Listener
 from .types import (
     AdmissionProbe,
     Census,
+    ForgottenWorker,
     ClaimStatus,
     Lease,
     LeaseKind,
@@ -268,19 +269,26 @@ class Scheduler:
         of it with an async client)."""
         return _then(self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error]), _held)
 
-    def forget_worker(self, hostname: str, model_ids: list[str]) -> list[str]:
+    def forget_worker(self, hostname: str, model_ids: list[str]) -> ForgottenWorker:
         """Forget a worker known to be gone, in one step (``forget_worker.lua``, R7.4): its ready pools of
         ``model_ids`` (pass every registered model) become unloaded, a load it ran ends ``worker_lost``
-        (waiters woken now, no backoff), and its liveness key and registry entries are deleted.
+        (waiters woken now, no backoff; the error is :meth:`lost_load_error`), and its liveness key and
+        registry entries are deleted.
 
         Returns:
-            The ids of the models whose pool was on that worker.
+            :class:`ForgottenWorker`: the models whose pool was on that worker, and those whose load it
+            ran (an awaitable of it with an async client).
         """
         bases = {self.keys.model(model_id): model_id for model_id in model_ids}
         return _then(self._run("forget_worker", [self.keys.worker_live(hostname), self.keys.worker_pid,
                                                  self.keys.worker_memory, *bases],
-                               [hostname, "worker lost", f"worker {hostname} was lost while loading the model"]),
-                     lambda lost: [bases[_text(base)] for base in lost])
+                               [hostname, "worker lost", self.lost_load_error(hostname)]),
+                     lambda r: ForgottenWorker([bases[_text(b)] for b in r[0]], [bases[_text(b)] for b in r[1]]))
+
+    @staticmethod
+    def lost_load_error(hostname: str) -> str:
+        """The error of a load whose worker ``hostname`` was lost (R7.4), as every path records it."""
+        return f"worker {hostname} was lost while loading the model"
 
     def add_load_waiter(self, listener: Listener, model_id: str, token: str, replaces: str = ""):
         """Register ``token`` to be woken (``load:<token>``) when the running load ends (R4.5).
@@ -309,12 +317,21 @@ class Scheduler:
         ``unloading`` and ``reconfiguring`` begin a teardown and forget the
         owner (the logical residency is cleared first, R4.5); ``unloaded`` ends it.
 
+        Returns:
+            ``(owner, boot)`` of the pool the model had when the state was set (Celery hostname and
+            boot id; ``("", "")`` when it had none), read in the same step: the pool a teardown
+            begun now must destroy (an awaitable of it with an async client).
+
         Raises:
             LeaseNotHeld: the manager lease was reclaimed.
             InvalidTransition: not an allowed transition from the current state.
         """
-        return _then(self._run("set_state", [self.keys.model(model_id)], [str(state), error, lease_id]),
-                     lambda r: self._checked(model_id, f"set_state {state}", r))
+        def pool(reply) -> tuple[str, str]:
+            if isinstance(reply, list):
+                return _text(reply[1]), _text(reply[2])
+            self._checked(model_id, f"set_state {state}", reply)
+            raise AssertionError(f"set_state.lua answered {reply!r}")  # _checked raised for every other answer
+        return _then(self._run("set_state", [self.keys.model(model_id)], [str(state), error, lease_id]), pool)
 
     def publish_entry(self, meta: dict, slots: int, lease_id: str = "", reset: bool = False):
         """Publish one registration and its slot count together (``publish_entry.lua``, R4.7).

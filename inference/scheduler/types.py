@@ -227,6 +227,14 @@ class AdmissionProbe(NamedTuple):
     entry_json: str = ""
 
 
+class ForgottenWorker(NamedTuple):
+    """Result of ``forget_worker.lua``: ``pools``, the ids of the models whose pool was on the worker (now
+    unloaded), and ``loads``, those whose load it was running (now ended ``worker_lost``)."""
+
+    pools: list[str]
+    loads: list[str]
+
+
 class Census(NamedTuple):
     """Result of ``census.lua``: ``live_workers`` (started workers whose liveness key exists),
     ``worker_starting`` (a supervisor is starting a worker, ``Keys.worker_starting``) and

@@ -68,7 +68,7 @@ from inference.runtime import published
 from inference.management.commands.load_models import report_failures, report_preload
 from inference.runtime.context import KEYS, async_context, sync_scheduler
 from inference.services import PreloadResult, models_preload
-from inference.scheduler import RuntimeMismatch
+from inference.scheduler import ForgottenWorker, RuntimeMismatch, Scheduler
 from inference.worker.memory import arenas_bounded
 from registry import services as records
 
@@ -255,10 +255,16 @@ class Command(BaseCommand):
         ], env=env, cwd=settings.BASE_DIR, start_new_session=True)
 
     @staticmethod
-    def _record_lost(hostname: str, returncode: int, model_ids: list[str]) -> None:
-        """Record in the database that the pools of a worker serve saw exit are gone (state ``unloaded``)."""
-        records.registration_record_lost(model_ids, f"worker {hostname} exited with {describe_exit(returncode)}",
-                                         actor="serve")
+    def _record_lost(hostname: str, returncode: int, forgotten: ForgottenWorker) -> None:
+        """Record in the database what a worker serve saw exit held, as settled in Redis by the supervisor
+        (the one that ended it records it): its pools are gone (state ``unloaded``), and a load it ran
+        failed (state ``unloaded``, a failed ``load`` row whose actor is the lost worker, as a web process
+        records a lost load: ``inference.services._record_lost_load``)."""
+        records.registration_record_lost(forgotten.pools, f"worker {hostname} exited with "
+                                         f"{describe_exit(returncode)}", actor="serve")
+        for model_id in forgotten.loads:
+            records.registration_record_load(model_id, False, error=Scheduler.lost_load_error(hostname),
+                                             actor=hostname)
 
     def _preload(self, model_ids: list[str]) -> None:
         """Load ``model_ids`` (``manage.py load_models``'s work, ``inference.services.models_preload``) in

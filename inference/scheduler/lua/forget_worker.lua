@@ -7,11 +7,12 @@
 -- change); a load this worker was running ends as 'worker_lost' with ARGV[3], no backoff, its waiters
 -- woken now (finish_load.lua's end, lib's end_load). Then the worker's liveness key and its entries in
 -- the pid and memory hashes are deleted.
--- Returns the base keys (KEYS[4..n]) of the models whose pool was on this worker.
+-- Returns {pools, loads}: the base keys (among KEYS[4..n]) of the models whose pool was on this
+-- worker, and of those whose load it was running.
 -- Clock: redis TIME.
 local host = ARGV[1]
 local now = now_ms()
-local lost = {}
+local lost, ended = {}, {}
 for i = 4, #KEYS do
   local base = KEYS[i]
   local key = base .. ':load'
@@ -23,9 +24,10 @@ for i = 4, #KEYS do
     lost[#lost + 1] = base
   elseif load[1] == 'loading' and load[3] and load[4] == host then
     end_load(base, 'worker_lost', ARGV[3], now)
+    ended[#ended + 1] = base
   end
 end
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], host)
 redis.call('HDEL', KEYS[3], host)
-return lost
+return {lost, ended}

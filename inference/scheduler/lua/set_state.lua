@@ -13,8 +13,10 @@
 --   unloading | reconfiguring | unloaded -> unloaded              (teardown ends)
 -- Refused: ready | loading -> unloaded (a teardown must begin first).
 -- A model with no ':load' hash reads as 'unloaded'.
--- Returns 'ok', 'not_held' (the lease is not a held manager lease of this
--- model: it was reaped or never granted) or 'bad_transition'.
+-- Returns {'ok', owner, boot}: the worker whose pool the model had (its Celery hostname and boot id,
+-- '' when none), read in the same step that forgets it (a teardown begun goes on to destroy that
+-- pool); or 'not_held' (the lease is not a held manager lease of this model: it was reaped or never
+-- granted) or 'bad_transition'.
 local base = KEYS[1]
 local key = base .. ':load'
 local want, err, lease = ARGV[1], ARGV[2], ARGV[3]
@@ -23,6 +25,7 @@ local state = redis.call('HGET', key, 'state') or 'unloaded'
 local begins = want == 'unloading' or want == 'reconfiguring'
 local ends = want == 'unloaded' and (state == 'unloading' or state == 'reconfiguring' or state == 'unloaded')
 if not (begins or ends) then return 'bad_transition' end
+local pool = redis.call('HMGET', key, 'owner', 'boot')
 -- An unload does not forget a failed load (R6.7): its error stays while its backoff is remembered.
 if err == '' and redis.call('HEXISTS', key, 'retry_at_ms') == 1 then
   redis.call('HSET', key, 'state', want)
@@ -32,4 +35,4 @@ end
 redis.call('HDEL', key, 'owner', 'boot', 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot',
            'capacity')
 changed(base)
-return 'ok'
+return {'ok', pool[1] or '', pool[2] or ''}

@@ -39,9 +39,14 @@ class Command(BaseCommand):
             config = get_config()
         except ConfigError as exc:
             raise CommandError("\n".join([f"{exc.source}:"] + [f"  - {p}" for p in exc.problems])) from None
+        scheduler = sync_scheduler()
+        try:
+            scheduler.claim_runtime(config.runtime)  # a process of the other runtime hears that first (R1.4)
+        except RuntimeMismatch as exc:
+            raise CommandError(str(exc)) from None
         plan = registration_sync_plan(config)
         touched = plan["updated"] + plan["removed"]
-        in_use = models_in_use(asyncio.run(sync_scheduler().snapshot(touched)))
+        in_use = models_in_use(asyncio.run(scheduler.snapshot(touched)))
         if in_use:
             raise CommandError(
                 f"this file changes or removes model(s) {in_use}, which are in use on this deployment: changing a "
@@ -50,7 +55,7 @@ class Command(BaseCommand):
                 "(POST /v1/models/load reconfigures, DELETE /v1/models/<id> unregisters), then run sync_config "
                 "again. Nothing was written.")
         try:
-            report, published = registry_start(config, sync_scheduler())
+            report, published = registry_start(config, scheduler)
         except RuntimeMismatch as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(start_summary(report, published))
