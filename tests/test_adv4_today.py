@@ -12,7 +12,8 @@ the fixture barrier ``L``), ``fs`` (lazy, sync_config). Every budget scenario en
 :func:`drained`: no slot/ticket/input key/run queue left, then a FLAC whose reservation is the whole
 budget minus 1 MiB is served (so no reservation leaked).
 
-Finding (fails on 2c4e041):
+Finding (failed on 2c4e041; fixed in c74dcfa, where ``forget_worker.lua`` also returns the loads it ended and
+``serve`` records each as a failed load):
 - ``test_a_worker_killed_during_a_held_load_ends_it_for_every_caller_and_records_it``: when ``serve``
   forgets a worker killed during a load (``forget_worker.lua`` ends it ``worker_lost``), nobody writes
   the load's end to the database: ``_record_lost`` records only the ready pools the script returns, the
