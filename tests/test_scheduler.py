@@ -339,7 +339,7 @@ def test_a_load_whose_worker_stops_beating_is_ended_for_every_waiter(redis_clien
                 await rig.redis.delete(live)
             else:
                 await rig.redis.set(live, "boot2", px=60000)
-            assert await sched.load_claim("m", "t1") == ("expired", 0)
+            assert await sched.load_claim("m", "t1") == ("expired", 0, "w1")
             assert (await sched.snapshot(["m"]))["m"]["state"] == "unloaded"
             assert not (await sched.add_load_waiter(rig.listener, "m", "manager2")).waiting
             lost = await sched.begin_load(rig.listener, "m", "t3")

@@ -335,7 +335,7 @@ async def load_single_flight(ctx: AsyncContext, model_id: str, pickup_timeout_s:
                                      f"{pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
                 if claim is LoadClaim.EXPIRED:
                     # The loading worker is gone (R7.4): nobody will answer. End the load for everyone.
-                    host = await ctx.redis.hget(KEYS.load(model_id), "loader_host") or ""
+                    host = status.host
                     error = Scheduler.lost_load_error(host)
                     ended = await ctx.scheduler.finish_load(model_id, token, LoadEnd.WORKER_LOST, error=error)
                     if ended is LoadOutcome.OK:

@@ -246,7 +246,7 @@ class Scheduler:
         """How the load claimed by ``token`` is doing: :class:`ClaimStatus` (an awaitable of it with an async
         client)."""
         return _then(self._run("load_claim", [self.keys.model(model_id), self.keys.worker_live_prefix], [token]),
-                     lambda r: ClaimStatus(LoadClaim(_text(r[0])), int(r[1])))
+                     lambda r: ClaimStatus(LoadClaim(_text(r[0])), int(r[1]), _text(r[2])))
 
     def finish_load(self, model_id: str, token: str, outcome: LoadEnd, owner: str = "", boot: str = "",
                     error: str = "", capacity: int = 0):

@@ -179,10 +179,12 @@ class LoadDecision:
 class ClaimStatus(NamedTuple):
     """Result of ``load_claim.lua``: the ``claim``'s state and, while ``RUNNING``, ``left_ms``:
     how long it stays alive if its worker stops now (the claim's or the worker's liveness
-    key's expiry, whichever comes first); 0 otherwise."""
+    key's expiry, whichever comes first); 0 otherwise. ``host``: the Celery hostname of the
+    worker that started the load (``RUNNING``, ``EXPIRED``; '' otherwise)."""
 
     claim: LoadClaim
     left_ms: int
+    host: str = ""
 
 
 class ReapResult(NamedTuple):
