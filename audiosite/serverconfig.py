@@ -388,3 +388,13 @@ def get_config() -> ServerConfig:
     if _cached is None:
         _cached = load_config()
     return _cached
+
+
+def install_config(config: ServerConfig) -> ServerConfig:
+    """Make ``config`` the process-wide configuration that :func:`get_config` returns from now on, and
+    return it. ``serve`` resolves its configuration once, from its command line and environment, and
+    installs it, so nothing in its process parses the file a second time (its children read the same
+    inputs from the environment it gives them)."""
+    global _cached
+    _cached = config
+    return config

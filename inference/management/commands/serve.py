@@ -60,8 +60,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.celery import app as celery_app
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, kombu_broker_url, redacted
-from audiosite.serverconfig import ConfigError, ServerConfig, load_config, slot_count
-from audiosite.settings import env_json
+from audiosite.serverconfig import ConfigError, ServerConfig, install_config, load_config, slot_count
+from audiosite.settings import env_json, env_str
 from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
 from inference.consumers import close_live_sessions
 from inference.runtime import published
@@ -141,11 +141,11 @@ class Command(BaseCommand):
             raise CommandError(f"AUDIOSITE_CONFIG_OVERRIDES is not a JSON object: {exc}") from None
         overrides.update({k: opts[k] for k in ("host", "port", "backend", "busy_timeout_ms", "ui_management",
                                                 "max_loaded_models", "idle_unload_ms") if opts.get(k) is not None})
-        config_path = opts.get("config") or os.environ.get("AUDIOSITE_CONFIG")
+        config_path = opts.get("config") or env_str("AUDIOSITE_CONFIG")
         if opts["parallel_jobs"]:
             os.environ["AUDIOSITE_PARALLEL_JOBS"] = "1"
         try:
-            config = load_config(config_path, overrides)
+            config = install_config(load_config(config_path, overrides))
         except ConfigError as exc:
             raise CommandError("\n".join([f"invalid configuration ({exc.source}):"]
                                          + [f"  - {p}" for p in exc.problems])) from None
