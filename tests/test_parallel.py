@@ -57,6 +57,8 @@ def test_runtime_mismatch_is_refused(pstack):
     legacy_env_run = pstack.manage("sync_config")  # stack.env has no AUDIOSITE_PARALLEL_JOBS: legacy
     assert legacy_env_run.returncode != 0
     assert "runs the parallel runtime" in legacy_env_run.stderr
+    assert "Start it with the deployment's runtime (--parallel-jobs or AUDIOSITE_PARALLEL_JOBS=1)" in \
+        legacy_env_run.stderr  # the remedy first (walkthrough of 2026-12-03: it led with deleting the key)
 
 
 # -- FIFO admission -------------------------------------------------------------------------

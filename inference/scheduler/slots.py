@@ -387,8 +387,11 @@ class Scheduler:
             if recorded != runtime:
                 raise RuntimeMismatch(
                     f"this deployment runs the {recorded} runtime (recorded in Redis key {self.keys.runtime}); "
-                    f"refusing to start a {runtime} process. Stop every process, delete that key, and start all "
-                    "processes with the same runtime.")
+                    f"refusing to start a {runtime} process. Start it with the deployment's runtime ("
+                    + ("--parallel-jobs or AUDIOSITE_PARALLEL_JOBS=1" if recorded == "parallel" else
+                       "without --parallel-jobs and AUDIOSITE_PARALLEL_JOBS")
+                    + "); to change the deployment's runtime instead, stop every process, delete that key, and start "
+                    "them all with the new one.")
         return _then(self._run("claim_runtime", [self.keys.runtime], [runtime]), check)
 
     # -- async admission (web processes) --------------------------------------
