@@ -170,6 +170,20 @@ def without_timing(answer: dict | httpx.Response) -> dict:
     return {key: value for key, value in payload.items() if key != "timing"}
 
 
+def error_of(resp: httpx.Response, statuses: tuple[int, ...]) -> dict:
+    """The ``error`` of a refusal whose status is one of ``statuses``, checked against the documented shape
+    (``message``, ``type``, ``param``, ``code``; a 503 is ``server_busy`` with ``Retry-After``, any other an
+    ``invalid_request_error``)."""
+    assert resp.status_code in statuses, (resp.status_code, resp.text[:400])
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if resp.status_code == 503:
+        assert error["type"] == "server_busy" and "retry-after" in resp.headers, (error, resp.headers)
+    else:
+        assert error["type"] == "invalid_request_error", error
+    return error
+
+
 def openai_client(stack) -> openai.OpenAI:
     """The official OpenAI SDK pointed at ``stack`` (no retries; a model-sized timeout)."""
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=MODEL_S)

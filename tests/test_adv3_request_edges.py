@@ -43,8 +43,8 @@ import soundfile
 
 from inference import audio, services
 
-from .helpers import (FIXTURES, MODEL_S, mclient, pcm_wav, run, run_stack, silent_flac, wav_bytes, within,
-                      without_timing)
+from .helpers import (FIXTURES, MODEL_S, error_of, mclient, pcm_wav, run, run_stack, silent_flac, wav_bytes,
+                      within, without_timing)
 
 pytestmark = pytest.mark.stack
 
@@ -108,18 +108,6 @@ async def task_run(c: httpx.AsyncClient, model: str, data: bytes, **extra) -> ht
 async def transcribe(c: httpx.AsyncClient, data: bytes, **fields) -> httpx.Response:
     return await within(c.post("/v1/audio/transcriptions", data={"model": "whisper", **fields},
                                files={"file": ("audio.bin", data)}), MODEL_S)
-
-
-def error_of(resp: httpx.Response, statuses: tuple[int, ...]) -> dict:
-    """The error of a refusal in the documented shape (and ``Retry-After`` on a 503)."""
-    assert resp.status_code in statuses, (resp.status_code, resp.text[:400])
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
-    if resp.status_code == 503:
-        assert error["type"] == "server_busy" and "retry-after" in resp.headers, (error, resp.headers)
-    else:
-        assert error["type"] == "invalid_request_error", error
-    return error
 
 
 async def drained(stack, c: httpx.AsyncClient) -> None:

@@ -42,8 +42,8 @@ import soundfile
 
 from inference import audio, services
 
-from .helpers import (FIXTURE_ENV, FIXTURES, MODEL_S, body, entry_of, fx, live_workers, mclient, pcm_wav, run,
-                      run_stack, silent_flac, within, worker_pid)
+from .helpers import (FIXTURE_ENV, FIXTURES, MODEL_S, body, entry_of, error_of, fx, live_workers, mclient, pcm_wav,
+                      run, run_stack, silent_flac, within, worker_pid)
 
 pytestmark = pytest.mark.stack
 
@@ -106,15 +106,6 @@ def flac_of(wav: bytes) -> bytes:
 async def task(c: httpx.AsyncClient, model: str, data: bytes = b"", **options) -> httpx.Response:
     payload = body(model, data or as_is(0.1), **options)
     return await within(c.post("/v1/tasks/run", json=payload), MODEL_S)
-
-
-def error_of(resp: httpx.Response, statuses: tuple[int, ...]) -> dict:
-    assert resp.status_code in statuses, (resp.status_code, resp.text[:400])
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
-    if resp.status_code == 503:
-        assert error["type"] == "server_busy" and "retry-after" in resp.headers, (error, resp.headers)
-    return error
 
 
 async def drained(stack, c: httpx.AsyncClient, probe: bool = True) -> None:
