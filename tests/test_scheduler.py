@@ -391,6 +391,33 @@ def test_a_worker_seen_to_exit_is_forgotten_in_one_step(redis_client):
     assert left == (1, ["w2"], ["w2"])
 
 
+def test_a_starting_worker_drops_departed_workers_and_a_stopping_one_only_its_own_entries(redis_client):
+    """R7.4 (one script per change of the worker registry): a worker starting drops the ``worker_pid`` and
+    ``worker_memory`` entries of workers whose liveness key is gone; a worker stopping deletes its key and
+    entries only while the key still holds its own boot id."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            sched = rig.scheduler
+            for host in ("alive", "gone", "reborn"):
+                await rig.redis.hset(keys.worker_pid, host, 1)
+                await rig.redis.hset(keys.worker_memory, host, 1024)
+            await rig.redis.set(keys.worker_live("alive"), "b1", px=60000)
+            await rig.redis.set(keys.worker_live("reborn"), "new-boot", px=60000)
+            departed = await sched.forget_departed_workers()
+            registry = sorted(await rig.redis.hkeys(keys.worker_pid)), sorted(await rig.redis.hkeys(keys.worker_memory))
+            stale_leave = await sched.worker_leave("reborn", "old-boot")  # another boot holds the name now
+            own_leave = await sched.worker_leave("alive", "b1")
+            left = (await rig.redis.exists(keys.worker_live("alive"), keys.worker_live("reborn")),
+                    sorted(await rig.redis.hkeys(keys.worker_pid)))
+            return departed, registry, stale_leave, own_leave, left
+    departed, registry, stale_leave, own_leave, left = run(scenario())
+    assert departed == ["gone"]
+    assert registry == (["alive", "reborn"], ["alive", "reborn"])
+    assert stale_leave is False and own_leave is True
+    assert left == (1, ["reborn"])
+
+
 def test_a_waiter_looking_again_just_after_the_load_ended_hears_of_that_end(redis_client):
     """R7.4/R4.2: a waiter's timed look and the loader's finding of the dead worker fall on the same
     instant (both wait for the worker's liveness expiry). When the load ends first and the waiter's

@@ -48,7 +48,7 @@ _SCRIPT_NAMES = (
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
-    "census", "forget_worker",
+    "census", "forget_worker", "forget_departed", "worker_leave",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -284,6 +284,20 @@ class Scheduler:
                                                  self.keys.worker_memory, *bases],
                                [hostname, "worker lost", self.lost_load_error(hostname)]),
                      lambda r: ForgottenWorker([bases[_text(b)] for b in r[0]], [bases[_text(b)] for b in r[1]]))
+
+    def forget_departed_workers(self) -> list[str]:
+        """Drop the registry entries (``worker_pid``, ``worker_memory``) of workers whose liveness key is
+        gone, in one step (``forget_departed.lua``). Returns their hostnames (an awaitable of them with an
+        async client). Tolerated race: a worker only frozen past its TTL re-adds itself at its next beat."""
+        return _then(self._run("forget_departed", [self.keys.worker_pid, self.keys.worker_memory,
+                                                   self.keys.worker_live_prefix], []),
+                     lambda hosts: [_text(host) for host in hosts])
+
+    def worker_leave(self, hostname: str, boot: str) -> bool:
+        """A stopping worker deletes its liveness key and registry entries, if the key still holds ``boot``
+        (``worker_leave.lua``). Returns True when they were deleted (an awaitable of it with an async client)."""
+        return _then(self._run("worker_leave", [self.keys.worker_live(hostname), self.keys.worker_pid,
+                                                self.keys.worker_memory], [hostname, boot]), _held)
 
     @staticmethod
     def lost_load_error(hostname: str) -> str:

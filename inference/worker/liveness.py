@@ -20,7 +20,7 @@ import threading
 
 import psutil
 
-from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, Keys
+from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, Keys, Scheduler
 
 from .state import WorkerState
 
@@ -38,29 +38,19 @@ def _beat(redis_client, keys: Keys, worker: WorkerState, hostname: str) -> None:
     pipe.execute()
 
 
-def _forget_departed(redis_client, keys: Keys) -> list[str]:
-    """Remove the registry entries (``worker_pid``, ``worker_memory``) of workers whose liveness key is gone.
-
-    Returns:
-        The hostnames removed. Tolerated race: a worker that was only frozen
-        past its TTL re-adds itself at its next beat.
-    """
-    departed = [hostname for hostname in redis_client.hkeys(keys.worker_pid)
-                if not redis_client.exists(keys.worker_live(hostname))]
-    if departed:
-        redis_client.hdel(keys.worker_pid, *departed)
-        redis_client.hdel(keys.worker_memory, *departed)
-    return departed
-
-
-def liveness_start(worker: WorkerState, hostname: str, redis_client, keys: Keys) -> None:
+def liveness_start(worker: WorkerState, hostname: str, scheduler: Scheduler) -> None:
     """Name the worker ``hostname``, publish its liveness at once, then every ``LIVENESS_EVERY_S`` in a thread.
 
-    Also drops the registry entries of workers that died without cleaning up (``_forget_departed``).
+    Also drops the registry entries of workers that died without cleaning up
+    (``Scheduler.forget_departed_workers``, one script).
+
+    Args:
+        scheduler: the process's scheduler on a synchronous client (``sync_scheduler()``).
     """
+    redis_client, keys = scheduler.redis, scheduler.keys
     worker.hostname = hostname
     _beat(redis_client, keys, worker, hostname)
-    departed = _forget_departed(redis_client, keys)
+    departed = scheduler.forget_departed_workers()
     if departed:
         log.info("forgot departed workers %s", ", ".join(departed))
 
@@ -74,12 +64,9 @@ def liveness_start(worker: WorkerState, hostname: str, redis_client, keys: Keys)
     threading.Thread(target=loop, name="liveness", daemon=True).start()
 
 
-def liveness_stop(worker: WorkerState, redis_client, keys: Keys) -> None:
-    """Stop beating and delete the worker's keys if they are still this boot's."""
+def liveness_stop(worker: WorkerState, scheduler: Scheduler) -> None:
+    """Stop beating and delete the worker's keys if they are still this boot's (``Scheduler.worker_leave``,
+    one script)."""
     _stop.set()
     if worker.hostname:
-        key = keys.worker_live(worker.hostname)
-        if redis_client.get(key) == worker.boot:
-            redis_client.delete(key)
-            redis_client.hdel(keys.worker_memory, worker.hostname)
-            redis_client.hdel(keys.worker_pid, worker.hostname)
+        scheduler.worker_leave(worker.hostname, worker.boot)

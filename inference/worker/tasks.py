@@ -18,7 +18,7 @@ from celery import shared_task, signals
 from kombu.asynchronous import get_event_loop
 
 from audiosite.serverconfig import get_config
-from inference.runtime.context import KEYS, sync_redis, sync_scheduler
+from inference.runtime.context import KEYS, sync_scheduler
 from inference.runtime.startup import check_runtime
 from registry import services as records
 
@@ -47,7 +47,7 @@ def _worker_identity(sender, instance, **kwargs):
     """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4)."""
     check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
     memory.warn_if_arenas_unbounded()
-    liveness.liveness_start(WORKER, sender, sync_redis(), KEYS)
+    liveness.liveness_start(WORKER, sender, sync_scheduler())
     dispatcher = RunDispatcher(WORKER, threads=instance.concurrency)
     dispatcher.start()
     _DISPATCHER.append(dispatcher)
@@ -109,7 +109,7 @@ def _exit_after_cold_shutdown(exitcode: int) -> None:
 
     def forget() -> None:
         try:
-            liveness.liveness_stop(WORKER, sync_redis(), KEYS)
+            liveness.liveness_stop(WORKER, sync_scheduler())
         except Exception:  # the key expires by itself
             log.warning("cold shutdown: could not delete the liveness key; it expires by itself")
     cleanup = threading.Thread(target=forget, name="cold cleanup", daemon=True)
@@ -138,7 +138,7 @@ def _worker_shutdown(**kwargs):
     lost = WORKER.close_all()
     for model_id in lost:
         scheduler.mark_unloaded(model_id, WORKER.boot, "worker stopped")
-    liveness.liveness_stop(WORKER, sync_redis(), KEYS)
+    liveness.liveness_stop(WORKER, scheduler)
     # A sender that found the model ready just before it was marked unloaded may have pushed a
     # header since: no sender targets this boot any more, so one last drain answers them all.
     for dispatcher in stopped:
