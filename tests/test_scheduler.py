@@ -192,7 +192,9 @@ def test_a_waiter_leaving_after_an_unheard_grant_gives_the_lease_back_in_one_ste
     'release' mode): the slot is free at once and the next request is granted without waiting."""
     async def scenario():
         keys = Keys(unique_prefix())
-        async with Rig(keys) as rig, Rig(keys) as deaf:
+        # Leases of 60 s: the waiter's own timer (a reap at the holder's expiry) stays far off, so only the
+        # cancellation can end its wait.
+        async with Rig(keys, ttl_ms=60000) as rig, Rig(keys, ttl_ms=60000) as deaf:
             holder = await rig.acquire("m", 0)
             waiter = asyncio.create_task(deaf.acquire("m", 0))
             for _ in range(200):
