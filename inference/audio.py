@@ -12,7 +12,7 @@ import math
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -74,12 +74,15 @@ class AudioHeader:
     ``frames`` is the length at ``sample_rate_hz`` as libsndfile computes it
     from the header (or, for OGG and MP3, from the stream's end); libsndfile
     never returns more frames than this, so it bounds what :func:`decode`
-    produces.
+    produces. ``as_is``: read by :func:`read_pcm16_as_is`, a WAV whose samples
+    need no decoding at the rate it was read for (they are a view of the
+    upload); not part of equality (the same header as libsndfile's).
     """
 
     sample_rate_hz: int
     channels: int
     frames: int
+    as_is: bool = field(default=False, compare=False)
 
     @property
     def duration_s(self) -> float:
@@ -121,7 +124,7 @@ def _checked_header(handle: soundfile.SoundFile, max_seconds: float) -> AudioHea
     return _checked_stated(int(handle.samplerate), int(handle.channels), int(handle.frames), max_seconds)
 
 
-def _checked_stated(rate: int, channels: int, frames: int, max_seconds: float) -> AudioHeader:
+def _checked_stated(rate: int, channels: int, frames: int, max_seconds: float, as_is: bool = False) -> AudioHeader:
     if not MIN_SAMPLE_RATE_HZ <= rate <= MAX_SAMPLE_RATE_HZ:
         raise ImplausibleAudio(
             f"sample rate {rate} Hz is outside the plausible range "
@@ -134,7 +137,7 @@ def _checked_stated(rate: int, channels: int, frames: int, max_seconds: float) -
                            f"max_audio_seconds={max_seconds:g}")
     if frames <= 0:
         raise EmptyAudio("the audio file holds no samples")
-    return AudioHeader(rate, channels, frames)
+    return AudioHeader(rate, channels, frames, as_is)
 
 
 def _undecodable(exc: Exception) -> UndecodableAudio:
@@ -428,7 +431,7 @@ def read_pcm16_as_is(data: bytes, target_rate_hz: int, max_seconds: float, max_f
     if layout is None:
         return None
     offset, frames = layout
-    header = _checked_stated(target_rate_hz, 1, frames, max_seconds)
+    header = _checked_stated(target_rate_hz, 1, frames, max_seconds, as_is=True)
     if not admit(header):
         return header, None
     return header, np.frombuffer(data, dtype="<i2", count=frames, offset=offset)

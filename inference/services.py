@@ -113,17 +113,17 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-def decoded_bytes_needed(header: audio.AudioHeader, target_rate_hz: int, as_is: bool = False) -> int:
+def decoded_bytes_needed(header: audio.AudioHeader, target_rate_hz: int) -> int:
     """Bytes a request with this audio header reserves in the decode budget: the decode's peak
     (:func:`inference.audio.decode_peak_bytes`) plus the copies made sending its samples to Redis
     (:func:`inference.runtime.rpc.send_copies_bytes`; none for large inputs).
 
-    A WAV read as-is (``as_is``: :func:`inference.runtime.decoding.reads_as_is`) decodes nothing: its
+    A WAV read as-is (``header.as_is``, ``inference.runtime.decoding``'s module doc) decodes nothing: its
     samples are a view of the upload, which no request counts (it is bounded by
     ``max_request_body_bytes``), so it reserves only the send copies of its 16-bit samples
     (8 s at 16 kHz: 0.5 MB instead of 2.9 MB).
     """
-    if as_is:
+    if header.as_is:
         return rpc.send_copies_bytes(header.frames * audio.INT16_BYTES)
     output_bytes = audio.output_frames_bound(header.frames, header.sample_rate_hz, target_rate_hz) * audio.FLOAT32_BYTES
     return audio.decode_peak_bytes(header, target_rate_hz) + rpc.send_copies_bytes(output_bytes)
@@ -149,21 +149,20 @@ async def inspect_audio(audio_input: AudioInput, family: str) -> audio.AudioHead
                                             config.max_audio_seconds)
     except audio.AudioError as exc:
         raise _audio_refusal(exc, audio_input.param) from None
-    _check_decodable(header, family, audio_input)
+    _check_decodable(header, family, audio_input.param)
     return header
 
 
-def _check_decodable(header: audio.AudioHeader, family: str, audio_input: AudioInput) -> None:
+def _check_decodable(header: audio.AudioHeader, family: str, param: str) -> None:
     """Refuse (413) audio whose decode needs more than the whole decode budget (see :func:`inspect_audio`)."""
-    rate = specs.require_spec(family)["sample_rate_hz"]
-    needed_bytes = decoded_bytes_needed(header, rate, decoding.reads_as_is(audio_input.data, rate))
+    needed_bytes = decoded_bytes_needed(header, specs.require_spec(family)["sample_rate_hz"])
     budget = decoding.budget()
     if not budget.fits_alone(needed_bytes):
         raise PayloadTooLarge(
             f"decoding this audio ({header.duration_s:.0f} s, {header.channels} channel(s) at "
             f"{header.sample_rate_hz} Hz) needs about {_mib(needed_bytes)}, more than this server decodes at once "
             f"(max_decoded_bytes_in_flight = {_mib(budget.limit_bytes)}); send shorter audio",
-            param=audio_input.param)
+            param=param)
 
 
 async def inspect_and_decode_audio(audio_input: AudioInput, family: str,
@@ -180,11 +179,11 @@ async def inspect_and_decode_audio(audio_input: AudioInput, family: str,
     rate = specs.require_spec(family)["sample_rate_hz"]
     try:
         inspected = await decoding.inspect_and_decode(audio_input.data, rate, get_config().max_audio_seconds,
-                                                      lambda header, as_is: decoded_bytes_needed(header, rate, as_is))
+                                                      lambda header: decoded_bytes_needed(header, rate))
     except audio.AudioError as exc:
         raise _audio_refusal(exc, audio_input.param) from None
     if inspected.samples is None or inspected.reservation is None:
-        _check_decodable(inspected.header, family, audio_input)
+        _check_decodable(inspected.header, family, audio_input.param)
         return inspected.header, None
     return inspected.header, rpc.RunInput(inspected.samples, rate, options, on_release=inspected.reservation.release)
 
@@ -207,7 +206,7 @@ async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, famil
         InvalidRequest: non-finite samples, or nothing left after resampling (400).
     """
     rate = specs.require_spec(family)["sample_rate_hz"]
-    needed_bytes = decoded_bytes_needed(header, rate, decoding.reads_as_is(audio_input.data, rate))
+    needed_bytes = decoded_bytes_needed(header, rate)
     budget = decoding.budget()
     reservation = budget.reserve(needed_bytes)
     if reservation is None:

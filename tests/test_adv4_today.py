@@ -2,7 +2,7 @@
 (fixture family, management on, a small decode budget, ``max_audio_seconds`` 60).
 
 1. Decode budget: a WAV read as-is reserves only the send copies of its int16 samples
-   (``services.decoded_bytes_needed(..., as_is=True)``, ``decoding.reads_as_is``).
+   (``services.decoded_bytes_needed`` of a header read as-is, ``AudioHeader.as_is``).
 2. ``manage.py sync_config`` refuses a file that changes or removes a model in use.
 3. ``serve`` forgets a worker that exited in one Lua script (``forget_worker.lua``).
 4. A worker that finishes a load whose claim was ended meanwhile writes nothing (``work.load_pool``).

@@ -138,13 +138,6 @@ async def read_header(data: bytes, target_rate_hz: int, max_seconds: float) -> a
     return await asyncio.get_running_loop().run_in_executor(_QUICK_POOL, audio.read_header, data, max_seconds)
 
 
-def reads_as_is(data: bytes, target_rate_hz: int) -> bool:
-    """Whether ``data`` is a WAV that needs no decoding for a model at ``target_rate_hz`` (module doc), which
-    :func:`read_header`, :func:`inspect_and_decode` and :func:`decode` read on the event loop: two chunk
-    headers checked (:func:`inference.audio.plain_pcm16_wav`), microseconds."""
-    return audio.plain_pcm16_wav(data, target_rate_hz, QUICK_DECODE_MAX_SAMPLES)
-
-
 def _leave(header: audio.AudioHeader) -> bool:
     return False
 
@@ -154,14 +147,14 @@ def _take(header: audio.AudioHeader) -> bool:
 
 
 def _as_is(data: bytes, target_rate_hz: int, max_seconds: float,
-           bytes_needed: Callable[[audio.AudioHeader, bool], int]) -> Inspected | None:
+           bytes_needed: Callable[[audio.AudioHeader], int]) -> Inspected | None:
     """:func:`inspect_and_decode` on the event loop for a WAV that needs no decoding (module doc), else None;
-    its samples are taken only when ``bytes_needed(header, True)`` fits in the budget now (then reserved)."""
+    its samples are taken only when ``bytes_needed(header)`` fits in the budget now (then reserved)."""
     reserved: list[Reservation] = []
 
     def admit(header: audio.AudioHeader) -> bool:
         spent = budget()
-        needed_bytes = bytes_needed(header, True)
+        needed_bytes = bytes_needed(header)
         reservation = spent.reserve(needed_bytes) if spent.fits_alone(needed_bytes) else None
         if reservation is not None:
             reserved.append(reservation)
@@ -185,11 +178,11 @@ class Inspected:
 
 
 def _inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
-                        bytes_needed: Callable[[audio.AudioHeader, bool], int], cancel: threading.Event) -> Inspected:
+                        bytes_needed: Callable[[audio.AudioHeader], int], cancel: threading.Event) -> Inspected:
     header = audio.read_header(data, max_seconds)
     if header.frames * header.channels > QUICK_DECODE_MAX_SAMPLES:
         return Inspected(header)
-    needed_bytes = bytes_needed(header, False)
+    needed_bytes = bytes_needed(header)
     spent = budget()
     if not spent.fits_alone(needed_bytes):
         return Inspected(header)
@@ -205,17 +198,17 @@ def _inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
 
 
 async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
-                             bytes_needed: Callable[[audio.AudioHeader, bool], int]) -> Inspected:
+                             bytes_needed: Callable[[audio.AudioHeader], int]) -> Inspected:
     """Read the header of ``data`` and, when it is small, decode it too: one quick-pool hop instead of
     :func:`read_header` now and :func:`decode` after the grant (for a request that will most likely be
     granted at once: ``admission_probe.lua``'s ``free``); no hop at all for a WAV that needs no decoding
     (module doc).
 
     Decodes only inputs of at most ``QUICK_DECODE_MAX_SAMPLES`` source samples whose
-    ``bytes_needed(header, as_is)`` (``as_is``: read without decoding) fits in the budget now (reserved
-    before decoding, as :func:`decode`'s caller does); otherwise returns the header alone and the
-    caller decodes later as usual. A cancelled caller stops the decoder at its next block, and samples
-    decoded for a caller that is gone give their reservation back.
+    ``bytes_needed(header)`` fits in the budget now (reserved before decoding, as :func:`decode`'s
+    caller does); otherwise returns the header alone and the caller decodes later as usual. A
+    cancelled caller stops the decoder at its next block, and samples decoded for a caller that
+    is gone give their reservation back.
 
     Raises:
         inference.audio.AudioError: see :func:`inference.audio.read_header` and :func:`inference.audio.decode`.
