@@ -7,8 +7,7 @@
 local departed = {}
 for _, host in ipairs(redis.call('HKEYS', KEYS[1])) do
   if redis.call('EXISTS', KEYS[3] .. host) == 0 then
-    redis.call('HDEL', KEYS[1], host)
-    redis.call('HDEL', KEYS[2], host)
+    worker_entries_gone(KEYS[1], KEYS[2], host)
     departed[#departed + 1] = host
   end
 end

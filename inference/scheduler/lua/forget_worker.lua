@@ -3,8 +3,8 @@
 -- KEYS[1] its liveness key   KEYS[2] the worker pid HASH   KEYS[3] the worker memory HASH
 -- KEYS[4..n] base keys of the models to look at (every registered model)
 -- ARGV[1] the worker's hostname   ARGV[2] error text of a pool it held   ARGV[3] error text of a load it ran
--- For each model: a pool 'ready' on this worker becomes 'unloaded' with ARGV[2] (mark_unloaded.lua's
--- change); a load this worker was running ends as 'worker_lost' with ARGV[3], no backoff, its waiters
+-- For each model: a pool 'ready' on this worker becomes 'unloaded' with ARGV[2] (lib's pool_gone, as
+-- mark_unloaded.lua); a load this worker was running ends as 'worker_lost' with ARGV[3], no backoff, its waiters
 -- woken now (finish_load.lua's end, lib's end_load). Then the worker's liveness key and its entries in
 -- the pid and memory hashes are deleted.
 -- Returns {pools, loads}: the base keys (among KEYS[4..n]) of the models whose pool was on this
@@ -18,9 +18,7 @@ for i = 4, #KEYS do
   local key = base .. ':load'
   local load = redis.call('HMGET', key, 'state', 'owner', 'loader', 'loader_host')
   if load[1] == 'ready' and load[2] == host then
-    redis.call('HSET', key, 'state', 'unloaded', 'error', ARGV[2])
-    redis.call('HDEL', key, 'owner', 'boot')
-    changed(base)
+    pool_gone(base, ARGV[2])
     lost[#lost + 1] = base
   elseif load[1] == 'loading' and load[3] and load[4] == host then
     end_load(base, 'worker_lost', ARGV[3], now)
@@ -28,6 +26,5 @@ for i = 4, #KEYS do
   end
 end
 redis.call('DEL', KEYS[1])
-redis.call('HDEL', KEYS[2], host)
-redis.call('HDEL', KEYS[3], host)
+worker_entries_gone(KEYS[2], KEYS[3], host)
 return {lost, ended}

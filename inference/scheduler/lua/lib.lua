@@ -221,3 +221,19 @@ local function release_lease(base, lease, now, ttl_ms)
   grant_pass(base, now, ttl_ms)
   return held
 end
+
+-- A loaded pool is gone (its worker died, stopped or lost it; R7.4): state 'unloaded' with ``err``,
+-- owner forgotten (mark_unloaded.lua, forget_worker.lua).
+local function pool_gone(base, err)
+  local key = base .. ':load'
+  redis.call('HSET', key, 'state', 'unloaded', 'error', err)
+  redis.call('HDEL', key, 'owner', 'boot')
+  changed(base)
+end
+
+-- Remove worker ``host`` from the worker registry: its entries in the pid and memory HASHes
+-- (forget_worker.lua, forget_departed.lua, worker_leave.lua; the caller deletes its liveness key).
+local function worker_entries_gone(pid_key, memory_key, host)
+  redis.call('HDEL', pid_key, host)
+  redis.call('HDEL', memory_key, host)
+end

@@ -3,7 +3,5 @@
 -- Only a 'ready' state with that boot id changes. Returns 1 if changed, else 0.
 local key = KEYS[1] .. ':load'
 if redis.call('HGET', key, 'state') ~= 'ready' or redis.call('HGET', key, 'boot') ~= ARGV[1] then return 0 end
-redis.call('HSET', key, 'state', 'unloaded', 'error', ARGV[2])
-redis.call('HDEL', key, 'owner', 'boot')
-changed(KEYS[1])
+pool_gone(KEYS[1], ARGV[2])
 return 1

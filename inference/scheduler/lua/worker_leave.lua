@@ -5,6 +5,5 @@
 -- Returns 1 if the worker's entries were deleted, else 0.
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[3], ARGV[1])
+worker_entries_gone(KEYS[2], KEYS[3], ARGV[1])
 return 1
