@@ -584,7 +584,7 @@ class Cluster(Deployment):
         return self._spawn("worker", hostname, [
             sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
             "--concurrency", str(WORKER_CONCURRENCY), "-n", hostname, "--without-gossip", "--without-mingle",
-            "--loglevel", "INFO"])
+            "--without-heartbeat", "--loglevel", "INFO"])
 
     def wait_ready(self, member: Member, timeout_s: float = MEMBER_START_S) -> None:
         """Wait until ``member`` serves: a web process answers ``/health`` 200; a worker beats

@@ -44,8 +44,14 @@ log = logging.getLogger(__name__)
 RUN_THREADS_MIN = 256
 """Upper bound of the run thread pool at least (threads are created only when runs wait for one)."""
 
-POP_TIMEOUT_S = 0.5
-"""How long one ``BRPOP`` blocks (it also returns when ``stop`` pushes on the wake list, at once)."""
+POP_TIMEOUT_S = 5.0
+"""How long one ``BRPOP`` blocks, in seconds. It returns at once when a run comes or when ``stop``
+pushes on the wake list, so this bounds only how often an idle worker asks again (each ask wakes
+the thread and Redis: 0.5 s cost an idle worker about 1.5 % of a core, docs/benchmarks.md) and how
+late a reader stops if that push failed."""
+
+POP_RETRY_S = 0.5
+"""After a failed ``BRPOP`` (Redis unreachable), how long the reader waits before it asks again."""
 
 WAKE_TTL_MS = 10_000
 """Expiry of the wake list's element (``Keys.run_queue_wake``), should nobody pop it."""
@@ -83,7 +89,7 @@ class RunDispatcher:
                 popped = self._client.brpop([self.queue_key, self.wake_key], timeout=POP_TIMEOUT_S)
             except redis.RedisError:
                 log.exception("reading the run queue failed; retrying")
-                self._stop.wait(POP_TIMEOUT_S)
+                self._stop.wait(POP_RETRY_S)
                 continue
             if popped is None or popped[0] == self.wake_key.encode():
                 continue  # (woken by stop: the loop's test ends it)

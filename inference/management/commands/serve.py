@@ -251,7 +251,7 @@ class Command(BaseCommand):
         return subprocess.Popen([
             sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
             "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle",
-            "--loglevel", "INFO",
+            "--without-heartbeat", "--loglevel", "INFO",
         ], env=env, cwd=settings.BASE_DIR, start_new_session=True)
 
     @staticmethod
