@@ -47,8 +47,7 @@ RUN_THREADS_MIN = 256
 POP_TIMEOUT_S = 5.0
 """How long one ``BRPOP`` blocks, in seconds. It returns at once when a run comes or when ``stop``
 pushes on the wake list, so this bounds only how often an idle worker asks again (each ask wakes
-the thread and Redis: 0.5 s cost an idle worker about 1.5 % of a core, docs/benchmarks.md) and how
-late a reader stops if that push failed."""
+the thread and Redis for nothing) and how late a reader stops if that push failed."""
 
 POP_RETRY_S = 0.5
 """After a failed ``BRPOP`` (Redis unreachable), how long the reader waits before it asks again."""

@@ -19,7 +19,9 @@ keep-alive connections from this process (the servers are separate processes):
   (a 0.25 s clip), each followed by a ``GET /health`` (the ratio compares the two in that window);
 - silero_vad over HTTP against the same adapter called in this process;
 - status reads (``GET /v1/models``) during bursts of 16 mixed calls (management
-  register/unload/unregister of silero_vad models and silero_vad inference).
+  register/unload/unregister of silero_vad models and silero_vad inference);
+- the machine's wake-up cost (not a target): the bare app's ``GET`` back-to-back and after
+  30 ms and 300 ms of idle, which tells apart a machine where waking a process is slow.
 
 It prints a table with ratios and PASS/FAIL per target (issue 8, item 7). The
 machine's other load adds noise: the ratios come from one run, so compare those.
@@ -58,6 +60,8 @@ from inference.adapters.base import AudioRequest, LoadContext
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 VAD, ASR = "silero-vad", "whisper-tiny.en"
+WAKE_GAPS_S = (0.03, 0.3)
+"""Idle gaps before the wake-up probes of :meth:`Command._wake_cost` (s): about one silero_vad run, and longer."""
 BURST = 16
 
 
@@ -186,6 +190,29 @@ class Command(BaseCommand):
         for conn in conns.values():
             conn.close()
         return times
+
+    def _wake_cost(self, url: str) -> dict[float, float]:
+        """p50 ms of a ``GET /health`` on ``url`` (the bare ASGI app) sent back-to-back and after each of
+        ``WAKE_GAPS_S`` of idle: what waking idle processes costs on this machine (not a target).
+
+        Every hop of a request wakes a process that was waiting (the web process, Redis, the worker);
+        on some virtual machines that costs far more than on others, and more the longer the process
+        slept (docs/benchmarks.md, "Waking up costs"). This line tells such a machine apart."""
+        conn = _Conn(url)
+        try:
+            for _ in range(20):
+                conn.get("/health")
+            result = {}
+            for gap_s in (0.0, *WAKE_GAPS_S):
+                times = []
+                for _ in range(15):
+                    if gap_s:
+                        time.sleep(gap_s)
+                    times.append(conn.get("/health")[1])
+                result[gap_s] = statistics.median(times)
+            return result
+        finally:
+            conn.close()
 
     def _throughput(self, url: str, path: str, clients: int, seconds: float) -> float:
         """Requests per second of ``clients`` threads sending GETs without pause for ``seconds``."""
@@ -347,6 +374,7 @@ class Command(BaseCommand):
             lat = self._latency({"bare ASGI app": (bare, "/health"), "minimal adrf APIView": (minimal, "/health"),
                                  "GET /health": (url, "/health"), "GET /v1/models": (url, "/v1/models")},
                                 opts["repeats"])
+            wake = self._wake_cost(bare)
             tput = {name: self._throughput(u, "/health", opts["clients"], opts["seconds"])
                     for name, u in (("bare ASGI app", bare), ("minimal adrf APIView", minimal),
                                     ("GET /health", url))}
@@ -384,6 +412,9 @@ class Command(BaseCommand):
         out(f"status reads during {opts['bursts']} bursts of {BURST} mixed calls: n={len(reads)} "
             f"p50 {statistics.median(reads) if reads else float('nan'):.2f} p99 {read99:.2f} max "
             f"{max(reads) if reads else float('nan'):.2f} ms; burst answers {dict(sorted(codes.items()))}")
+
+        out("machine wake-up cost (not a target): bare ASGI GET p50 back-to-back {:.2f} ms, ".format(wake[0.0])
+            + ", ".join(f"after {gap * 1000:.0f} ms idle {wake[gap]:.2f} ms" for gap in WAKE_GAPS_S))
 
         def verdict(ok: bool) -> str:
             return "PASS" if ok else "FAIL"
