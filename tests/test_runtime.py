@@ -17,7 +17,7 @@ from inference.runtime.published import legacy_slots_ignored
 from inference import audio
 from inference.runtime.rpc import INPUT_TTL_MS, inline_element, load_single_flight, split_element
 from inference.scheduler import LoadEnd, Scheduler
-from inference.worker.runs import RunDispatcher
+from inference.worker.runs import POP_TIMEOUT_S, RunDispatcher
 from inference.worker.state import WorkerState
 from inference.worker.work import INLINE_REPLY_TTL_MS
 
@@ -252,6 +252,23 @@ def test_the_run_dispatcher_pops_its_own_boots_queue_and_refuses_runs_it_holds_n
         assert dispatcher.stop() == 0
     assert json.loads(redis_client.get(KEYS.result("fresh")))["kind"] == "not_loaded"
     assert redis_client.get(KEYS.result("stale")) is None and redis_client.llen(stale_key) == 1
+
+
+def test_an_idle_dispatcher_stops_at_once_not_at_the_end_of_its_blocking_pop(redis_client):
+    """The popping thread blocks in ``BRPOP`` for up to ``POP_TIMEOUT_S`` (5 s) while idle; ``stop`` wakes
+    it through the wake list, so a warm shutdown never waits for that timeout."""
+    worker = WorkerState()
+    worker.hostname = "gpu0@idle"
+    dispatcher = RunDispatcher(worker, threads=2)
+    dispatcher.start()
+    deadline = time.monotonic() + 5
+    db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
+    while not any(c["cmd"] == "brpop" and c["db"] == db for c in redis_client.client_list()):  # it blocks now
+        assert time.monotonic() < deadline, "the dispatcher never blocked on its queue"
+        time.sleep(0.02)
+    started = time.monotonic()
+    assert dispatcher.stop() == 0
+    assert time.monotonic() - started < POP_TIMEOUT_S / 5, "stop waited for the BRPOP's timeout"
 
 
 def _peak_rss_mb() -> float:
