@@ -44,10 +44,16 @@ log = logging.getLogger(__name__)
 RUN_THREADS_MIN = 256
 """Upper bound of the run thread pool at least (threads are created only when runs wait for one)."""
 
-POP_TIMEOUT_S = 5.0
+POP_TIMEOUT_S = 2.0
 """How long one ``BRPOP`` blocks, in seconds. It returns at once when a run comes or when ``stop``
 pushes on the wake list, so this bounds only how often an idle worker asks again (each ask wakes
-the thread and Redis for nothing) and how late a reader stops if that push failed."""
+the thread and Redis for nothing) and how late a reader stops if that push failed. The reader's
+client waits ``POP_SOCKET_TIMEOUT_S`` for an answer: redis-py's default socket timeout (5 s in
+redis-py 8) would cut a longer ``BRPOP`` as a failure."""
+
+POP_SOCKET_TIMEOUT_S = POP_TIMEOUT_S + 5.0
+"""Socket timeout of the reader's client (s): longer than any ``BRPOP`` it sends, still finite so a
+dead connection is noticed."""
 
 POP_RETRY_S = 0.5
 """After a failed ``BRPOP`` (Redis unreachable), how long the reader waits before it asks again."""
@@ -74,7 +80,8 @@ class RunDispatcher:
         self._pool = ThreadPoolExecutor(max_workers=max(threads, RUN_THREADS_MIN) + 1, thread_name_prefix="run")
         self._stop = threading.Event()
         # The popping thread's BRPOP holds one connection of this client's pool while it blocks.
-        self._client: Any = redis.Redis.from_url(redis_url(), decode_responses=False)
+        self._client: Any = redis.Redis.from_url(redis_url(), decode_responses=False,
+                                                 socket_timeout=POP_SOCKET_TIMEOUT_S)
 
     def start(self) -> None:
         """Start popping runs."""

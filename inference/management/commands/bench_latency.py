@@ -413,7 +413,7 @@ class Command(BaseCommand):
             f"p50 {statistics.median(reads) if reads else float('nan'):.2f} p99 {read99:.2f} max "
             f"{max(reads) if reads else float('nan'):.2f} ms; burst answers {dict(sorted(codes.items()))}")
 
-        out("machine wake-up cost (not a target): bare ASGI GET p50 back-to-back {:.2f} ms, ".format(wake[0.0])
+        out(f"machine wake-up cost (not a target): bare ASGI GET p50 back-to-back {wake[0.0]:.2f} ms, "
             + ", ".join(f"after {gap * 1000:.0f} ms idle {wake[gap]:.2f} ms" for gap in WAKE_GAPS_S))
 
         def verdict(ok: bool) -> str:
