@@ -13,14 +13,15 @@ import pytest
 import redis
 
 from audiosite.errors import ServerBusy
+from audiosite.serverconfig import get_config, install_config
 from inference.runtime.context import KEYS, async_context
 from inference.runtime.published import legacy_slots_ignored
 from inference import audio
 from inference.runtime.rpc import INPUT_TTL_MS, inline_element, load_single_flight, split_element
 from inference.scheduler import LoadEnd, Scheduler
 from inference.worker.runs import POP_TIMEOUT_S, RunDispatcher
-from inference.worker.state import WorkerState
-from inference.worker.work import INLINE_REPLY_TTL_MS
+from inference.worker.state import CapacityExceeded, WorkerState
+from inference.worker.work import INLINE_REPLY_TTL_MS, destroy_pool
 
 from .helpers import run, within
 
@@ -307,6 +308,28 @@ def test_the_sync_client_sends_large_samples_without_copying_them(redis_client):
         assert grown < 16, f"peak RSS grew {grown:.1f} MB while sending {samples.nbytes / 1e6:.1f} MB"
     finally:
         client.delete(KEYS.input("copy-check"))
+
+
+def test_the_legacy_runtime_builds_one_session_for_a_registration_that_kept_its_slots():
+    """R1.1: on the legacy runtime a worker builds one session for a registration that kept the
+    ``slots`` it was given under --parallel-jobs, as serve's start-up warning says (walkthrough
+    finding: it built the registration's count and failed the load, CapacityExceeded, 503
+    load_failed). On the parallel runtime the same registration is refused as before (R9.2)."""
+    meta = {"id": "kept-slots", "family": "silero_vad", "task": "vad", "mode": "offline", "slots": 9}
+    config = get_config()
+    assert config.runtime == "legacy"
+    worker = WorkerState()
+    pool = worker.build("kept-slots", meta, json.dumps(meta))
+    try:
+        assert len(pool.sessions) == 1
+    finally:
+        destroy_pool(worker, "kept-slots")
+    install_config(config.model_copy(update={"runtime": "parallel"}))
+    try:
+        with pytest.raises(CapacityExceeded):
+            WorkerState().build("kept-slots", meta, json.dumps(meta))
+    finally:
+        install_config(config)
 
 
 def test_a_legacy_start_names_the_registrations_whose_slots_it_does_not_run():

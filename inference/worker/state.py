@@ -117,7 +117,7 @@ class WorkerState:
         """Load weights and every slot's session privately, then publish the pool locally.
 
         Args:
-            meta: the published registration (``slots`` None = 1).
+            meta: the published registration (``slots`` None = 1; always 1 on the legacy runtime).
             barrier: ``barrier(name)`` for the test family.
 
         Raises:
@@ -127,7 +127,10 @@ class WorkerState:
         """
         config = get_config()
         spec = specs.get_spec(meta["family"])
-        slots = meta.get("slots") or 1
+        # The legacy runtime serves one session per model (R1.1) even for a registration that keeps the
+        # ``slots`` it was given under --parallel-jobs (serve warns about those at start-up).
+        asked = meta.get("slots") if config.runtime == "parallel" else None
+        slots = asked or 1
         ctx = LoadContext(
             checkpoint=specs.resolve_checkpoint(meta["family"], meta.get("path")),
             backend=resolve_backend(config.backend),
@@ -142,7 +145,7 @@ class WorkerState:
         capacity = adapter.capacity(spec, ctx)
         if slots > capacity:
             raise CapacityExceeded(f"{slots} slots exceed the capacity of {meta['family']} (capacity={capacity})")
-        if meta.get("slots") is not None:  # never serve a count the admission table does not admit (R9.2)
+        if asked is not None:  # never serve a count the admission table does not admit (R9.2)
             problems = specs.slots_problems(meta["family"], meta["task"], meta["mode"], slots, ctx.backend)
             if problems:
                 raise CapacityExceeded(problems[0])
