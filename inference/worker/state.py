@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
-from audiosite.serverconfig import get_config
+from audiosite.serverconfig import get_config, slot_count
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import LoadContext
@@ -127,10 +127,9 @@ class WorkerState:
         """
         config = get_config()
         spec = specs.get_spec(meta["family"])
-        # The legacy runtime serves one session per model (R1.1) even for a registration that keeps the
-        # ``slots`` it was given under --parallel-jobs (serve warns about those at start-up).
-        asked = meta.get("slots") if config.runtime == "parallel" else None
-        slots = asked or 1
+        # The count the registry published (R1.1: one on the legacy runtime, also for a registration that
+        # keeps the ``slots`` it was given under --parallel-jobs; serve warns about those at start-up).
+        slots = slot_count(meta.get("slots"), config.runtime)
         ctx = LoadContext(
             checkpoint=specs.resolve_checkpoint(meta["family"], meta.get("path")),
             backend=resolve_backend(config.backend),
@@ -145,7 +144,7 @@ class WorkerState:
         capacity = adapter.capacity(spec, ctx)
         if slots > capacity:
             raise CapacityExceeded(f"{slots} slots exceed the capacity of {meta['family']} (capacity={capacity})")
-        if asked is not None:  # never serve a count the admission table does not admit (R9.2)
+        if config.runtime == "parallel" and meta.get("slots") is not None:  # only admitted counts (R9.2)
             problems = specs.slots_problems(meta["family"], meta["task"], meta["mode"], slots, ctx.backend)
             if problems:
                 raise CapacityExceeded(problems[0])
