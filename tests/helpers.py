@@ -47,6 +47,7 @@ import redis.asyncio as aioredis
 import soundfile
 from django.core.management import call_command
 from inference import specs
+from inference.management.commands.serve import worker_argv
 from inference.adapters import get_adapter
 from inference.adapters.base import LoadContext
 from inference.runtime.context import KEYS as RUNTIME_KEYS
@@ -581,10 +582,7 @@ class Cluster(Deployment):
     def spawn_worker(self) -> Member:
         """Start a Celery GPU worker with a unique hostname (not waited for: see :meth:`wait_ready`)."""
         hostname = f"w{self._started + 1}-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-        return self._spawn("worker", hostname, [
-            sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
-            "--concurrency", str(WORKER_CONCURRENCY), "-n", hostname, "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "--loglevel", "INFO"])
+        return self._spawn("worker", hostname, worker_argv(hostname, WORKER_CONCURRENCY))
 
     def wait_ready(self, member: Member, timeout_s: float = MEMBER_START_S) -> None:
         """Wait until ``member`` serves: a web process answers ``/health`` 200; a worker beats

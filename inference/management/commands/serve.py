@@ -109,6 +109,15 @@ def _restrict(path: Path, mode: int) -> bool:
     return True
 
 
+def worker_argv(name: str, concurrency: int) -> list[str]:
+    """The command line of one Celery GPU worker with node name ``name`` and ``concurrency`` threads, as
+    docs/operations.md gives it: gossip, mingle and Celery's event heartbeat off (nothing reads them;
+    liveness is audiosite's own key, R7.4), INFO logging (the worker's start and each load)."""
+    return [sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
+            "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "--loglevel", "INFO"]
+
+
 class Command(BaseCommand):
     help = "Run audiosite on one machine: Redis (if REDIS_URL is unset), a Celery GPU worker and daphne."
 
@@ -248,11 +257,7 @@ class Command(BaseCommand):
     @staticmethod
     def _spawn_worker(name: str, concurrency: int, env: dict) -> subprocess.Popen:
         """Start one Celery GPU worker with hostname ``name`` (supervised by ``self.workers``, not in ``children``)."""
-        return subprocess.Popen([
-            sys.executable, "-m", "celery", "-A", "audiosite", "worker", "-Q", "gpu", "--pool", "threads",
-            "--concurrency", str(concurrency), "-n", name, "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "--loglevel", "INFO",
-        ], env=env, cwd=settings.BASE_DIR, start_new_session=True)
+        return subprocess.Popen(worker_argv(name, concurrency), env=env, cwd=settings.BASE_DIR, start_new_session=True)
 
     @staticmethod
     def _record_lost(hostname: str, returncode: int, forgotten: ForgottenWorker) -> None:
