@@ -33,6 +33,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def kill_process_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and its descendants (found while ``proc`` still lives: ``serve`` starts each
+    child in a session of its own, so killing ``serve`` alone leaves them running), and reap them."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    proc.kill()
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            continue
+    proc.wait(timeout=10)
+    psutil.wait_procs(descendants, timeout=10)
+
+
 class Server:
     """One ``manage.py serve`` child on a private embedded Redis and SQLite file.
 
@@ -133,14 +150,18 @@ class Server:
         return total
 
     def stop(self) -> None:
-        """Ctrl-C (SIGINT: drain, then stop everything ``serve`` started); kill after 60 s."""
+        """Ctrl-C (SIGINT: drain, then stop everything ``serve`` started); after 60 s, kill ``serve`` and
+        every process it started (each runs in a session of its own, so killing ``serve`` alone would
+        leave them running: a loaded machine's test run once left two whole stacks so)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+                kill_process_tree(self.proc)
             except BaseException:  # interrupted while waiting (a second Ctrl-C, SIGTERM): the server has
-                self.proc.wait(timeout=60)  # its SIGINT; give it the same time to drain, then go on
+                try:  # its SIGINT; give it the same time to drain, then go on
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    kill_process_tree(self.proc)
                 raise
