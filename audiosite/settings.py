@@ -42,6 +42,7 @@ import json
 import os
 import secrets
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -191,6 +192,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "channels",
+    "axes",
     "registry",
     "inference",
     "ui",
@@ -208,6 +210,8 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    # Login throttling (django-axes): turns a lockout into the 429 page; last, as its docs ask.
+    "axes.middleware.AxesMiddleware",
 ]
 # MIDDLEWARE serves the paths below (the admin, the future /ui/, static files) through Django's own
 # ASGIHandler. Every other path (the API) goes through audiosite.handlers.ApiHandler with
@@ -282,7 +286,31 @@ CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer"
                               "CONFIG": channel_layer_config(REDIS_URL)}
                   if REDIS_URL else {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-AUTH_PASSWORD_VALIDATORS: list[dict] = []
+# Passwords set through the admin, createsuperuser or changepassword: Django's four validators
+# (at least 12 characters, not like the user's name or e-mail, not a common password, not all digits).
+AUTH_PASSWORD_VALIDATORS: list[dict] = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 12}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+# Login throttling (django-axes, database handler: every web process sees the same count). After
+# AXES_FAILURE_LIMIT wrong passwords for one user name from one client address, that pair is locked
+# out for AXES_COOLOFF_TIME: every login of it, right or wrong, gets 429 (the UI's and the admin's
+# login pages alike). Locking the pair rather than the address alone keeps one client behind a shared
+# proxy address from locking everyone out; a success resets the count. An operator lifts a lockout
+# early with `manage.py axes_reset_username <name>` or in the admin ("Access attempts").
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = 5
+AXES_COOLOFF_TIME = timedelta(minutes=15)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "ui.views.login_locked"
+AXES_VERBOSE = False
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = False

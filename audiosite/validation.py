@@ -14,7 +14,7 @@ import binascii
 import codecs
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import pybase64
@@ -123,6 +123,45 @@ def huge_integer_keys(value) -> tuple[tuple[str, ...], HugeInteger] | None:
     return first_in_json(value, lambda item: isinstance(item, HugeInteger))
 
 
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of objects and arrays a JSON body or form field may have (the body itself is level 1).
+Our deepest legitimate shape, a model entry's options block with a list of objects inside, is 5 levels
+deep; the bound keeps every recursive walk of decoded JSON (our checks, DRF, jsonschema) far from
+Python's recursion limit, which a value ~900 levels deep reached (a 500)."""
+
+
+def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when decoded JSON ``value`` nests objects/arrays more than ``limit`` levels deep.
+
+    Iterative (an explicit stack), so it cannot itself hit the recursion limit; it stops at the first
+    container below ``limit``, so its cost is bounded by the size of ``value``.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[Any] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def check_json_depth(value: Any, name: str | None = None) -> None:
+    """Refuse decoded JSON nested deeper than :data:`MAX_JSON_DEPTH`.
+
+    Raises:
+        InvalidRequest: 400, ``param`` = ``name`` (the field holding the JSON; None for a whole body).
+    """
+    if json_depth_exceeds(value):
+        where = f"key '{name}'" if name else "the request body"
+        raise InvalidRequest(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep", param=name)
+
+
 class JSONParser(parsers.JSONParser):
     """DRF's JSON parser, except that an integer literal of more than 4300 digits is a 400 naming its field.
 
@@ -144,6 +183,7 @@ class JSONParser(parsers.JSONParser):
                                   parse_constant=drf_json.strict_constant if self.strict else None)
         except ValueError as exc:
             raise ParseError(f"JSON parse error - {exc}") from None
+        check_json_depth(value)
         found = huge_integer_keys(value)
         if found:
             keys, number = found

@@ -18,7 +18,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
 from audiosite.errors import ApplicationError
-from audiosite.validation import bad_text_path
+from audiosite.validation import MAX_JSON_DEPTH, bad_text_path, json_depth_exceeds
 from inference.runtime.context import async_context
 
 from . import lifecycle
@@ -48,6 +48,8 @@ class ReconfigureForm(forms.Form):
             value = json.loads(self.cleaned_data["entry"])
         except (ValueError, RecursionError) as exc:
             raise forms.ValidationError(f"not valid JSON: {type(exc).__name__}") from None
+        if json_depth_exceeds(value):
+            raise forms.ValidationError(f"nested more than {MAX_JSON_DEPTH} levels deep")
         if not isinstance(value, dict):
             raise forms.ValidationError("a JSON object is expected")
         if bad_text_path(value) is not None:

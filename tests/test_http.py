@@ -200,6 +200,12 @@ BAD_INPUTS = [
                                                    + base64.b64encode(s[0].wav).decode()
                                                    + '", "options": {"prompt": "\\ud800"}}}'), 400),
     ("deeply nested JSON", lambda c, s: _raw_json(c, "[" * 100000 + "]" * 100000), 400),
+    ("options 900 levels deep (parses, then any recursive check would hit the recursion limit)",
+     lambda c, s: _raw_json(c, '{"model": "vad", "request": {"audio": "x", "options": '
+                            + '{"a": ' * 900 + "1" + "}" * 900 + "}}"), 400),
+    ("options 33 levels deep (one over MAX_JSON_DEPTH)",
+     lambda c, s: _raw_json(c, '{"model": "vad", "request": {"audio": "x", "options": '
+                            + '{"a": ' * 31 + "1" + "}" * 31 + "}}"), 400),
     ("granularities not a list", lambda c, s: c.post("/v1/audio/transcriptions", json={
         "model": "whisper", "file": "x", "timestamp_granularities": 1}), 400),
     ("temperature nan", lambda c, s: transcribe(c, s[0].wav, temperature="nan"), 400),

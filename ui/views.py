@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib.auth.views import LoginView, redirect_to_login
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
@@ -34,7 +35,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from audiosite.errors import ApplicationError, Forbidden, InvalidRequest
 from audiosite.serverconfig import get_config
-from audiosite.validation import validated
+from audiosite.validation import MAX_JSON_DEPTH, check_json_depth, validated
 from inference import specs
 from inference.runtime.context import async_context
 from registry import lifecycle
@@ -122,6 +123,19 @@ class UiLoginView(LoginView):
     def dispatch(self, request, *args, **kwargs):
         _ui_on()
         return super().dispatch(request, *args, **kwargs)
+
+
+def login_locked(request: HttpRequest, original_response: HttpResponse | None,
+                 credentials: dict | None) -> HttpResponse:
+    """The answer to a login of a locked-out user name and address (django-axes' ``AXES_LOCKOUT_CALLABLE``):
+    429 with ``Retry-After`` (seconds, the whole ``AXES_COOLOFF_TIME``) and a page saying how to lift it,
+    on the UI's and the admin's login pages alike (settings.py, "Login throttling")."""
+    cooloff_s = int(settings.AXES_COOLOFF_TIME.total_seconds())
+    username = (credentials or {}).get("username") or request.POST.get("username", "")
+    context = {"title": "Log in", "username": str(username)[:150], "cooloff_minutes": max(1, cooloff_s // 60)}
+    response = render(request, "ui/login_locked.html", context, status=429)
+    response["Retry-After"] = str(cooloff_s)
+    return response
 
 
 async def root(request: HttpRequest) -> HttpResponse:
@@ -253,6 +267,9 @@ def _json_field(request: HttpRequest, name: str) -> dict:
         value = json.loads(raw)
     except (json.JSONDecodeError, ValueError) as exc:
         raise InvalidRequest(f"key '{name}': not valid JSON ({exc})", param=name) from None
+    except RecursionError:
+        raise InvalidRequest(f"key '{name}' is nested more than {MAX_JSON_DEPTH} levels deep", param=name) from None
+    check_json_depth(value, name)
     if not isinstance(value, dict):
         raise InvalidRequest(f"key '{name}': a JSON object is required", param=name)
     return value
