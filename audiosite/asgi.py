@@ -25,7 +25,7 @@ from django.urls import re_path  # noqa: E402
 
 from audiosite.handlers import http_application  # noqa: E402
 from audiosite.serverconfig import get_config  # noqa: E402
-from inference.consumers import NoRouteConsumer, RealtimeConsumer  # noqa: E402
+from inference.consumers import HostOriginValidator, NoRouteConsumer, RealtimeConsumer  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402
 from inference.runtime.startup import check_runtime  # noqa: E402
 from ui.routing import websocket_urlpatterns as ui_websocket_urlpatterns  # noqa: E402
@@ -35,12 +35,13 @@ check_runtime(sync_scheduler())
 settings.ALLOWED_HOSTS = get_config().allowed_host_names()
 
 # WebSocket routes (Channels strips the leading slash); every other path gets a clean close (4404).
-# The UI's routes carry their own session and Origin checks (ui/routing.py); the realtime API
-# route has none, as the HTTP inference routes (API clients send no Origin).
-websocket_routes = URLRouter([
+# Every handshake first passes HostOriginValidator: Host among ALLOWED_HOSTS, and an Origin (when
+# there is one: browsers send it, API clients do not) that is this server's or in allowed_origins.
+# The UI's routes add their session check and need an Origin naming an allowed host (ui/routing.py).
+websocket_routes = HostOriginValidator(URLRouter([
     re_path(r"^v1/realtime/?$", RealtimeConsumer.as_asgi()),
     *ui_websocket_urlpatterns,
     re_path(r"", NoRouteConsumer.as_asgi()),
-])
+]))
 
 application = ProtocolTypeRouter({"http": http_application(django_asgi_app), "websocket": websocket_routes})

@@ -22,6 +22,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -108,12 +109,24 @@ class LiveIngest(_Strict):
     uncommitted audio (s16le bytes at the client's rate) the input buffer holds (default 16 MiB,
     about 5.8 min at 24 kHz, OpenAI's 15 MiB per event rounded up); past either the session ends
     with a final ``error`` event and code 1009 (message too big).
+
+    Turns (each holds a slot of the model while it is spoken, R8.3): ``turn_audio_timeout_ms``: a
+    server-VAD turn that gets no ``input_audio_buffer.append`` for this long is committed (default 2 s;
+    a client that stops sending mid-speech must not keep the slot); ``max_turn_ms``: a turn that
+    reaches this much audio is committed (default 30 s, Whisper's window; speech that goes on opens
+    the next turn); ``max_pending_turns``: the most turns of one session not yet transcribed (being
+    spoken, waiting for the model or decoding; default 3); ``max_turns_per_session`` (default 1000).
+    A turn past either cap is refused with an ``error`` event and nothing is queued.
     """
 
     idle_timeout_ms: int = Field(default=30000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
     total_timeout_ms: int = Field(default=600000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     max_chunk_bytes: int = Field(default=1024 * 1024, ge=1024)
+    turn_audio_timeout_ms: int = Field(default=2000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    max_turn_ms: int = Field(default=30000, ge=1000, le=MAX_BUSY_TIMEOUT_MS)
+    max_pending_turns: int = Field(default=3, ge=1, le=100)
+    max_turns_per_session: int = Field(default=1000, ge=1)
 
 
 class ServerConfig(_Strict):
@@ -147,6 +160,11 @@ class ServerConfig(_Strict):
     max_loaded_models: int = Field(default=0, ge=0)
     idle_unload_ms: int = Field(default=0, ge=0)
     min_free_memory_mb: int = Field(default=0, ge=0)
+    allowed_origins: list[str] = Field(default_factory=list)
+    """Browser origins (``scheme://host[:port]``, ``scheme://.domain`` for a domain and its subdomains,
+    or ``*``) whose pages may open the WebSockets (``/v1/realtime``, ``/ui/ws/status``) besides the
+    server's own origin; a handshake with any other ``Origin`` gets 403 (one without ``Origin``, from a
+    program rather than a browser, is accepted). Default: same origin only."""
     live_ingest: LiveIngest = Field(default_factory=LiveIngest)
     models: list[ModelConfig] = Field(default_factory=list)
     runtime: Literal["legacy", "parallel"] = "legacy"
@@ -220,6 +238,23 @@ def _allowed_hosts_problems(config: ServerConfig) -> list[str]:
 def slot_count(slots: int | None, runtime: str) -> int:
     """Slots the scheduler admits for a model configured with ``slots``: ``slots`` (1 when unset)
     on the parallel runtime, always 1 on the legacy runtime (R1.1, R1.3)."""
+def _allowed_origins_problems(config: ServerConfig) -> list[str]:
+    problems = []
+    for origin in config.allowed_origins:
+        if origin == "*":
+            continue
+        try:
+            parsed = urlsplit(origin)
+            valid = (parsed.scheme in ("http", "https") and bool(parsed.hostname) and (parsed.port or 1) > 0
+                     and not (parsed.path or parsed.query or parsed.fragment or parsed.username or parsed.password))
+        except ValueError:  # a port that is not a number in 0-65535
+            valid = False
+        if not valid:
+            problems.append(f"key 'allowed_origins': {origin!r} is not an origin such as 'https://app.example.com', "
+                            "'https://app.example.com:8443', 'https://.example.com' or '*' (no path)")
+    return problems
+
+
     return (slots or 1) if runtime == "parallel" else 1
 
 
@@ -325,6 +360,7 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
         if config.worker_restart_max_delay_ms < config.worker_restart_delay_ms:
             problems.append(f"key 'worker_restart_max_delay_ms': {config.worker_restart_max_delay_ms} is below "
                             f"worker_restart_delay_ms={config.worker_restart_delay_ms}")
+        problems.extend(_allowed_origins_problems(config))
         for root in config.media_roots:
             if not os.path.isabs(root):
                 problems.append(f"key 'media_roots': {root!r} is not an absolute path")

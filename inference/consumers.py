@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from channels.generic.websocket import AsyncWebsocketConsumer
+from channels.security.websocket import OriginValidator, WebsocketDenier
 from channels_redis.core import RedisChannelLayer
+from django.conf import settings
+from django.http.request import split_domain_port, validate_host
 
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY
 from audiosite.serverconfig import get_config
@@ -51,8 +54,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                                             await realtime.default_model(ctx, (query.get("model") or [None])[0]))
         if intent != "transcription":
             await self.session.end(realtime.ClientError(
-                f"intent {intent!r} is not served; this server offers ?intent=transcription", "invalid_value",
-                param="intent"), 1008)
+                f"intent {realtime.shown(intent)} is not served; this server offers ?intent=transcription",
+                "invalid_value", param="intent"), 1008)
             return
         if self.channel_layer is not None:
             await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
@@ -125,6 +128,82 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         if self.session is not None:
             await self.session.end(realtime.ClientError(message.get("reason") or "the server closed the session",
                                                         "session_closed"), int(message.get("code", 1001)))
+
+
+DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
+"""The port an origin or URL without one means, by scheme (RFC 6454 §4)."""
+
+
+def _header(scope: dict, name: bytes) -> list[str]:
+    return [value.decode("latin-1") for key, value in scope.get("headers", []) if key == name]
+
+
+def same_origin(origin: str, host: str) -> bool:
+    """True when the browser ``origin`` (``scheme://host[:port]``) names the server the request reached
+    through ``host`` (its ``Host`` header, ``name[:port]``): the same name, and the same port (a
+    ``Host`` without a port matches the origin scheme's default port, as behind a TLS proxy on 443).
+
+    The scheme is not compared: the server cannot tell whether a proxy in front of it took TLS."""
+    try:
+        parsed = urlsplit(origin)
+        origin_port = parsed.port or DEFAULT_PORTS.get(parsed.scheme)
+    except ValueError:  # a port that is not a number
+        return False
+    name, port = split_domain_port(host)
+    if not parsed.hostname or not name or parsed.scheme not in ("http", "https"):
+        return False
+    return parsed.hostname == name.strip("[]") and (int(port) if port else DEFAULT_PORTS[parsed.scheme]) == origin_port
+
+
+class HostOriginValidator:
+    """ASGI middleware in front of every WebSocket route: the handshake is refused (HTTP 403, the
+    connection never reaches a consumer) when its ``Host`` is not one of ``settings.ALLOWED_HOSTS``
+    (the configuration's :meth:`~audiosite.serverconfig.ServerConfig.allowed_host_names`, as Django
+    checks it for HTTP), or when it carries an ``Origin`` that is neither the server's own (see
+    :func:`same_origin`) nor matched by the configuration's ``allowed_origins`` (patterns as
+    Channels' ``OriginValidator`` reads them: ``scheme://host[:port]``, ``scheme://.domain``, ``*``).
+
+    A handshake without ``Origin`` is accepted: browsers always send one, programs (the OpenAI SDKs,
+    ``websockets``) do not, and a program is not a cross-site risk. So a page elsewhere (or a DNS name
+    rebound to this server) cannot open ``/v1/realtime`` to pin the model's slots, nor read
+    ``/ui/ws/status`` with its visitor's cookies.
+
+    Args:
+        application: the ASGI application behind it (the WebSocket router).
+        allowed_origins: the configured extra origins (read from the configuration when None).
+    """
+
+    def __init__(self, application, allowed_origins: list[str] | None = None):
+        self.application = application
+        self._allowed_origins = allowed_origins
+
+    def allows(self, scope: dict) -> bool:
+        """Whether the handshake of ``scope`` (an ASGI ``websocket`` scope) may go on."""
+        hosts = _header(scope, b"host")
+        if len(hosts) != 1:
+            return False
+        name, _port = split_domain_port(hosts[0])
+        if not name or not validate_host(name, settings.ALLOWED_HOSTS):
+            return False
+        origins = _header(scope, b"origin")
+        if not origins:
+            return True
+        if len(origins) > 1:
+            return False
+        if same_origin(origins[0], hosts[0]):
+            return True
+        allowed = self._allowed_origins if self._allowed_origins is not None else get_config().allowed_origins
+        try:
+            return OriginValidator(None, allowed).validate_origin(urlsplit(origins[0]))
+        except ValueError:  # a port that is not a number
+            return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and not self.allows(scope):
+            log.info("refused a WebSocket handshake to %s: Host %s, Origin %s", scope.get("path"),
+                     _header(scope, b"host")[:1], _header(scope, b"origin")[:1])
+            return await WebsocketDenier()(scope, receive, send)
+        return await self.application(scope, receive, send)
 
 
 class NoRouteConsumer(AsyncWebsocketConsumer):

@@ -75,6 +75,24 @@ MIN_COMMIT_MS = 100
 """The shortest buffer a commit accepts (OpenAI's: ``input_audio_buffer_commit_empty`` below 100 ms)."""
 NEG_THRESHOLD_GAP = silero_vad.NEG_THRESHOLD_GAP
 """Speech ends below ``threshold - 0.15`` (Silero's hysteresis), starts at ``threshold``."""
+ECHO_MAX_CHARS = 200
+"""The most characters of a client's input (a ``repr``, an ``event_id``) an ``error`` event echoes back."""
+MESSAGE_MAX_CHARS = 1000
+"""The longest ``message`` of an ``error`` event (a safety net behind :func:`shown`)."""
+
+
+def shown(value: object, limit: int = ECHO_MAX_CHARS) -> str:
+    """``repr(value)`` for an error message, clipped to ``limit`` characters (ending ``…``), so that an
+    error event never echoes a large input back. A large container is not formatted whole."""
+    if isinstance(value, (dict, list)) and len(value) > limit:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters (ending ``…`` when cut)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _event_id() -> str:
@@ -232,6 +250,19 @@ def _vad_shared() -> silero_vad.Shared:
     return _VAD_SHARED[0]
 
 
+def _prepare(pcm: bytes, resampler: soxr.ResampleStream | None,
+             vad: silero_vad.VadStream | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """An append's PCM s16le ``pcm`` as float32 samples at 16 kHz (through the session's streaming
+    ``resampler``, None when it is sent at 16 kHz) and the speech probabilities of the VAD windows
+    they complete (None without server VAD). Run in a thread (CPU-bound: soxr and onnxruntime
+    release the GIL while they compute)."""
+    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    if resampler is not None:
+        samples = resampler.resample_chunk(samples)
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
+    return samples, (vad.feed(samples) if vad is not None else None)
+
+
 Send = Callable[[dict], Awaitable[None]]
 Close = Callable[[int], Awaitable[None]]
 
@@ -262,10 +293,13 @@ class LiveSession:
         self._speaking: Turn | None = None
         self._silence_from: int | None = None
         self._turns: set[Turn] = set()
+        self._turn_count = 0
+        self._refusing = False  # server VAD heard speech it could not open a turn for (told the client once)
         self._last_item: str | None = None
         self._closed = False
         self._started = time.monotonic()
         self._last_event = self._started
+        self._last_audio = self._started
         self._watchdog: asyncio.Task | None = None
 
     # -- life -----------------------------------------------------------------------------------
@@ -297,9 +331,11 @@ class LiveSession:
 
     async def error(self, exc: ClientError, client_event_id: str | None) -> None:
         """Send the ``error`` event of ``exc``, echoing the client's ``event_id``."""
+        if client_event_id is not None:
+            client_event_id = clip(client_event_id, ECHO_MAX_CHARS)
         await self.emit({"type": "error", "error": {"type": "invalid_request_error", "code": exc.code,
-                                                    "message": exc.message, "param": exc.param,
-                                                    "event_id": client_event_id}})
+                                                    "message": clip(exc.message, MESSAGE_MAX_CHARS),
+                                                    "param": exc.param, "event_id": client_event_id}})
 
     async def end(self, exc: ClientError, close_code: int) -> None:
         """Send a final ``error`` event, then close the socket with ``close_code``. The session's turns
@@ -354,7 +390,7 @@ class LiveSession:
             elif kind in ("session.update", "transcription_session.update"):
                 await self._update(event, beta=kind == "transcription_session.update")
             else:
-                raise ClientError(f"unknown client event type {kind!r}; this server takes session.update, "
+                raise ClientError(f"unknown client event type {shown(kind)}; this server takes session.update, "
                                   "transcription_session.update and input_audio_buffer.append/commit/clear",
                                   "unknown_event_type", param="type")
         except ClientError as exc:
@@ -364,6 +400,14 @@ class LiveSession:
                 await self.close()
 
     async def _append(self, event: dict) -> None:
+        """Add an append's audio to the buffer (and run server VAD over it).
+
+        The base64 decoding (SIMD, about 0.05 ms per MiB) and the checks run here; the conversion,
+        resampling and VAD of the chunk (about 0.1 s for a ``max_chunk_bytes`` frame of 1 MiB) run in
+        a thread, so the web process's event loop is not held by them. A session's appends are
+        handled one at a time (Channels dispatches a consumer's messages in order), so the
+        resampler and VAD states are never used by two threads at once.
+        """
         data = event.get("audio")
         if not isinstance(data, str):
             raise ClientError("input_audio_buffer.append needs 'audio': base64 of PCM s16le", "invalid_audio",
@@ -381,32 +425,49 @@ class LiveSession:
             raise ClientError(f"the input audio buffer would exceed {self.limits.max_body_bytes} bytes "
                               "(live_ingest.max_body_bytes); commit or clear it sooner", "buffer_too_large",
                               close_code=1009)
-        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
-        if rate != MODEL_RATE_HZ:
-            if self._resampler is None or self._resampler_rate != rate:
-                self._resampler = soxr.ResampleStream(rate, MODEL_RATE_HZ, 1, dtype="float32", quality="HQ")
-                self._resampler_rate = rate
-            samples = self._resampler.resample_chunk(samples)
-        self._buffer.append(np.ascontiguousarray(samples, dtype=np.float32))
+        if rate != MODEL_RATE_HZ and (self._resampler is None or self._resampler_rate != rate):
+            self._resampler = soxr.ResampleStream(rate, MODEL_RATE_HZ, 1, dtype="float32", quality="HQ")
+            self._resampler_rate = rate
+        resampler = self._resampler if rate != MODEL_RATE_HZ else None
+        vad = None
         if self.settings.turn_detection is not None:
-            await self._detect(samples)
+            if self._vad is None:
+                self._vad = silero_vad.VadStream(await asyncio.to_thread(_vad_shared))
+                self._vad_pos = self._buffer.end
+            vad = self._vad
+        samples, probabilities = await asyncio.to_thread(_prepare, pcm, resampler, vad)
+        self._last_audio = time.monotonic()
+        self._buffer.append(samples)
+        if probabilities is not None:
+            await self._detect(probabilities)
         elif self._speaking is not None:
             self._speaking.grew.set()
 
-    async def _detect(self, samples: np.ndarray) -> None:
-        """Run server VAD over the new samples; open and close turns."""
+    async def _detect(self, probabilities: np.ndarray) -> None:
+        """Open and close turns after the server VAD's speech ``probabilities`` of the new windows.
+
+        Raises:
+            ClientError: speech began while the session may not open a turn (``max_pending_turns``,
+                ``max_turns_per_session``); told once until a turn opens again.
+        """
         vad = self.settings.turn_detection
         assert vad is not None
-        if self._vad is None:
-            self._vad = silero_vad.VadStream(_vad_shared())
-            self._vad_pos = self._buffer.end - samples.size
         per_ms = MODEL_RATE_HZ // 1000
         window = silero_vad.WINDOW_SAMPLES
-        for p in self._vad.feed(samples):
+        max_turn = self.limits.max_turn_ms * per_ms
+        refused: ClientError | None = None
+        for p in probabilities:
             lo, hi = self._vad_pos, self._vad_pos + window
             self._vad_pos = hi
             if self._speaking is None:
                 if p >= vad.threshold:
+                    refusal = self._turn_refusal()
+                    if refusal is not None:
+                        if not self._refusing:
+                            refused = refusal
+                        self._refusing = True
+                        continue
+                    self._refusing = False
                     start = max(self._buffer.start, lo - vad.prefix_padding_ms * per_ms)
                     turn = self._open_turn(start)
                     self._silence_from = None
@@ -417,16 +478,28 @@ class LiveSession:
                     self._silence_from = None
                 elif self._silence_from is None:
                     self._silence_from = lo
-                if self._silence_from is not None and hi - self._silence_from >= vad.silence_duration_ms * per_ms:
-                    turn = self._speaking
-                    await self.emit({"type": "input_audio_buffer.speech_stopped", "item_id": turn.item_id,
-                                     "audio_end_ms": hi // per_ms})
-                    await self._commit_turn(turn, hi)
+                if ((self._silence_from is not None and hi - self._silence_from >= vad.silence_duration_ms * per_ms)
+                        or hi - self._speaking.start >= max_turn):
+                    await self._commit_turn(self._speaking, hi, stopped=True)
         if self._speaking is not None:
             self._speaking.pausing = self._silence_from is not None
             self._speaking.grew.set()
         else:
             self._buffer.keep_last(vad.prefix_padding_ms * per_ms + window)
+        if refused is not None:
+            raise refused
+
+    def _turn_refusal(self) -> ClientError | None:
+        """Why a new turn may not open now (None: it may): ``max_turns_per_session`` turns were had, or
+        ``max_pending_turns`` turns are not transcribed yet."""
+        if self._turn_count >= self.limits.max_turns_per_session:
+            return ClientError(f"this session has had its {self.limits.max_turns_per_session} turns "
+                               "(live_ingest.max_turns_per_session); open a new session", "session_turn_limit")
+        if len(self._turns) >= self.limits.max_pending_turns:
+            return ClientError(f"{len(self._turns)} turns of this session are not transcribed yet "
+                               f"(live_ingest.max_pending_turns is {self.limits.max_pending_turns}); the audio stays "
+                               "in the buffer: commit it once a transcript has come", "too_many_pending_turns")
+        return None
 
     async def _commit(self) -> None:
         turn = self._speaking
@@ -436,6 +509,9 @@ class LiveSession:
         if self._buffer.length < MIN_COMMIT_MS * MODEL_RATE_HZ // 1000:
             raise ClientError(f"buffer too small: {self._buffer.length * 1000 // MODEL_RATE_HZ} ms of audio, "
                               f"at least {MIN_COMMIT_MS} ms are needed", "input_audio_buffer_commit_empty")
+        refusal = self._turn_refusal()
+        if refusal is not None:
+            raise refusal
         turn = self._open_turn(self._buffer.start)
         await self._commit_turn(turn, self._buffer.end)
 
@@ -452,6 +528,7 @@ class LiveSession:
         turn = Turn(_new_item_id(), start)
         self._speaking = turn
         self._turns.add(turn)
+        self._turn_count += 1
         turn.task = asyncio.ensure_future(self._transcribe(turn, self.settings))
         turn.task.add_done_callback(lambda _t: self._turn_done(turn))
         return turn
@@ -460,13 +537,18 @@ class LiveSession:
         self._turns.discard(turn)
         self._last_event = max(self._last_event, time.monotonic())  # the idle clock starts again now
 
-    async def _commit_turn(self, turn: Turn, end: int) -> None:
+    async def _commit_turn(self, turn: Turn, end: int, stopped: bool = False) -> None:
+        """Commit ``turn`` with the buffer's audio up to absolute sample ``end``; ``stopped``: the server
+        ended it (server VAD, a limit), so ``speech_stopped`` goes out first."""
         turn.end = end
         turn.audio = self._buffer.slice(turn.start, end)
         self._buffer.drop_before(end)
         self._speaking = None
         self._silence_from = None
         previous, self._last_item = self._last_item, turn.item_id
+        if stopped:
+            await self.emit({"type": "input_audio_buffer.speech_stopped", "item_id": turn.item_id,
+                             "audio_end_ms": end * 1000 // MODEL_RATE_HZ})
         await self.emit({"type": "input_audio_buffer.committed", "item_id": turn.item_id,
                          "previous_item_id": previous})
         turn.committed.set()
@@ -504,14 +586,14 @@ class LiveSession:
             prefix = "session."
             if fmt is not None:
                 if fmt != "pcm16":
-                    raise ClientError(f"input_audio_format {fmt!r} is not supported; use 'pcm16' (24 kHz)",
+                    raise ClientError(f"input_audio_format {shown(fmt)} is not supported; use 'pcm16' (24 kHz)",
                                       "invalid_value", param="session.input_audio_format")
                 settings = replace(settings, rate_hz=24000)
             transcription_param = "session.input_audio_transcription"
         else:
             kind = session.get("type", "transcription")
             if kind != "transcription":
-                raise ClientError(f"session type {kind!r} is not supported; this server offers transcription "
+                raise ClientError(f"session type {shown(kind)} is not supported; this server offers transcription "
                                   "sessions (session.type 'transcription')", "invalid_value", param="session.type")
             audio_in = (session.get("audio") or {}).get("input") if isinstance(session.get("audio"), dict) else None
             audio_in = audio_in if isinstance(audio_in, dict) else {}
@@ -521,11 +603,11 @@ class LiveSession:
             prefix = "session.audio.input."
             if fmt is not None:
                 if not isinstance(fmt, dict) or fmt.get("type") != "audio/pcm":
-                    raise ClientError(f"audio format {fmt!r} is not supported; use {{'type': 'audio/pcm', "
+                    raise ClientError(f"audio format {shown(fmt)} is not supported; use {{'type': 'audio/pcm', "
                                       "'rate': 24000}} (or rate 16000)", "invalid_value", param=prefix + "format")
                 rate = fmt.get("rate", 24000)
                 if rate not in INPUT_RATES_HZ or isinstance(rate, bool):
-                    raise ClientError(f"audio rate {rate!r} is not supported; use 24000 or 16000", "invalid_value",
+                    raise ClientError(f"audio rate {shown(rate)} is not supported; use 24000 or 16000", "invalid_value",
                                       param=prefix + "format.rate")
                 settings = replace(settings, rate_hz=int(rate))
             transcription_param = prefix + "transcription"
@@ -545,9 +627,9 @@ class LiveSession:
             raise ClientError("transcription model must be a model id", "invalid_value", param=param + ".model")
         meta = await published.meta_get(self.ctx, model)
         if meta is None:
-            raise ClientError(f"model {model!r} is not registered", "model_not_found", param=param + ".model")
+            raise ClientError(f"model {shown(model)} is not registered", "model_not_found", param=param + ".model")
         if meta["task"] != "asr":
-            raise ClientError(f"model {model!r} serves task {meta['task']!r}, not transcription", "invalid_value",
+            raise ClientError(f"model {shown(model)} serves task {meta['task']!r}, not transcription", "invalid_value",
                               param=param + ".model")
         language = transcription.get("language", settings.language)
         prompt = transcription.get("prompt", settings.prompt)
@@ -570,7 +652,7 @@ class LiveSession:
         if not isinstance(value, dict):
             raise ClientError("turn_detection must be an object or null", "invalid_value", param=param)
         if value.get("type", "server_vad") != "server_vad":
-            raise ClientError(f"turn_detection type {value.get('type')!r} is not supported; use 'server_vad' "
+            raise ClientError(f"turn_detection type {shown(value.get('type'))} is not supported; use 'server_vad' "
                               "or null (manual commits)", "invalid_value", param=param + ".type")
         defaults = TurnDetection()
         threshold = value.get("threshold", defaults.threshold)
@@ -616,7 +698,7 @@ class LiveSession:
     async def _transcribe(self, turn: Turn, settings: Settings) -> None:
         """Take the turn's lease, send partial deltas while it is spoken, then its final transcript."""
         if settings.model is None:
-            await turn.committed.wait()
+            await self._until_committed(turn)
             await self._failed(turn, NotFound("no transcription model: name one in session.update "
                                               "(audio.input.transcription.model)", param="model"))
             return
@@ -627,7 +709,7 @@ class LiveSession:
             timeout_ms = effective_timeout_ms(None, published.ceiling_ms(meta))
             lease = await leases.acquire(self.ctx, settings.model, timeout_ms)
         except ApplicationError as exc:
-            await turn.committed.wait()
+            await self._until_committed(turn)
             await self._failed(turn, exc)
             return
         try:
@@ -637,6 +719,31 @@ class LiveSession:
             await self._failed(turn, exc)
         finally:
             await leases.run_to_completion(self.ctx.scheduler.release(settings.model, lease.lease_id))
+
+    async def _await_audio(self, turn: Turn) -> None:
+        """Wait until ``turn`` grows or is committed. When no append came for ``turn_audio_timeout_ms``
+        while it is open, commit it (``speech_stopped``, ``committed``): a turn holds a slot of the model,
+        and a client that stopped sending mid-speech must not keep it (nor the session, whose idle
+        timeout waits for its turns)."""
+        timeout_s = self.limits.turn_audio_timeout_ms / 1000
+        while not (turn.grew.is_set() or turn.committed.is_set()):
+            left_s = self._last_audio + timeout_s - time.monotonic()
+            if left_s <= 0:
+                if self._speaking is turn:
+                    log.info("live session %s: no audio for %d ms; committing its open turn", self.session_id,
+                             self.limits.turn_audio_timeout_ms)
+                    await self._commit_turn(turn, self._buffer.end, stopped=True)
+                return
+            try:
+                await asyncio.wait_for(turn.grew.wait(), left_s)
+            except TimeoutError:
+                pass
+
+    async def _until_committed(self, turn: Turn) -> None:
+        """Wait until ``turn`` is committed (by the client, the VAD or :meth:`_await_audio`'s timeout)."""
+        while not turn.committed.is_set():
+            turn.grew.clear()
+            await self._await_audio(turn)
 
     async def _decode_turn(self, turn: Turn, settings: Settings, lease, timeout_ms: int) -> None:
         options: dict = {}
@@ -673,7 +780,7 @@ class LiveSession:
                 continue
             turn.grew.clear()
             if not turn.committed.is_set():
-                await turn.grew.wait()
+                await self._await_audio(turn)
         assert turn.audio is not None
         result = await services.decode_held(self.ctx, settings.model or "", lease, turn.audio, MODEL_RATE_HZ,
                                             options, timeout_ms)
