@@ -10,7 +10,11 @@ open so the window is deterministic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -44,3 +48,77 @@ def test_flush_waits_for_a_batch_write_already_in_flight(redis_client):
 
     seen = run(scenario())
     assert seen == "1", f"flush() returned while the batch write was in flight (counter was {seen!r})"
+
+
+class LoopStalled(Exception):
+    """Raised on the event loop's thread by the watchdog of :func:`loop_watchdog` (a loop that turns
+    never sees it: it is only delivered while Python code runs on that thread past the bound)."""
+
+
+@contextlib.contextmanager
+def loop_watchdog(seconds: float):
+    """Bound a scenario whose event loop may spin without ever yielding (``asyncio.timeout`` cannot
+    fire then): after ``seconds``, and every 0.2 s after that, a SIGUSR1 to this thread raises
+    :class:`LoopStalled` in whatever Python code runs on it — in a spinning coroutine, so that its
+    task fails and the loop turns again (several tasks may spin in turn)."""
+    def stalled(signum, frame):
+        raise LoopStalled(f"the event loop did not finish the scenario within {seconds:g} s")
+
+    done = threading.Event()
+    target = threading.get_ident()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        while not done.is_set():
+            signal.pthread_kill(target, signal.SIGUSR1)
+            done.wait(0.2)
+
+    previous = signal.signal(signal.SIGUSR1, stalled)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_flush_right_as_a_slow_write_ends_returns_instead_of_spinning(redis_client):
+    """A metrics write that outlasts ``FLUSH_INTERVAL_S`` (Redis held by a ``CLIENT PAUSE ... WRITE``),
+    and ``flush()`` called at every loop iteration around the moment its reply is read: each returns,
+    the loop keeps turning, and every event lands once. ``flush()`` used to wait in a loop that awaited
+    the finished write, which returns without yielding, until the writer's own cleanup ran — which it
+    never did, so the web process's loop spun at 100 % CPU for good."""
+    key = KEYS.metric(metrics.REQUESTS.name)
+    pause_ms = 300
+    flushers = 40  # loop iterations covered after the reply arrives (the window is a few wide)
+
+    async def flush_after(iterations: int) -> None:
+        for _ in range(iterations):
+            await asyncio.sleep(0)
+        await metrics.flush()
+
+    async def scenario():
+        ctx = await async_context()
+        await ctx.redis.ping()  # connections made before the pause
+        redis_client.execute_command("CLIENT", "PAUSE", pause_ms, "WRITE")
+        metrics.record_soon(metrics.count(metrics.REQUESTS, "slow-write", "ok"))
+        # the batch's timer fires after FLUSH_INTERVAL_S and its MULTI waits on the pause
+        await asyncio.sleep(metrics.FLUSH_INTERVAL_S + 0.1)
+        metrics.record_soon(metrics.count(metrics.REQUESTS, "slow-write", "ok"))
+        # Hold the loop until the pause has ended and Redis has answered: the reply is then read on
+        # the loop's next turn, a fixed number of iterations from here.
+        time.sleep(pause_ms / 1000 + 0.2)
+        tasks = [asyncio.ensure_future(flush_after(i)) for i in range(flushers)]
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        await metrics.flush()
+        await ctx.listener.close()
+        return outcomes
+
+    with loop_watchdog(10.0):
+        outcomes = run(scenario(), seconds=20.0)
+    failures = [(i, repr(o)) for i, o in enumerate(outcomes) if o is not None]
+    assert not failures, f"flush() called that many iterations after the reply did not return: {failures}"
+    assert redis_client.hget(key, '["slow-write","ok"]') == "2"
