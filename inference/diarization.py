@@ -8,7 +8,10 @@ Method:
 
 1. :func:`speech_windows` cuts every speech region into windows of
    ``window_s`` every ``hop_s`` (a region shorter than a window is one window;
-   the last window of a region ends at the region's end);
+   the last window of a region ends at the region's end); :func:`bounded_windows`
+   widens the hop until the windows fit the embedding step's limits (its
+   family's ``segments`` count and total duration), so one diarization embeds
+   and clusters a bounded number of windows whatever the audio and ``hop_s``;
 2. :func:`cluster` groups the windows' unit embeddings by average-linkage
    agglomerative clustering on cosine distance (``scipy.cluster.hierarchy``):
    into ``num_speakers`` clusters when given, else by cutting the tree at
@@ -17,12 +20,39 @@ Method:
    window whose centre is nearest (windows of the same region only), merges
    runs of one label into turns, and names speakers ``SPEAKER_00``,
    ``SPEAKER_01``, … in order of first appearance.
+
+:func:`cluster_and_turn` runs steps 2 and 3 on ``CLUSTER_THREADS`` threads of
+their own, off the web event loop: with at most ``n`` windows (the embedding
+step's 2,000) the clustering's condensed distance matrix is ``n(n-1)/2``
+float64 (16 MB) and the turns need ``O(frames)`` memory.
 """
 from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 FRAME_S = 0.01  # resolution of the speaker turns, seconds
+
+HOP_GROWTH = 1.25
+"""Factor by which :func:`bounded_windows` widens the hop per try (about 30 tries from 0.1 s to 1 h)."""
+
+CLUSTER_THREADS = 2
+"""Threads of the web process that cluster and build turns (:func:`cluster_and_turn`): at most this
+many run at once, whatever the pipelines' slots (the machine has 2 cores); more wait their turn."""
+
+_CLUSTER_POOL = ThreadPoolExecutor(max_workers=CLUSTER_THREADS, thread_name_prefix="diarize")
+
+
+class TooManyRegions(ValueError):
+    """Even the widest hop leaves more windows than the embedding step takes: too many speech regions
+    (each region is at least one window). ``windows`` and ``seconds`` say what the widest hop left."""
+
+    def __init__(self, windows: int, seconds: float):
+        super().__init__(f"{windows} windows ({seconds:.0f} s)")
+        self.windows = windows
+        self.seconds = seconds
 
 
 def speech_windows(regions: list[tuple[float, float]], window_s: float, hop_s: float) -> list[tuple[float, float, int]]:
@@ -46,6 +76,57 @@ def speech_windows(regions: list[tuple[float, float]], window_s: float, hop_s: f
             at += hop_s
         out.append((round(end - window_s, 4), end, index))
     return out
+
+
+def _span_s(windows: list[tuple[float, float, int]]) -> float:
+    return sum(end - start for start, end, _ in windows)
+
+
+def bounded_windows(regions: list[tuple[float, float]], window_s: float, hop_s: float, *,
+                    max_windows: int, max_total_s: float) -> tuple[list[tuple[float, float, int]], float]:
+    """:func:`speech_windows` with the hop widened (by ``HOP_GROWTH`` per try) until there are at most
+    ``max_windows`` windows lasting at most ``max_total_s`` seconds together.
+
+    Returns:
+        ``(windows, hop_s used)``; the hop is ``hop_s`` when the windows fit as asked.
+
+    Raises:
+        TooManyRegions: at a hop as long as the longest region (each region is then one or two
+            windows, the fewest this method makes) the windows still do not fit.
+    """
+    longest_s = max((end - start for start, end in regions), default=0.0)
+    while True:
+        windows = speech_windows(regions, window_s, hop_s)
+        if len(windows) <= max_windows and _span_s(windows) <= max_total_s:
+            return windows, hop_s
+        if hop_s >= longest_s:
+            raise TooManyRegions(len(windows), _span_s(windows))
+        hop_s = min(hop_s * HOP_GROWTH, max(longest_s, hop_s))
+
+
+async def cluster_and_turn(windows: list[tuple[float, float, int]], embeddings: np.ndarray,
+                           regions: list[tuple[float, float]], *, num_speakers: int | None,
+                           distance_threshold: float, max_speakers: int) -> list[dict]:
+    """:func:`cluster` then :func:`speaker_turns`, on one of ``CLUSTER_THREADS`` threads (never on the
+    calling event loop). Arguments as those functions'; returns the speaker turns."""
+    def work() -> list[dict]:
+        labels = cluster(embeddings, num_speakers=num_speakers, distance_threshold=distance_threshold,
+                         max_speakers=max_speakers)
+        return speaker_turns(windows, labels, regions)
+    return await asyncio.get_running_loop().run_in_executor(_CLUSTER_POOL, work)
+
+
+def _nearest(sorted_centres: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """Index of the nearest of ``sorted_centres`` (ascending, ``(k,)``) to each of ``points`` (``(m,)``):
+    the first index of the nearest value on a tie, as ``np.abs(points[:, None] - centres).argmin(1)``
+    gives, in ``O(m log k)`` time and ``O(m)`` memory instead of an ``(m, k)`` matrix."""
+    right = np.searchsorted(sorted_centres, points, side="left").clip(0, len(sorted_centres) - 1)
+    left = (right - 1).clip(0)
+    right_d = np.abs(points - sorted_centres[right])
+    left_d = np.abs(points - sorted_centres[left])
+    chosen = np.where(left_d <= right_d, left, right)
+    # The first index holding the chosen value (equal centres: argmin's first).
+    return np.searchsorted(sorted_centres, sorted_centres[chosen], side="left")
 
 
 def cluster(embeddings: np.ndarray, *, num_speakers: int | None, distance_threshold: float,
@@ -86,7 +167,7 @@ def speaker_turns(windows: list[tuple[float, float, int]], labels: np.ndarray,
         centre_s = np.array([c for c, _ in centres])
         centre_labels = np.array([lab for _, lab in centres])
         frame_starts = np.arange(start, end, FRAME_S)
-        nearest = np.abs((frame_starts + FRAME_S / 2)[:, None] - centre_s[None, :]).argmin(axis=1)
+        nearest = _nearest(centre_s, frame_starts + FRAME_S / 2)  # centres ascend: windows are in time order
         frame_labels = centre_labels[nearest]
         run_start = 0
         for i in range(1, len(frame_labels) + 1):

@@ -676,8 +676,9 @@ async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, option
     """Serve one diarization request of pipeline ``meta`` (see the comment above for its slots).
 
     Steps: speech regions from the VAD component; windows over them
-    (``inference.diarization.speech_windows``); one embedding per window from
-    the embedding component; clustering and speaker turns (in a thread).
+    (``inference.diarization.bounded_windows``: at most the embedding family's ``segments`` limits,
+    the hop widened when needed); one embedding per window from the embedding component;
+    clustering and speaker turns (``inference.diarization.cluster_and_turn``, off the event loop).
 
     Args:
         options: validated request options (merged here with the spec's and the
@@ -717,7 +718,19 @@ async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, option
                 "min_silence_duration_ms": opts["min_silence_duration_ms"]}, request_timeout_ms)
             steps = [vad]
             regions = [(seg["start_s"], seg["end_s"]) for seg in vad.result["segments"]]
-            windows = diarization.speech_windows(regions, float(opts["window_s"]), float(opts["hop_s"]))
+            # The windows fit one embedding step within the embedding family's own limits (its
+            # segments' count and total duration): the hop widens when they would not.
+            seg_limits = specs.require_spec("speaker_embedding")["request_options"]["properties"]["segments"]
+            try:
+                windows, _hop_s = diarization.bounded_windows(
+                    regions, float(opts["window_s"]), float(opts["hop_s"]), max_windows=int(seg_limits["maxItems"]),
+                    max_total_s=float(seg_limits["maxTotalSpanS"]))
+            except diarization.TooManyRegions as exc:
+                raise InvalidRequest(
+                    f"the audio has {len(regions)} speech regions, {exc.windows} embedding windows "
+                    f"({exc.seconds:.0f} s) even at the widest hop; the limit is {seg_limits['maxItems']} "
+                    f"windows lasting {seg_limits['maxTotalSpanS']} s together: raise min_silence_duration_ms or "
+                    "min_speech_duration_ms, or send shorter audio", param="min_silence_duration_ms") from None
             turns: list[dict] = []
             if windows:
                 embed_meta = await _component(ctx, model_id, "embedding_model", parts["embedding_model"],
@@ -727,10 +740,9 @@ async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, option
                     request_timeout_ms)
                 steps.append(embedded)
                 vectors = np.asarray([seg["embedding"] for seg in embedded.result["segments"]], dtype=np.float32)
-                labels = await asyncio.to_thread(
-                    diarization.cluster, vectors, num_speakers=opts["num_speakers"],
+                turns = await diarization.cluster_and_turn(
+                    windows, vectors, regions, num_speakers=opts["num_speakers"],
                     distance_threshold=float(opts["distance_threshold"]), max_speakers=int(opts["max_speakers"]))
-                turns = diarization.speaker_turns(windows, labels, regions)
     finally:
         await asyncio.shield(ctx.scheduler.release(model_id, lease.lease_id))
     speakers = sorted({turn["speaker"] for turn in turns})

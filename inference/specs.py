@@ -67,6 +67,27 @@ def require_spec(family: str) -> dict:
     return spec
 
 
+def _max_total_span_s(validator, limit, instance, schema):
+    """Keyword ``maxTotalSpanS`` of an array of ``{"start_s", "end_s"}`` items (ours, beside Draft
+    2020-12's): the items' ``end_s - start_s`` summed over the array must not exceed ``limit`` seconds
+    (the speaker_embedding family's ``segments``: their work grows with that sum, not their count).
+    Items whose times are not numbers are left to the other keywords."""
+    if not validator.is_type(instance, "array"):
+        return
+    total_s = 0.0
+    for item in instance:
+        if isinstance(item, dict):
+            start, end = item.get("start_s"), item.get("end_s")
+            if validator.is_type(start, "number") and validator.is_type(end, "number"):
+                total_s += max(0.0, float(end) - float(start))  # type: ignore[arg-type]
+    if total_s > limit:
+        yield jsonschema.ValidationError(f"the segments last {total_s:.1f} s together; the limit is {limit:g} s")
+
+
+_OptionsValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                                 {"maxTotalSpanS": _max_total_span_s})
+"""Draft 2020-12 plus ``maxTotalSpanS`` (:func:`_max_total_span_s`)."""
+
 _VALIDATORS: dict[int, tuple[dict, jsonschema.Draft202012Validator]] = {}
 
 
@@ -75,7 +96,7 @@ def _validator(schema: dict) -> jsonschema.Draft202012Validator:
     every request, profiled); the cache keeps the schema alive, so its ``id`` is never reused."""
     cached = _VALIDATORS.get(id(schema))
     if cached is None or cached[0] is not schema:
-        cached = _VALIDATORS[id(schema)] = (schema, jsonschema.Draft202012Validator(schema))
+        cached = _VALIDATORS[id(schema)] = (schema, _OptionsValidator(schema))
     return cached[1]
 
 

@@ -6,6 +6,7 @@ with private mutable state (:meth:`Adapter.new_session`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +41,14 @@ class AudioRequest:
     samples: np.ndarray
     sample_rate_hz: int
     options: dict[str, Any] = field(default_factory=dict)
+    cancelled: Callable[[], bool] = field(default=lambda: False, compare=False, repr=False)
+    """True once nobody waits for the answer any more (its client left, R8.2): an adapter whose run
+    takes long asks between bounded steps and raises :class:`Cancelled` (the worker sets it from the
+    web's stop marker, ``Keys.stop(request_id)``). Each call may cost a Redis round trip."""
+
+
+class Cancelled(Exception):
+    """Raised by an adapter that stopped a run because :attr:`AudioRequest.cancelled` said nobody waits."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -37,6 +38,8 @@ from inference.scheduler import (
 )
 
 from .context import KEYS, AsyncContext, sync_redis_bytes
+
+log = logging.getLogger(__name__)
 
 INPUT_TTL_MS = 600000  # a request's input waits at most 10 min for its worker
 LIVENESS_CHECK_S = LIVENESS_EVERY_S
@@ -372,13 +375,15 @@ class RunFailure(StrEnum):
     ``NOT_LOADED``: the worker holds no such pool and never took the run (the
     caller keeps the lease); ``INVALID_INPUT``: the adapter refused the
     request (400); ``EXPIRED``: the input key expired before the run (503);
-    ``ERROR``: the adapter failed on valid input (500, a bug).
+    ``ERROR``: the adapter failed on valid input (500, a bug); ``CANCELLED``: the adapter stopped
+    because the run's client left (:func:`run_reply` set ``Keys.stop``; nobody reads this reply).
     """
 
     NOT_LOADED = "not_loaded"
     INVALID_INPUT = "invalid_input"
     EXPIRED = "expired"
     ERROR = "error"
+    CANCELLED = "cancelled"
 
 
 class Handover:
@@ -615,9 +620,21 @@ def offer_run(ctx: AsyncContext, model_id: str, run_input: RunInput, meta_json: 
 async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wake: asyncio.Future) -> dict | None:
     """Await the reply of a run handed to ``placement``'s worker (by :func:`run_on_worker` or with its
     grant): the worker's reply (see ``inference.worker.work.run_request``), or None when the worker
-    died meanwhile. ``wake``: ``listener.expect(f"done:{request_id}")``, registered before the hand-over."""
-    if not await await_reply(ctx, wake, KEYS.result(request_id),
-                             lambda: until_worker_lost(ctx, placement.owner, placement.boot)):
+    died meanwhile. ``wake``: ``listener.expect(f"done:{request_id}")``, registered before the hand-over.
+
+    A caller cancelled while it waits (its client left, R8.2) sets ``Keys.stop(request_id)`` (TTL
+    ``CANCEL_TTL_MS``) before the cancellation goes on: an adapter that asks ``cancelled()`` between
+    bounded steps stops its run, and the worker gives the lease back with its reply."""
+    try:
+        answered = await await_reply(ctx, wake, KEYS.result(request_id),
+                                     lambda: until_worker_lost(ctx, placement.owner, placement.boot))
+    except asyncio.CancelledError:
+        try:
+            await asyncio.shield(ctx.redis.set(KEYS.stop(request_id), "1", px=CANCEL_TTL_MS))
+        except Exception:  # Redis gone or cancelled again: the run then finishes for nobody, as before
+            log.warning("could not mark run %s as left by its client", request_id, exc_info=True)
+        raise
+    if not answered:
         await ctx.redis.delete(KEYS.input(request_id))
         return None
     inline = wake.result() if wake.done() and not wake.cancelled() else None
@@ -627,6 +644,10 @@ async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wa
 
 
 STOP_TTL_MS = 600000  # a stop request outlives any sentence
+
+CANCEL_TTL_MS = 600000
+"""Expiry (ms) of a run's ``Keys.stop`` marker set by :func:`run_reply` when its caller left: longer
+than a run may wait on its worker's queue and run (a run stops within one of its steps)."""
 
 
 class WorkerStream:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from inference import audio, specs
-from inference.adapters.base import AudioRequest, InvalidInput, TextRequest, segment_delta
+from inference.adapters.base import AudioRequest, Cancelled, InvalidInput, TextRequest, segment_delta
 from inference.adapters.fixture_barrier import make_barrier
 from inference.runtime import metrics
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
@@ -35,9 +35,13 @@ INPUT_EXPIRED = {"ok": False, "kind": RunFailure.EXPIRED, "message": "the reques
 
 def failure(exc: Exception, what: str) -> dict:
     """The failure reply of a run that raised ``exc``: the adapter refused its input (``invalid_input``,
-    a 400 naming ``param``), or anything else (``error``: a bug, logged as ``what`` failed)."""
+    a 400 naming ``param``), stopped because its client left (``cancelled``: nobody reads the reply),
+    or anything else (``error``: a bug, logged as ``what`` failed)."""
     if isinstance(exc, InvalidInput):
         return {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
+    if isinstance(exc, Cancelled):
+        log.info("%s stopped: %s", what, exc)
+        return {"ok": False, "kind": RunFailure.CANCELLED, "message": str(exc)}
     log.exception("%s failed", what)
     return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
 
@@ -184,7 +188,8 @@ def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, 
     raw = inline if inline is not None else sync_redis_bytes().getdel(KEYS.input(request_id))
     if raw is None:
         return dict(INPUT_EXPIRED)
-    request = AudioRequest(audio.from_bytes(raw, sample_format), sample_rate_hz, {**pool.request_defaults, **options})
+    request = AudioRequest(audio.from_bytes(raw, sample_format), sample_rate_hz, {**pool.request_defaults, **options},
+                           cancelled=left_checker(request_id))
     del raw
     with pool.slot() as slot:
         started = time.monotonic()
@@ -255,6 +260,33 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
         final = failure(exc, f"speech stream of {header['model_id']}")
     push_frame(channel, request_id, end_frame(final))
     record_inference(header["model_id"], final)
+
+
+CANCEL_CHECK_EVERY_S = 0.1
+"""How often (s) at most a run's ``cancelled()`` asks Redis whether its client left; asked more often,
+it answers the last look (an adapter may ask per small step)."""
+
+
+def left_checker(request_id: str):
+    """``AudioRequest.cancelled`` of run ``request_id``: a callable that is True once the web set
+    ``Keys.stop(request_id)`` (the run's client left, ``inference.runtime.rpc.run_reply``). It looks
+    at most every ``CANCEL_CHECK_EVERY_S`` and never raises (a failed look counts as "still wanted":
+    the run goes on, as it would without the marker)."""
+    client = sync_redis_bytes()
+    stop_key = KEYS.stop(request_id)
+    state = {"at": 0.0, "left": False}
+
+    def cancelled() -> bool:
+        now = time.monotonic()
+        if state["left"] or now - state["at"] < CANCEL_CHECK_EVERY_S:
+            return bool(state["left"])
+        state["at"] = now
+        try:
+            state["left"] = bool(client.exists(stop_key))
+        except Exception:  # redis.RedisError: keep running; the watchdogs cover a lost Redis
+            log.warning("could not look for %s's stop marker", request_id, exc_info=True)
+        return bool(state["left"])
+    return cancelled
 
 
 def _stopped(client, stop_key: str, web_live_key: str) -> bool:
