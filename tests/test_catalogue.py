@@ -464,3 +464,36 @@ def test_a_manager_on_the_pipeline_waits_for_the_diarization_in_progress(cstack,
     assert first.status_code == 200 and later.status_code == 200, (first.text, later.text)
     assert without_timing(first.json()) == without_timing(later.json())
     cstack.wait_idle("diar1")
+
+
+def test_diarization_windows_are_widened_to_fit_the_embedding_limits():
+    """``bounded_windows`` keeps the asked hop when the windows fit, widens it until at most
+    ``max_windows`` windows lasting at most ``max_total_s`` remain (10 min of speech at hop 0.1 s
+    is 5,986 windows), and refuses too many regions even at the widest hop."""
+    region = [(0.0, 600.0)]
+    asked, hop = diarization.bounded_windows(region, 1.5, 0.75, max_windows=2000, max_total_s=3600)
+    assert hop == 0.75 and asked == diarization.speech_windows(region, 1.5, 0.75)
+    windows, hop = diarization.bounded_windows(region, 1.5, 0.1, max_windows=2000, max_total_s=3600)
+    assert len(diarization.speech_windows(region, 1.5, 0.1)) > 5000
+    assert hop > 0.1 and len(windows) <= 2000 and sum(e - s for s, e, _ in windows) <= 3600
+    choppy = [(i * 1.0, i * 1.0 + 0.5) for i in range(2001)]
+    with pytest.raises(diarization.TooManyRegions):
+        diarization.bounded_windows(choppy, 1.5, 0.1, max_windows=2000, max_total_s=3600)
+
+
+def test_each_frame_takes_the_nearest_window_centre_without_a_frames_by_windows_matrix():
+    """``_nearest`` (binary search) picks what ``argmin`` over all distances picks, ties included."""
+    rng = np.random.default_rng(0)
+    points = np.arange(0, 10, 0.01) + 0.005
+    for _ in range(200):
+        centres = np.sort(np.round(rng.uniform(0, 10, rng.integers(1, 30)), int(rng.integers(0, 3))))
+        expected = np.abs(points[:, None] - centres[None, :]).argmin(axis=1)
+        assert np.array_equal(diarization._nearest(centres, points), expected)
+
+
+def test_segments_lasting_more_than_the_total_limit_are_refused_by_the_adapter(embedder):
+    """The adapter checks ``maxTotalSpanS`` itself (a diarization's steps do not pass the web's check)."""
+    samples = np.zeros(16000 * 4, dtype=np.float32)
+    with pytest.raises(InvalidInput, match="the limit is 3600 s"):
+        embedder.run(AudioRequest(samples, 16000, {"whole": False,
+                                                   "segments": [{"start_s": 0.0, "end_s": 3.9}] * 924}))
