@@ -129,6 +129,14 @@ class LiveIngest(_Strict):
     max_turns_per_session: int = Field(default=1000, ge=1)
 
 
+OPENAI_MODEL_ALIASES = {
+    "whisper-1": "asr", "gpt-4o-transcribe": "asr", "gpt-4o-mini-transcribe": "asr",
+    "tts-1": "tts", "tts-1-hd": "tts", "gpt-4o-mini-tts": "tts",
+}
+"""OpenAI's model names of its audio API (platform.openai.com/docs/api-reference/audio) → the task whose
+default model answers to them (:meth:`ServerConfig.default_model`), so an OpenAI client works unchanged."""
+
+
 class ServerConfig(_Strict):
     """The whole server configuration with API.md defaults (times in ms, sizes in bytes)."""
 
@@ -197,6 +205,24 @@ class ServerConfig(_Strict):
             names.append(bound)
         names += [_bracketed(name) for name in self.allowed_hosts]
         return list(dict.fromkeys(names))
+
+    def default_model(self, task: str) -> str | None:
+        """The id of ``task``'s default model: ``default_models[task]``, else the first entry of ``models``
+        whose task (given, or its family's default) is ``task``, else None."""
+        if task in self.default_models:
+            return self.default_models[task]
+        for entry in self.models:
+            if (entry.task or specs.default_task(entry.family)) == task:
+                return entry.id
+        return None
+
+    def aliases(self) -> dict[str, str]:
+        """Every model alias, ``{alias: model id}``: :data:`OPENAI_MODEL_ALIASES` resolved through
+        :meth:`default_model`, then ``model_aliases`` (null removes one); aliases of a task without a
+        default model are left out."""
+        resolved = {alias: self.default_model(task) for alias, task in OPENAI_MODEL_ALIASES.items()}
+        resolved.update(self.model_aliases)
+        return {alias: target for alias, target in resolved.items() if target}
 
     def model(self, model_id: str) -> ModelConfig | None:
         """Return the entry with ``model_id`` or None."""

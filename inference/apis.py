@@ -503,24 +503,26 @@ class SpeechApi(APIView):
 
 
 class VoicesApi(APIView):
-    """``GET /v1/audio/voices?model=<id>`` → ``{"voices": [{"id", "name", "language", "sample_rate", …}]}``.
+    """``GET /v1/audio/voices[?model=<id>]`` → ``{"model", "voices": [{"id", "name", "language", "sample_rate", …}]}``.
 
-    Presets carry ``preset_of`` (the voice they stand for) and their ``options``.
+    Presets carry ``preset_of`` (the voice they stand for) and their ``options``. Without ``model``:
+    the default speech model's voices (``ServerConfig.default_model("tts")``); an alias names its target.
 
     Raises:
-        InvalidRequest: no ``model`` parameter, or a model that is not ``tts`` (400).
+        InvalidRequest: a model that is not ``tts``, or no ``model`` while no default speech model is set (400).
         NotFound: unknown model (404).
     """
 
     async def get(self, request):
-        model_id = request.query_params.get("model")
+        model_id = request.query_params.get("model") or get_config().default_model("tts")
         if not model_id:
-            raise InvalidRequest("model is required (?model=<id>)", param="model")
+            raise InvalidRequest("model is required (?model=<id>): no default speech model is configured",
+                                 param="model")
         meta, _ctx, _probe = await _model(model_id, None)
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}: it has no voices",
                                  param="model")
-        return Response({"voices": voices.model_voices(meta)})
+        return Response({"model": meta["id"], "voices": voices.model_voices(meta)})
 
 
 async def _task_speech(meta: dict, ctx: AsyncContext, data: dict, started: float) -> Response:

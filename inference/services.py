@@ -485,6 +485,9 @@ async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None =
 async def probe_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> AdmissionProbe:
     """The admission probe of ``model_id`` for a request, refusing it at once when it would be (R3.3).
 
+    ``model_id`` may be an alias (``ServerConfig.aliases``: OpenAI's names, the configured ones) when no
+    model of that id is registered: the probe is then the alias target's (its ``entry`` names the target).
+
     One Redis round trip (``admission_probe.lua``): a request the model would
     refuse as overdue is answered 503 before anything else is done for it (its
     options are not checked, its audio not decoded). ``run`` still enqueues
@@ -498,7 +501,10 @@ async def probe_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms
         NotFound: not registered (404, ``param`` "model").
         ServerBusy: (code ``overdue``) every occupied slot has run longer than the effective timeout.
     """
-    probe = await ctx.scheduler.admission_probe(model_id, request_timeout_ms, get_config().busy_timeout_ms)
+    config = get_config()
+    probe = await ctx.scheduler.admission_probe(model_id, request_timeout_ms, config.busy_timeout_ms)
+    if probe.entry is None and (target := config.aliases().get(model_id)):  # an alias (never shadows an id)
+        probe = await ctx.scheduler.admission_probe(target, request_timeout_ms, config.busy_timeout_ms)
     if probe.entry is None:
         raise NotFound(f"model {model_id!r} is not registered", param="model")
     if probe.verdict == ProbeVerdict.OVERDUE:

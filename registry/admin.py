@@ -23,6 +23,7 @@ from inference.runtime.context import async_context
 
 from . import lifecycle
 from .models import ApiToken, LifecycleEvent, ModelRegistration
+from .selectors import registration_body_of
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 
 
@@ -95,7 +96,7 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
     def load_selected(self, request, queryset):
         _check_gate(request)
         for row in queryset:
-            body = _body_of(row)
+            body = {"id": row.model_id}  # a plain load: the registration as it is
             try:
                 outcome = async_to_sync(self._load)(body, request.user.get_username())
                 self.message_user(request, f"{row.model_id}: loaded={outcome['loaded']}")
@@ -149,16 +150,8 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
 
 
 def _body_of(row: ModelRegistration) -> dict:
-    """The management body that re-registers ``row`` as it is."""
-    meta = row.as_meta()
-    body = {"id": meta["id"], "family": meta["family"], "task": meta["task"], "mode": meta["mode"]}
-    for key in ("path", "busy_timeout_ms", "lazy", "slots"):
-        if meta[key] is not None:
-            body[key] = meta[key]
-    for key in ("load_options", "session_options", "default_request_options"):
-        if meta[key]:
-            body[key] = meta[key]
-    return json.loads(json.dumps(body))
+    """The management body that re-registers ``row`` as it is (every key, voice presets included)."""
+    return registration_body_of(row.as_meta())
 
 
 @admin.register(LifecycleEvent)

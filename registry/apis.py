@@ -122,6 +122,13 @@ class ManagementApi(APIView):
     def get_authenticate_header(self, request):
         return "Token"
 
+    def get_authenticators(self):
+        """Token (``Token`` or ``Bearer``) and session. On a read (GET, HEAD), an unknown ``Bearer`` key
+        counts as no credentials: OpenAI's clients send their API key with every call, and a status
+        read is open; a management call with it gets 401 as with any unknown token."""
+        read = getattr(self, "request", None) is not None and self.request.method in ("GET", "HEAD")
+        return [AsyncTokenAuthentication(unknown_bearer_is_anonymous=read), AsyncSessionAuthentication()]
+
     @staticmethod
     def actor(request) -> str:
         return request.user.get_username()

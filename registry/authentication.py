@@ -28,13 +28,37 @@ from .models import ApiToken
 
 
 class AsyncTokenAuthentication(TokenAuthentication):
-    """``Authorization: Token <key>`` (``manage.py issue_token``), looked up by digest, asynchronously.
+    """``Authorization: Token <key>`` or ``Authorization: Bearer <key>`` (the scheme OpenAI's clients
+    send; ``manage.py issue_token``), looked up by digest, asynchronously.
 
-    Returns ``(user, ApiToken)``; raises ``AuthenticationFailed`` (401) for an
-    unknown token or an inactive user.
+    Returns ``(user, ApiToken)``; raises ``AuthenticationFailed`` (401) for an unknown token or an
+    inactive user, except that with ``unknown_bearer_is_anonymous`` an unknown ``Bearer`` key counts as
+    no credentials: an OpenAI client always sends its API key, which a status read must not refuse.
     """
 
     model = ApiToken
+    keywords = ("Token", "Bearer")
+    unknown_bearer_is_anonymous = False
+
+    def __init__(self, unknown_bearer_is_anonymous: bool = False):
+        self.unknown_bearer_is_anonymous = unknown_bearer_is_anonymous
+
+    def authenticate(self, request):
+        """DRF's sync entry point, with both schemes (:meth:`token_key`)."""
+        key = self.token_key(request)
+        if key is None:
+            return None
+        try:
+            return self.authenticate_credentials(key)
+        except exceptions.AuthenticationFailed:
+            if self._bearer_ignored(request):
+                return None
+            raise
+
+    def _bearer_ignored(self, request) -> bool:
+        """True when an unknown key counts as none: ``unknown_bearer_is_anonymous`` and a ``Bearer`` header."""
+        scheme = get_authorization_header(request).split()[:1]
+        return self.unknown_bearer_is_anonymous and bool(scheme) and scheme[0].lower() == b"bearer"
 
     def authenticate_credentials(self, key: str):
         """DRF's sync lookup, by the token's digest (``ApiToken.digest_of``)."""
@@ -47,13 +71,14 @@ class AsyncTokenAuthentication(TokenAuthentication):
         return token.user, token
 
     def token_key(self, request) -> str | None:
-        """The key of an ``Authorization: Token <key>`` header, None without one (DRF's parsing).
+        """The key of an ``Authorization: Token <key>`` or ``Bearer <key>`` header (scheme case-insensitive),
+        None without one (DRF's parsing).
 
         Raises:
             AuthenticationFailed: a ``Token`` header without a key, with spaces, or not text.
         """
         auth = get_authorization_header(request).split()
-        if not auth or auth[0].lower() != self.keyword.lower().encode():
+        if not auth or auth[0].lower() not in {keyword.lower().encode() for keyword in self.keywords}:
             return None
         if len(auth) == 1:
             raise exceptions.AuthenticationFailed("Invalid token header. No credentials provided.")
@@ -72,6 +97,8 @@ class AsyncTokenAuthentication(TokenAuthentication):
         try:
             token = await ApiToken.objects.select_related("user").aget(digest=ApiToken.digest_of(key))
         except ApiToken.DoesNotExist:
+            if self._bearer_ignored(request):
+                return None
             raise exceptions.AuthenticationFailed("Invalid token.") from None
         if not token.user.is_active:
             raise exceptions.AuthenticationFailed("User inactive or deleted.")

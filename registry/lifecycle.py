@@ -32,8 +32,12 @@ from .selectors import model_meta_all, model_meta_get, registration_first_load_p
 log = logging.getLogger(__name__)
 
 
+_NOT_CONFIGURATION = ("source", "created")
+
+
 def _same_configuration(a: dict, b: dict) -> bool:
-    return {k: v for k, v in a.items() if k != "source"} == {k: v for k, v in b.items() if k != "source"}
+    return ({k: v for k, v in a.items() if k not in _NOT_CONFIGURATION}
+            == {k: v for k, v in b.items() if k not in _NOT_CONFIGURATION})
 
 
 async def _registered_meta(ctx: AsyncContext, model_id: str) -> dict:
@@ -67,6 +71,10 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
 async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> dict:
     """``POST /v1/models/load``: register a new id (R4.6) or reconfigure an existing one (R4.4).
 
+    For an existing id the body holds the keys to change: it is applied to the entry as it is when
+    the manager lease is granted (``registration_merge``), so ``{"id": ...}`` alone loads the
+    registration unchanged, and a key no caller sent (voice presets, say) is never lost.
+
     New id: validate privately, take the id's manager lease (a second
     registration of the same id queues on it), publish one complete entry
     (visible as ``loading``/``unloaded`` while its first load runs), then load
@@ -92,17 +100,23 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
     """
     config = get_config()
     backend = await asyncio.to_thread(resolve_backend, config.backend)
-    valid = await asyncio.to_thread(services.registration_validate, body, config.runtime, backend)
+    named = body.get("id") if isinstance(body, dict) else None
+    existing = await model_meta_get(ctx, named) if isinstance(named, str) and named else None
+    valid = await asyncio.to_thread(services.registration_validate, body, config.runtime, backend, existing)
     entry, model_id = valid.entry, valid.entry.id
-    existing = await model_meta_get(ctx, model_id)
     if existing is not None and valid.count_problem:
         raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
 
     async def transition(lease: Lease) -> dict:
+        nonlocal valid, entry
         started = time.monotonic()
         current = await model_meta_get(ctx, model_id)  # may have changed while we queued
+        if current != existing:  # apply the keys sent to the entry as it is now
+            valid = await asyncio.to_thread(services.registration_validate, body, config.runtime, backend, current)
+            entry = valid.entry
         if current is None:
             meta = services.registration_meta_of(entry, ModelRegistration.Source.API)
+            meta["created"] = int(time.time())
             await sync_to_async(services.registration_save)(entry, actor, "register", LifecycleState.UNLOADED)
             await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), config.runtime), lease.lease_id,
                                               reset=True)
@@ -115,6 +129,7 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
         if valid.count_problem:
             raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
         meta = services.registration_meta_of(entry, current.get("source") or ModelRegistration.Source.API)
+        meta["created"] = current.get("created")
         if _same_configuration(meta, current):
             return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
         # The row is written first (state reconfiguring): a value the database refuses is a

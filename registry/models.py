@@ -72,6 +72,7 @@ class ModelRegistration(models.Model):
             "slots": self.slots,
             "lazy": self.lazy,
             "source": self.source,
+            "created": int(self.created_at.timestamp()) if self.created_at else None,
         }
 
 

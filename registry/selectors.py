@@ -1,6 +1,7 @@
 """Reads: published registrations, the status snapshot (never reserves anything, R4.7), and database facts."""
 from __future__ import annotations
 
+import json
 import math
 from datetime import UTC, datetime
 
@@ -15,12 +16,28 @@ from .models import LifecycleEvent, ModelRegistration
 
 __all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board", "model_gauges",
            "model_meta_all", "model_meta_get", "model_request_stats", "model_status_list",
-           "registration_first_load_published", "registration_get"]
+           "registration_body_of", "registration_first_load_published", "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
     """Live workers, whether one is being started, and registered models: one Redis round trip (``census.lua``)."""
     return await ctx.scheduler.census()
+
+
+ENTRY_KEYS = ("id", "family", "path", "task", "mode", "slots", "busy_timeout_ms", "lazy",
+                     "load_options", "session_options", "default_request_options", "voice_presets",
+                     "default_voice_preset")
+"""The keys of a management entry: every key a model entry of the config file can set (``ModelConfig``)."""
+
+
+def registration_body_of(meta: dict) -> dict:
+    """The management body that registers the published entry ``meta`` exactly as it is.
+
+    Every key of :data:`ENTRY_KEYS` whose value is set (None left out: an absent key takes the
+    same default, and the legacy runtime refuses any explicit ``slots``, null included, R1.2).
+    """
+    body = {key: meta[key] for key in ENTRY_KEYS if meta.get(key) is not None}
+    return json.loads(json.dumps(body))  # a deep copy: callers may change it
 
 
 def _utc(epoch_ms: int) -> str:
@@ -29,15 +46,16 @@ def _utc(epoch_ms: int) -> str:
         "+00:00", "Z")
 
 
-#: Fields of a status entry that only callers passing the management gate see (they describe the server's
-#: filesystem, not the model's behaviour).
-PRIVATE_FIELDS = ("path",)
+#: Fields of a status entry that only callers passing the management gate see: the rest of the entry as a
+#: management body sets it (``path`` describes the server's filesystem; option blocks may too).
+PRIVATE_FIELDS = tuple(key for key in ENTRY_KEYS if key not in ("id", "family", "task", "mode", "slots"))
 
 
 def _entry(meta: dict, status: ModelStatus, parallel: bool, private: bool) -> dict:
     entry = {
         "id": meta["id"],
         "object": "model",
+        "created": meta.get("created") or 0,
         "owned_by": "audiosite",
         "family": meta["family"],
         "task": meta["task"],
@@ -47,8 +65,10 @@ def _entry(meta: dict, status: ModelStatus, parallel: bool, private: bool) -> di
         "last_error": status["error"] or None,
         "retry_at": _utc(status["retry_at_ms"]) if status["retry_at_ms"] else None,
     }
-    if private:
+    if private:  # the whole entry, as a management body would set it
         entry["path"] = meta["path"]
+        body = registration_body_of(meta)
+        entry.update({key: body[key] for key in PRIVATE_FIELDS if key in body})
     if parallel:
         entry.update(
             slots=meta.get("slots") or 1,
@@ -68,22 +88,40 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     ``retry_at`` (ISO 8601 UTC end of a failed load's backoff, R6.7, else null);
     with ``private`` (the caller passes the management gate) also
     :data:`PRIVATE_FIELDS` (``path``: the checkpoint on the server's disk, or
-    None for the family's packaged one). Legacy runtime: no slot fields
+    None for the family's packaged one; the option blocks, voice presets,
+    ``busy_timeout_ms`` and ``lazy`` when set: the entry a management body
+    would send back unchanged). Legacy runtime: no slot fields
     (R1.2). Parallel runtime: also ``slots``
     (configured), ``active_slots`` (request leases, including requests
     admitted while the model loads), ``queued_requests`` (waiting requests;
     managers not counted) and ``max_parallel_slots`` (the loaded pool's
     advertised capacity; null when not loaded).
 
+    Every entry has ``created`` (Unix seconds of the registration; 0 when unknown), as OpenAI's model
+    object does. After the registered models come the aliases (``ServerConfig.aliases``, those whose
+    target is registered and whose name is no registered id), each a copy of its target's entry with
+    its own ``id`` and ``alias_of`` (the target's id).
+
     Args:
-        model_id: only this model (empty list when unknown).
+        model_id: only this model or alias (empty list when unknown).
     """
     metas = await model_meta_all(ctx)
-    if model_id is not None:
-        metas = {model_id: metas[model_id]} if model_id in metas else {}
-    snapshot = await ctx.scheduler.snapshot(list(metas))
-    parallel = get_config().runtime == "parallel"
-    return [_entry(meta, snapshot[mid], parallel, private) for mid, meta in metas.items()]
+    config = get_config()
+    aliases = {alias: target for alias, target in config.aliases().items() if alias not in metas and target in metas}
+    if model_id is None:
+        ids, shown_aliases = list(metas), aliases
+    elif model_id in metas:
+        ids, shown_aliases = [model_id], {}
+    elif model_id in aliases:
+        ids, shown_aliases = [aliases[model_id]], {model_id: aliases[model_id]}
+    else:
+        return []
+    snapshot = await ctx.scheduler.snapshot(ids)
+    parallel = config.runtime == "parallel"
+    entries = {mid: _entry(metas[mid], snapshot[mid], parallel, private) for mid in ids}
+    listed = [entries[mid] for mid in ids] if model_id is None or model_id in metas else []
+    return listed + [{**entries[target], "id": alias, "alias_of": target}
+                     for alias, target in sorted(shown_aliases.items())]
 
 
 async def model_board(ctx: AsyncContext) -> list[dict]:

@@ -28,6 +28,7 @@ from inference import specs
 from inference.scheduler import Scheduler
 
 from .models import ApiToken, LifecycleEvent, LifecycleState, ModelRegistration
+from .selectors import ENTRY_KEYS, registration_body_of
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +235,19 @@ def registration_record_teardown(model_id: str, *, ok: bool, detail: str, durati
 
 # -- management entries (validated here, written here; the transitions are in registry.lifecycle) ----
 
-MANAGEMENT_FIELDS = ("id", "family", "path", "task", "mode", "slots", "busy_timeout_ms", "lazy",
-                     "load_options", "session_options", "default_request_options")
+def registration_merge(body: Any, meta: dict | None) -> Any:
+    """A ``POST /v1/models/load`` body applied to the registered entry ``meta`` (None: a new id).
+
+    Only the keys the caller sends change (each replaces that key as a whole: an options block sent
+    replaces the old block); ``{"id": ...}`` alone gives the entry as it is. A body that names another
+    family is a new entry of that family (the old options belong to the old family), so it replaces
+    the entry instead. A body that is not an object is returned as it is (validation refuses it).
+    """
+    if meta is None or not isinstance(body, dict):
+        return body
+    if "family" in body and body["family"] != meta.get("family"):
+        return body
+    return {**registration_body_of(meta), **body}
 
 
 @dataclass(frozen=True)
@@ -252,7 +264,7 @@ class ValidatedEntry:
     count_problem: str | None
 
 
-def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
+def registration_validate(body, runtime: str, backend: str, current: dict | None = None) -> ValidatedEntry:
     """Check a ``POST /v1/models/load`` body privately: nothing live is touched (R4.4, R7.1).
 
     Checks the shape and types (strict), the family, task and mode, the
@@ -263,6 +275,9 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
         body: the decoded JSON object.
         runtime: 'legacy' or 'parallel'.
         backend: the resolved backend ('cpu' or 'cuda') for the capacity probe.
+        current: the published entry of ``body``'s id when it is registered: the body is applied to
+            it (:func:`registration_merge`: only the keys sent change) and the result is checked.
+            The legacy runtime's refusal of ``slots`` and the count check concern the keys sent.
 
     Text with NUL characters or unpaired surrogates is refused at the edges
     (``registry.apis``, the admin form) before it gets here.
@@ -272,12 +287,14 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
     """
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object with at least 'id' and 'family'")
-    unknown = sorted(set(body) - set(MANAGEMENT_FIELDS))
+    unknown = sorted(set(body) - set(ENTRY_KEYS))
     if unknown:
-        raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(MANAGEMENT_FIELDS)}", param=unknown[0])
+        raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}", param=unknown[0])
     if "slots" in body and runtime != "parallel":
         raise InvalidRequest("slots requires --parallel-jobs: the legacy runtime serves one session per model and "
                              "refuses any explicit slots, including 1 and null (R1.2)", param="slots")
+    sent = body
+    body = registration_merge(body, current)
     try:
         entry = ModelConfig.model_validate(body)
     except ValidationError as exc:
@@ -293,7 +310,7 @@ def registration_validate(body, runtime: str, backend: str) -> ValidatedEntry:
     except FileNotFoundError as exc:
         raise InvalidRequest(f"key 'path': {exc}", param="path") from None
     count_problem = None
-    if "slots" in body:
+    if "slots" in sent:
         problem = specs.slots_value_problem(body["slots"])
         if problem:
             raise InvalidRequest(problem, param="slots")

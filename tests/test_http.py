@@ -61,11 +61,15 @@ def test_models_list_has_the_legacy_shape(stack):
         one = c.get("/v1/models/vad").json()
         missing = c.get("/v1/models/nope")
     assert body["object"] == "list"
-    entries = {e["id"]: e for e in body["data"]}
+    entries = {e["id"]: e for e in body["data"] if "alias_of" not in e}
+    aliases = {e["id"]: e for e in body["data"] if "alias_of" in e}
     assert set(entries) == {"whisper", "whisper-unbounded", "vad", "vad-lazy", "vad-broken"}
+    assert set(aliases) == {"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"}  # no speech model here
     for entry in entries.values():
-        assert set(entry) == {"id", "object", "owned_by", "family", "task", "mode", "state", "loaded",
+        assert set(entry) == {"id", "object", "created", "owned_by", "family", "task", "mode", "state", "loaded",
                               "last_error", "retry_at"}  # R6.7's fields, on every entry
+    for alias in aliases.values():
+        assert alias == {**entries["whisper"], "id": alias["id"], "alias_of": "whisper"}
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True
     assert one == entries["vad"]
     assert_error(missing, 404, "not_found")

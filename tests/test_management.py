@@ -365,12 +365,14 @@ def test_invalid_reconfiguration_preserves_live_state(mstack, token):
 
 
 def test_a_valid_resize_works_after_an_unsupported_one(mstack, token):
-    """R4.4/R9: after slots=5 is refused on an existing whisper model, slots=1 → 2 loads and serves."""
+    """R4.4/R9: after slots=5 is refused on an existing whisper model, slots=1 (and not lazy any more)
+    loads and serves."""
     async def scenario():
         async with mclient(mstack, token, timeout=MODEL_S) as op:  # loads the real Whisper model
             resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 5})
             assert resp.status_code == 400 and "capacity=4" in resp.json()["error"]["message"]
-            resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 1})
+            resp = await op.post("/v1/models/load", json={"id": "whisper-lazy", "family": "whisper", "slots": 1,
+                                                          "lazy": False})
             assert resp.status_code == 200 and \
                 resp.json() == {"id": "whisper-lazy", "loaded": True, "reconfigured": True}
             entry = entry_of(mstack, "whisper-lazy")
@@ -674,7 +676,7 @@ def test_unload_all_lists_every_registered_model_including_never_loaded(mstack, 
     afterwards nothing is loaded and the next request loads again."""
     async def scenario():
         async with mclient(mstack, token) as op:
-            registered = {e["id"] for e in (await op.get("/v1/models")).json()["data"]}
+            registered = {e["id"] for e in (await op.get("/v1/models")).json()["data"] if "alias_of" not in e}
             resp = await op.post("/v1/tasks/unload_all_models")
             assert resp.status_code == 200
             assert sorted(resp.json()["unloaded"]) == sorted(registered) and resp.json()["not_found"] == []
@@ -910,3 +912,116 @@ def test_an_admin_session_manages_through_the_api_with_csrf(mstack):
     with mstack.client(cookies={"sessionid": "not-a-session"}) as c:
         resp = c.post("/v1/models/unload", json={"id": "whisper-lazy"})
         assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Token", resp.text
+
+
+# -- a plain load keeps the registration, in every place it can be taken ------------------------------
+PRESET_ENTRY = {"id": "tts-presets", "family": "piper", "lazy": True, "busy_timeout_ms": 7000,
+                "voice_presets": {"alloy": {"voice": "joe"},
+                                  "nova": {"voice": "joe", "options": {"sentence_silence_s": 0.2}},
+                                  "echo": {"voice": "joe", "options": {"length_scale": 1.1}}},
+                "default_voice_preset": "alloy"}
+
+
+def _private_entry(stack, token: str, model_id: str) -> dict:
+    with stack.client(headers={"Authorization": f"Token {token}"}) as c:
+        entry = c.get(f"/v1/models/{model_id}").json()
+    return {k: v for k, v in entry.items() if k not in ("state", "loaded", "last_error", "retry_at", "active_slots",
+                                                        "queued_requests", "max_parallel_slots")}
+
+
+def _reconfigures(stack, model_id: str) -> int:
+    return sum(1 for event, _, _ in events_of(stack, model_id) if event == "reconfigure")
+
+
+def test_a_plain_load_by_id_keeps_every_key_of_the_registration_and_only_sent_keys_change(mstack, token):
+    """R4.4 through the API: ``{"id"}`` and ``{"id", "family"}`` load the registration as it is (voice
+    presets included: no reconfigure, no audit row of one); a body with one key changes only that key; the
+    private status entry shows every key of the entry, the way the config file sets it."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json=PRESET_ENTRY)
+            assert resp.status_code == 200, resp.text
+            before = _private_entry(mstack, token, "tts-presets")
+            stored = {name: {"options": {}, **preset} for name, preset in PRESET_ENTRY["voice_presets"].items()}
+            assert before["voice_presets"] == stored and before["busy_timeout_ms"] == 7000
+            for plain in ({"id": "tts-presets"}, {"id": "tts-presets", "family": "piper"}):
+                resp = await op.post("/v1/models/load", json=plain)
+                assert resp.json() == {"id": "tts-presets", "loaded": False, "reconfigured": False}, resp.text
+            assert _private_entry(mstack, token, "tts-presets") == before
+            assert _reconfigures(mstack, "tts-presets") == 0
+            voices = (await op.get("/v1/audio/voices", params={"model": "tts-presets"})).json()["voices"]
+            assert {"alloy", "nova", "echo"} <= {v["id"] for v in voices}
+            resp = await op.post("/v1/models/load", json={"id": "tts-presets", "busy_timeout_ms": 9000})
+            assert resp.json()["reconfigured"] is True
+            after = _private_entry(mstack, token, "tts-presets")
+            assert after == {**before, "busy_timeout_ms": 9000}
+            resp = await op.post("/v1/models/load", json={"id": "tts-presets", "default_voice_preset": "nova",
+                                                          "voice_presets": {"nova": {"voice": "joe"}}})
+            assert resp.status_code == 200, resp.text
+            assert _private_entry(mstack, token, "tts-presets") == {
+                **after, "voice_presets": {"nova": {"voice": "joe", "options": {}}}, "default_voice_preset": "nova"}
+            # Back to the original presets for the next tests.
+            assert (await op.post("/v1/models/load", json=PRESET_ENTRY)).status_code == 200
+    run(scenario())
+
+
+def test_the_admin_load_action_and_the_dashboard_load_keep_the_registration(mstack, token):
+    """R4.4 in the admin ("Load selected") and the UI (the dashboard's Load button posts
+    ``/ui/manage/<id>/load``): a plain load, nothing changes, no reconfigure is logged. The model
+    page's configuration form changes only the keys it sends."""
+    async def setup():
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=PRESET_ENTRY)).status_code == 200
+    run(setup())
+    before = _private_entry(mstack, token, "tts-presets")
+    reconfigures = _reconfigures(mstack, "tts-presets")
+    pk = mstack.sql("SELECT id FROM registry_modelregistration WHERE model_id = 'tts-presets'")[0][0]
+    c = _admin_session(mstack)
+    try:
+        changelist = "/admin/registry/modelregistration/"
+        resp = c.post(changelist, data={"action": "load_selected", "_selected_action": [str(pk)],
+                                        "csrfmiddlewaretoken": _csrf(c, changelist)})
+        assert resp.status_code == 302
+        assert _private_entry(mstack, token, "tts-presets") == before
+        csrf = {"X-CSRFToken": c.cookies["csrftoken"]}
+        resp = c.post("/ui/manage/tts-presets/load", headers=csrf)
+        assert resp.status_code == 200 and resp.json() == {
+            "ok": True, "result": {"id": "tts-presets", "loaded": False, "reconfigured": False}}, resp.text
+        assert _private_entry(mstack, token, "tts-presets") == before
+        assert _reconfigures(mstack, "tts-presets") == reconfigures
+        page = c.get("/ui/models/tts-presets")
+        assert page.status_code == 200 and 'id="configure"' in page.text and "sentence_silence_s" in page.text
+        resp = c.post("/ui/manage/tts-presets/configure", headers=csrf,
+                      data={"entry": json.dumps({"default_voice_preset": "echo"})})
+        assert resp.status_code == 200 and resp.json()["result"]["reconfigured"] is True, resp.text
+        assert _private_entry(mstack, token, "tts-presets") == {**before, "default_voice_preset": "echo"}
+        resp = c.post("/ui/manage/tts-presets/configure", headers=csrf,
+                      data={"entry": json.dumps({"id": "other", "lazy": True})})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "id"
+    finally:
+        c.close()
+
+
+def test_bearer_tokens_work_wherever_token_does_and_an_openai_key_does_not_block_status_reads(mstack, token):
+    """API.md gate: ``Authorization: Bearer <token>`` is a token like ``Token <token>``; an unknown Bearer
+    key is refused on management calls (401) but counts as no credentials on status reads, where every
+    OpenAI client sends its API key (the official SDK's ``models.list()`` against a server with
+    management on)."""
+    import openai
+
+    async def scenario():
+        async with mclient(mstack, None, headers={"Authorization": f"Bearer {token}"}) as bearer, \
+                mclient(mstack, None, headers={"Authorization": "Bearer sk-not-one-of-ours"}) as stranger:
+            resp = await bearer.post("/v1/models/load", json={"id": "fx-base"})
+            assert resp.status_code == 200 and resp.json()["reconfigured"] is False, resp.text
+            listed = (await bearer.get("/v1/models/fx-base")).json()
+            assert "load_options" in listed and "path" in listed  # the private fields of a permitted caller
+            resp = await stranger.post("/v1/models/load", json={"id": "fx-base"})
+            assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+            resp = await stranger.get("/v1/models/fx-base")
+            assert resp.status_code == 200 and "path" not in resp.json()
+            resp = await stranger.delete("/v1/models/fx-base")
+            assert resp.status_code == 401
+    run(scenario())
+    client = openai.OpenAI(base_url=f"{mstack.url}/v1", api_key="sk-unknown", max_retries=0, timeout=30)
+    assert "fx-base" in {model.id for model in client.models.list()}

@@ -53,3 +53,22 @@ def test_the_sdk_lists_models_and_maps_our_errors_to_its_exceptions(stack):
     with pytest.raises(openai.APIStatusError) as undecodable:
         client.audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(b"not audio" * 100)))
     assert undecodable.value.status_code == 415 and undecodable.value.body["type"] == "invalid_request_error"
+
+
+def test_openai_model_names_reach_the_default_transcription_model(stack, speech):
+    """``whisper-1``, ``gpt-4o-transcribe`` and ``gpt-4o-mini-transcribe`` stand for the default ASR
+    model (the config file's first ``asr`` entry, here ``whisper``): the same text, and the names are
+    listed in ``/v1/models`` with ``created`` and ``alias_of``."""
+    utt = speech[0]
+    client = _client(stack)
+    own = client.audio.transcriptions.create(model="whisper", file=("a.wav", io.BytesIO(utt.wav))).text
+    for alias in ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"):
+        text = client.audio.transcriptions.create(model=alias, file=("a.wav", io.BytesIO(utt.wav))).text
+        assert text == own, alias
+    listed = {model.id: model for model in client.models.list()}
+    assert listed["whisper-1"].model_extra["alias_of"] == "whisper"
+    assert all(isinstance(model.created, int) and model.created > 0 for model in listed.values())
+    assert "tts-1" not in listed  # this stack has no speech model: the speech names are not offered
+    assert client.models.retrieve("gpt-4o-transcribe").model_extra["alias_of"] == "whisper"
+    with pytest.raises(openai.NotFoundError):
+        client.audio.transcriptions.create(model="tts-1", file=("a.wav", io.BytesIO(utt.wav)))

@@ -18,6 +18,7 @@ urlpatterns = [
     path("manage/unload", views.bulk_unload, name="bulk_unload"),
     path("manage/<str:model_id>/slots", views.resize, name="resize"),
     path("manage/<str:model_id>/load", views.load, name="load"),
+    path("manage/<str:model_id>/configure", views.configure, name="configure"),
     path("manage/<str:model_id>/unload", views.unload, name="unload"),
     path("manage/<str:model_id>/unregister", views.unregister, name="unregister"),
 ]

@@ -47,16 +47,12 @@ from registry.selectors import (
     model_meta_all,
     model_meta_get,
     model_request_stats,
+    registration_body_of,
     registration_get,
 )
 from registry.serializers import ModelLoadInputSerializer
 
 from .signals import event_json
-
-#: Keys of a published registration that a management body may carry (``source`` is the server's own).
-_BODY_KEYS = ("id", "family", "task", "mode", "path", "lazy", "slots", "busy_timeout_ms", "load_options",
-              "session_options", "default_request_options", "voice_presets", "default_voice_preset")
-
 
 def _ui_on() -> None:
     if not get_config().ui:
@@ -172,7 +168,7 @@ async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
     events = [event_json(e) for e in await sync_to_async(lifecycle_events_recent)(model_id, None, 50)]
     return _page(request, "ui/model.html", {
         "model": board[0] if board else None, "model_id": model_id, "manage": manage,
-        "config_json": json.dumps({k: meta.get(k) for k in _BODY_KEYS}, indent=2), "registration": row,
+        "config_json": json.dumps(registration_body_of(meta), indent=2), "registration": row,
         "stats": stats, "events": events, "title": model_id})
 
 
@@ -236,17 +232,10 @@ async def _manager(request: HttpRequest) -> str:
     return user.get_username()
 
 
-def _body_of(meta: dict) -> dict:
-    """The management body that re-registers a published entry as it is (None values left out)."""
-    body = {key: meta.get(key) for key in _BODY_KEYS}
-    return {key: value for key, value in body.items() if value not in (None, {}, "")}
-
-
-async def _current_body(ctx, model_id: str) -> dict:
-    meta = await model_meta_get(ctx, model_id)
-    if meta is None:
+async def _registered(ctx, model_id: str) -> None:
+    """Raise InvalidRequest (400, ``param`` id) unless ``model_id`` is registered."""
+    if await model_meta_get(ctx, model_id) is None:
         raise InvalidRequest(f"model {model_id!r} is not registered", param="id")
-    return _body_of(meta)
 
 
 def _int_field(request: HttpRequest, name: str) -> int | None:
@@ -288,7 +277,10 @@ def _register_body(request: HttpRequest) -> dict:
         body["busy_timeout_ms"] = timeout
     if request.POST.get("lazy"):
         body["lazy"] = True
-    for block in ("load_options", "session_options", "default_request_options"):
+    for text in ("mode", "path", "default_voice_preset"):
+        if value := request.POST.get(text, "").strip():
+            body[text] = value
+    for block in ("load_options", "session_options", "default_request_options", "voice_presets"):
         if value := _json_field(request, block):
             body[block] = value
     return validated(ModelLoadInputSerializer(data=body))
@@ -315,26 +307,47 @@ async def register(request: HttpRequest) -> JsonResponse:
 
 @require_POST
 async def resize(request: HttpRequest, model_id: str) -> JsonResponse:
-    """Reconfigure the slot count: the current entry with ``slots`` replaced (R4.4; 400 leaves it as it was)."""
+    """Reconfigure the slot count: ``{"id", "slots"}`` (only the count changes; R4.4: 400 leaves it as it was)."""
     _ui_on()
 
     async def action(ctx, actor):
-        body = await _current_body(ctx, model_id)
+        await _registered(ctx, model_id)
         slots = _int_field(request, "slots")
         if slots is None:
             raise InvalidRequest("key 'slots': a slot count is required", param="slots")
-        body["slots"] = slots
-        return await lifecycle.model_register_or_reconfigure(ctx, body, actor)
+        return await lifecycle.model_register_or_reconfigure(ctx, {"id": model_id, "slots": slots}, actor)
     return await _act(request, action)
 
 
 @require_POST
 async def load(request: HttpRequest, model_id: str) -> JsonResponse:
-    """Load: the current entry sent again (``POST /v1/models/load``; a lazy entry stays unloaded)."""
+    """Load: ``POST /v1/models/load {"id"}``, the registration as it is (a lazy entry stays unloaded)."""
     _ui_on()
 
     async def action(ctx, actor):
-        return await lifecycle.model_register_or_reconfigure(ctx, await _current_body(ctx, model_id), actor)
+        await _registered(ctx, model_id)
+        return await lifecycle.model_register_or_reconfigure(ctx, {"id": model_id}, actor)
+    return await _act(request, action)
+
+
+def _configure_body(request: HttpRequest, model_id: str) -> dict:
+    """The management body of the model page's configuration form: the JSON object of its ``entry``
+    field, whose ``id`` (when given) must be the page's model."""
+    body = _json_field(request, "entry")
+    if body.get("id", model_id) != model_id:
+        raise InvalidRequest(f"key 'id': the entry of {model_id!r} cannot change its id", param="id")
+    return validated(ModelLoadInputSerializer(data={**body, "id": model_id}))
+
+
+@require_POST
+async def configure(request: HttpRequest, model_id: str) -> JsonResponse:
+    """Reconfigure from the model page: the keys of the edited entry applied to the registration
+    (``POST /v1/models/load``; keys left out keep their values)."""
+    _ui_on()
+
+    async def action(ctx, actor):
+        await _registered(ctx, model_id)
+        return await lifecycle.model_register_or_reconfigure(ctx, _configure_body(request, model_id), actor)
     return await _act(request, action)
 
 

@@ -1,5 +1,6 @@
 // One model's page: its status row and its lifecycle events, live.
 import {connectStatus} from "./live.js";
+import {submitAction} from "./forms.js";
 
 const status = document.getElementById("status");
 const modelId = status.dataset.model;
@@ -40,3 +41,12 @@ connectStatus((message) => {
   }
   status.querySelector('[data-field="state"]').className = `state ${model.state}`;
 });
+
+const configure = document.getElementById("configure");
+if (configure) {
+  configure.addEventListener("submit", (event) => {
+    event.preventDefault();
+    submitAction(configure, event.submitter,
+                 (r) => `${r.id}: ${r.reconfigured ? "reconfigured" : "unchanged"}, ${r.loaded ? "loaded" : "not loaded"}`);
+  });
+}
