@@ -41,7 +41,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
     is the session's model when it names a registered ASR model. ``intent`` may be omitted; any other intent is refused
     with an ``error`` event and close code 1008. Frames larger than ``live_ingest.max_chunk_bytes``
     get an ``error`` event and close code 1009; binary frames and bad JSON get an ``error`` event
-    and the session goes on."""
+    and the session goes on. Its handshake passed :class:`HostOriginValidator` (``audiosite.asgi``)."""
 
     session: realtime.LiveSession | None = None
 

@@ -25,6 +25,13 @@ between turns: an unload or reconfiguration queued meanwhile is a barrier like f
 lease for the session's life": an idle connection must not pin a slot for up to 10 minutes.
 A turn that cannot get its slot within the model's busy timeout ends with
 ``conversation.item.input_audio_transcription.failed`` (``server_busy``) and the session goes on.
+A server-VAD turn holds its slot while it is spoken, so it is bounded (``live_ingest``): it is
+committed after ``turn_audio_timeout_ms`` without an append (a client that stopped sending) and at
+``max_turn_ms`` of audio. A session opens no turn while ``max_pending_turns`` of its turns are not
+transcribed, nor past ``max_turns_per_session`` (an ``error`` event, nothing queued).
+
+Event loop: an append's conversion, resampling and VAD run in a thread (:func:`_prepare`); the
+loop keeps only the JSON and base64 decoding (under 1 ms a 1 MiB frame) and the turn decisions.
 
 Partial transcripts: while a server-VAD turn is still being spoken, the growing turn is decoded
 again every :data:`PARTIAL_STEP_MS` of new audio (greedy, beam 1), except while the VAD hears

@@ -257,3 +257,34 @@ def test_max_size_frames_do_not_stall_the_web_event_loop(stack):
     worst, sent = run(scenario())
     assert min(sent) >= 3, sent
     assert worst < 0.4, worst
+
+
+@pytest.mark.parametrize(("origin", "host", "same"), [
+    ("http://127.0.0.1:8080", "127.0.0.1:8080", True),
+    ("https://audio.example.com", "audio.example.com", True),  # TLS proxy on 443, Host without a port
+    ("http://audio.example.com", "audio.example.com:80", True),
+    ("http://AUDIO.example.com:8080", "audio.example.com:8080", True),
+    ("http://[::1]:8080", "[::1]:8080", True),
+    ("http://127.0.0.1:8081", "127.0.0.1:8080", False),
+    ("https://audio.example.com", "audio.example.com:8080", False),
+    ("http://evil.example:8080", "127.0.0.1:8080", False),
+    ("http://audio.example.com.evil.example", "audio.example.com", False),
+    ("null", "127.0.0.1:8080", False),
+    ("file://", "127.0.0.1:8080", False),
+    ("http://127.0.0.1:99999", "127.0.0.1:8080", False),
+])
+def test_same_origin_compares_the_origin_with_the_host_header(origin, host, same):
+    """The default of ``allowed_origins``: a page is the server's own when its origin's name and port are
+    the handshake's ``Host`` (a ``Host`` without a port means the scheme's default port)."""
+    from inference.consumers import same_origin
+    assert same_origin(origin, host) is same
+
+
+@pytest.mark.parametrize("origin", ["ftp://a.example", "https://a.example/path", "a.example", "https://a.example:x",
+                                    "https://a.example:99999", "https://user@a.example"])
+def test_allowed_origins_refuses_what_is_not_an_origin(origin):
+    from audiosite.serverconfig import ConfigError, parse_config
+    with pytest.raises(ConfigError, match="allowed_origins"):
+        parse_config({"allowed_origins": [origin], "models": [{"id": "v", "family": "silero_vad"}]})
+    parse_config({"allowed_origins": ["https://a.example", "https://.example.com:8443", "*"],
+                  "models": [{"id": "v", "family": "silero_vad"}]})

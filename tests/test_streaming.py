@@ -37,12 +37,17 @@ MODELS = [
 ]
 IDLE_MS = 8000
 BUFFER_BYTES = 1024 * 1024  # live_ingest.max_body_bytes of the stack: about 21 s of 24 kHz s16le
+TURN_AUDIO_TIMEOUT_MS = 60000
+"""live_ingest.turn_audio_timeout_ms of the stack (default 2 s): the FIFO test keeps a turn open, with no
+audio, while an HTTP burst queues and an unload command starts (its short default is tested in
+tests/test_realtime_limits.py)."""
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> Stack:
     yield from run_stack(tmp_path_factory.mktemp("live"), MODELS, redis_db=11, name="live", parallel=True,
-                         extra_config={"live_ingest": {"idle_timeout_ms": IDLE_MS, "max_body_bytes": BUFFER_BYTES}})
+                         extra_config={"live_ingest": {"idle_timeout_ms": IDLE_MS, "max_body_bytes": BUFFER_BYTES,
+                                                       "turn_audio_timeout_ms": TURN_AUDIO_TIMEOUT_MS}})
 
 
 def two_utterances(speech) -> bytes:
