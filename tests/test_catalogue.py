@@ -208,6 +208,21 @@ def test_synthesised_notes_come_back_at_their_pitches_within_50_ms(transcriber, 
     assert all(abs(t - n["start_s"]) < 0.003 for (t, _), n in zip(sorted(ons), ordered, strict=True))
 
 
+def test_noise_with_pitch_bends_and_midi_gives_a_readable_midi_file(transcriber):
+    """Full-scale noise bends notes far past the pitch wheel's ±2 semitones: the MIDI artifact clips
+    them to the wheel's -8192..8191 (it raised "pitchwheel value must be in range", a 500)."""
+    noise = np.random.default_rng(7).uniform(-1.0, 1.0, 4 * MUSIC_RATE).astype(np.float32)
+    options = {**specs.request_defaults("basic_pitch"), "midi": True, "include_pitch_bends": True,
+               "onset_threshold": 0.05, "frame_threshold": 0.05}
+    result = transcriber.run(AudioRequest(noise, MUSIC_RATE, options))
+    # 6 thirds of a semitone are 8192 ticks, one past the wheel's top.
+    assert any(abs(bend) >= 6 for note in result["notes"] for bend in note["pitch_bends"]), "no wide bend to clip"
+    midi = mido.MidiFile(file=io.BytesIO(base64.b64decode(result["artifacts"][0]["data"])))
+    wheels = [message.pitch for message in midi if message.type == "pitchwheel"]
+    assert wheels and min(wheels) >= -8192 and max(wheels) <= 8191
+    assert max(abs(w) for w in wheels) in (8191, 8192)
+
+
 def test_pitch_bends_follow_a_glide(transcriber):
     """A tone at A4 gliding up two thirds of a semitone: the note's bends (thirds of a semitone) rise by about 2."""
     t = np.arange(int(1.5 * MUSIC_RATE)) / MUSIC_RATE

@@ -41,7 +41,8 @@ UI_MODELS = [
     {"id": "fx-gone", "family": "fixture"},
     {"id": "whisper-tiny.en", "family": "whisper", "slots": 1, "lazy": True},
     {"id": "silero-vad", "family": "silero_vad", "lazy": True},
-    {"id": "piper-joe", "family": "piper", "lazy": True},
+    {"id": "piper-joe", "family": "piper", "lazy": True, "default_voice_preset": "alloy",
+     "voice_presets": {"alloy": {"voice": "joe"}, "nova": {"voice": "joe", "options": {"sentence_silence_s": 0.2}}}},
 ]
 
 
@@ -161,6 +162,25 @@ def test_unload_from_the_page_changes_the_state_live_and_writes_an_audit_row(ust
     row = page.locator('tr[data-model="fx-gone"]')
     playwright_api.expect(row.locator("output.msg")).to_have_text("fx-gone: loaded=false")
     assert ("unload", "ok", "operator") in events_of(ustack, "fx-gone")
+    page.context.close()
+
+
+def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
+    """R4.4: the dashboard's Load button is a plain load of the registration as it is: no reconfigure,
+    the voice presets (and every other key) unchanged."""
+    def presets() -> set[str]:
+        with ustack.client() as c:
+            return {v["id"] for v in c.get("/v1/audio/voices", params={"model": "piper-joe"}).json()["voices"]}
+    before = presets()
+    assert {"alloy", "nova"} <= before
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    row = page.locator('tr[data-model="piper-joe"]')
+    page.get_by_role("button", name="Load piper-joe", exact=True).click()
+    playwright_api.expect(row.locator("output.msg")).to_contain_text("piper-joe", timeout=LIVE_S * 1000)
+    assert "error" not in (row.locator("output.msg").get_attribute("class") or "")
+    assert presets() == before
+    assert not [e for e in events_of(ustack, "piper-joe") if e[0] == "reconfigure"]
     page.context.close()
 
 

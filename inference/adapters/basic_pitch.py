@@ -69,6 +69,8 @@ FRAMES_PER_S = SAMPLE_RATE_HZ // FFT_HOP  # 86: Basic Pitch trims its output at 
 LOWEST_MIDI = 21  # key 0 of the 88 = A0
 N_KEYS = 88
 CONTOUR_BINS_PER_SEMITONE = 3
+PITCH_WHEEL_MIN, PITCH_WHEEL_MAX = -8192, 8191
+"""The MIDI pitch wheel's range (a 14-bit value centred on 0; the MIDI 1.0 specification, Pitch Bend Change)."""
 ENERGY_TOLERANCE_FRAMES = 11  # frames below frame_threshold a note survives (Basic Pitch default)
 BEND_TOLERANCE_BINS = 25  # contour bins searched on either side of a note's bin for its pitch bend
 BEND_STD_BINS = 5.0  # standard deviation of the Gaussian weighting those bins
@@ -226,8 +228,11 @@ def midi_file(notes: list[dict], tempo_bpm: float) -> bytes:
         bends = note.get("pitch_bends") or []
         times = np.linspace(note["start_s"], note["end_s"], len(bends), endpoint=False)
         for t, bend in zip(times, bends, strict=True):
-            # ±2 semitones span ±8191: 4096 per semitone, a bend unit is a third of one.
-            piano.pitch_bends.append(pretty_midi.PitchBend(int(round(4096 * bend / CONTOUR_BINS_PER_SEMITONE)),
+            # ±2 semitones span the wheel's -8192..8191: 4096 per semitone, a bend unit is a third of one.
+            # A bend found further out (up to BEND_TOLERANCE_BINS) is clipped to the wheel's end, as
+            # Basic Pitch's own note_events_to_midi does; MIDI cannot say more with one note.
+            ticks = int(round(4096 * bend / CONTOUR_BINS_PER_SEMITONE))
+            piano.pitch_bends.append(pretty_midi.PitchBend(min(PITCH_WHEEL_MAX, max(PITCH_WHEEL_MIN, ticks)),
                                                            float(t)))
     pm.instruments.append(piano)
     out = io.BytesIO()
