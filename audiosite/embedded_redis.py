@@ -121,6 +121,18 @@ class EmbeddedRedis:
                 return False
         return True
 
+    def running_url(self) -> str | None:
+        """The redis-py URL of this folder's embedded Redis while a ``serve`` runs it (a server answers on
+        the socket and the password file is readable), else None: how ``manage.py`` commands run beside
+        ``serve`` find it without ``REDIS_URL`` (``audiosite.settings``)."""
+        if not self.socket_path.exists() or not self.answering():
+            return None
+        try:
+            password = self.password_path.read_text().strip()
+        except OSError:
+            return None
+        return socket_url(self.socket_path, password) if password else None
+
     def prepare(self) -> str:
         """Create the folder (0700), a new password file (0600) and ``redis.conf`` (0600); return the URL.
 

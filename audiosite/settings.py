@@ -48,7 +48,7 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from audiosite.embedded_redis import kombu_broker_url
+from audiosite.embedded_redis import EmbeddedRedis, kombu_broker_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -270,7 +270,11 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
         timeout=20, transaction_mode="IMMEDIATE", init_command="PRAGMA journal_mode=WAL;")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-REDIS_URL = env_url("REDIS_URL", None, ("redis", "rediss", "unix"))
+# REDIS_URL_GIVEN: the environment's REDIS_URL (serve starts a Redis of its own without one). Every other
+# process without one uses the embedded Redis of a `serve` running on this var folder, if any, so that
+# `manage.py unload_model`, `load_models`, `sync_config` ... work beside it with no setup.
+REDIS_URL_GIVEN = env_url("REDIS_URL", None, ("redis", "rediss", "unix"))
+REDIS_URL = REDIS_URL_GIVEN or EmbeddedRedis.under(VAR_DIR).running_url()
 
 # The Channels layer lives on the deployment's Redis (the embedded one too: its unix-socket URL with
 # the password, which redis-py's from_url reads); without Redis (management commands) an in-memory layer.

@@ -26,13 +26,14 @@ def redis_url() -> str:
     """``settings.REDIS_URL``.
 
     Raises:
-        ImproperlyConfigured: unset (only ``manage.py serve`` starts a Redis of its own).
+        ImproperlyConfigured: unset, and no ``manage.py serve`` runs an embedded Redis in this var folder
+            (``AUDIOSITE_VAR_DIR``; settings.py finds that one by itself).
     """
     if not settings.REDIS_URL:
         raise ImproperlyConfigured(
-            "REDIS_URL is not set: set it to the deployment's Redis (with the embedded default of "
-            "`manage.py serve`: unix://:<the password in var/redis/password>@<var>/redis/redis.sock?db=0, "
-            "see docs/operations.md)")
+            "REDIS_URL is not set and no `manage.py serve` runs an embedded Redis in "
+            f"{settings.VAR_DIR}: start serve first (from this folder, with the same AUDIOSITE_VAR_DIR), "
+            "or set REDIS_URL to the deployment's Redis")
     return settings.REDIS_URL
 
 

@@ -174,7 +174,7 @@ class Command(BaseCommand):
         failed = ""
         try:
             self._restrict_files()
-            redis_url = settings.REDIS_URL or self._start_redis()
+            redis_url = settings.REDIS_URL_GIVEN or self._start_redis()
             env["REDIS_URL"] = redis_url
             settings.REDIS_URL = redis_url
             # This process sends the start-up load tasks (_preload): its Celery app must use the Redis
