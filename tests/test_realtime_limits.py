@@ -124,6 +124,34 @@ def test_a_session_holds_at_most_max_pending_turns_and_refuses_more_commits(stac
     stack.wait_idle("whisper", timeout_s=10)
 
 
+def test_server_vad_opens_no_turn_past_max_pending_turns_and_says_so_once(stack, speech):
+    """Speech the server VAD hears while ``max_pending_turns`` turns are untranscribed opens no turn: one
+    ``error`` event (``too_many_pending_turns``) for it, nothing queued, and the accepted turns complete."""
+    utt = speech[1]
+
+    async def scenario():
+        async with websockets.connect(ws_url(stack)) as ws:
+            heard = Listener(ws)
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"transcription": {"model": "whisper", "language": "en"}}}}}))
+            await heard.wait_for("session.updated")
+            peak = 0
+            for _ in range(4):  # far faster than the model transcribes
+                await speak(ws, np.concatenate([silence(0.3), utt.samples, silence(0.8)]), pace=None)
+                counts = stack.counters("whisper")
+                peak = max(peak, counts["leases"] + counts["queued"])
+            await heard.wait_for(COMPLETED, MAX_PENDING_TURNS)
+            await asyncio.sleep(1.0)
+            return heard, peak
+
+    heard, peak = run(scenario())
+    assert len(heard.of("input_audio_buffer.speech_started")) == MAX_PENDING_TURNS
+    assert len(heard.of(COMPLETED)) == MAX_PENDING_TURNS
+    assert [e["error"]["code"] for e in heard.of("error")] == ["too_many_pending_turns"]
+    assert peak <= MAX_PENDING_TURNS, peak
+    stack.wait_idle("whisper", timeout_s=10)
+
+
 def test_a_session_gets_at_most_max_turns_per_session(stack, speech):
     """Turns past ``max_turns_per_session`` are refused (``error`` ``session_turn_limit``), nothing queued."""
     chunk = speech[1].samples[:8000]
