@@ -154,6 +154,9 @@ class ServerConfig(_Strict):
     """serve: ceiling of that doubling delay."""
     lease_ttl_ms: int = Field(default=30000, ge=1000)
     max_request_body_bytes: int = Field(default=104857600, ge=1024)
+    stream_write_timeout_ms: int = Field(default=30000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    """A streamed response (speech, SSE) whose client has read nothing for this long while the web
+    process's send buffer for it is full is dropped, and its lease released (``audiosite.web``)."""
     max_audio_seconds: float = Field(default=1800.0, gt=0, le=86400)
     max_decoded_bytes_in_flight: int = Field(default=DEFAULT_DECODE_BUDGET_BYTES, ge=0)
     """Decoded audio one web process may hold at once (``inference.runtime.decoding``); 0 = no limit."""

@@ -12,6 +12,19 @@ Same command line as ``daphne``, with daphne's request class replaced by
   instead of Twisted's empty one.
 - A body of at most ``IN_MEMORY_BODY_MAX_BYTES`` is received into memory
   rather than a temporary file.
+- A streamed response (several body messages: speech, SSE) applies
+  backpressure: the request registers a :class:`WriteGate` as the push
+  producer of its connection, which Twisted pauses when the connection's send
+  buffer is over its ``bufferSize`` (64 KiB) and resumes once it is written
+  out. :meth:`DrainingServer.handle_reply` (the application's ``send``) returns
+  only once the gate is open again, so the application yields its next chunk
+  only then: a client that does not read holds at most 64 KiB plus one body
+  message of the web process. A gate that stays closed for
+  ``stream_write_timeout_ms`` drops the connection; daphne then tells the
+  application (``http.disconnect``), which ends the stream and releases its
+  lease. Without it Twisted's buffer grew without bound (two clients that
+  never read a speech stream held about 54 MB each, for as long as they
+  stayed connected).
 - The body is bounded by ``max_request_body_bytes``. Twisted receives a
   request's whole body (spooled to a temporary file past 100 KB) before
   daphne calls the application, and daphne then queues all of it in memory
@@ -54,6 +67,8 @@ from daphne.cli import CommandLineInterface
 from daphne.server import Server
 from daphne.ws_protocol import WebSocketProtocol
 from twisted.internet import reactor  # daphne's asyncio reactor (installed by daphne.server's import)
+from twisted.internet.interfaces import IPushProducer
+from zope.interface import implementer
 
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge
@@ -76,11 +91,41 @@ log = logging.getLogger("audiosite.web")
 REFUSAL_LINGER_S = 2.0
 
 
+@implementer(IPushProducer)
+class WriteGate:
+    """The push producer of one streamed response (module doc): closed while the connection's send buffer
+    is full. Twisted calls ``pauseProducing`` / ``resumeProducing`` (interface ``IPushProducer``);
+    :meth:`wait_open` is awaited by the application's ``send``."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def pauseProducing(self) -> None:  # noqa: N802 (Twisted's interface)
+        self._open.clear()
+
+    def resumeProducing(self) -> None:  # noqa: N802 (Twisted's interface)
+        self._open.set()
+
+    def stopProducing(self) -> None:  # noqa: N802 (Twisted's interface: the connection is going away)
+        self._open.set()
+
+    async def wait_open(self, timeout_s: float) -> bool:
+        """True once the send buffer has room (at once if it has); False after ``timeout_s`` (s)."""
+        try:
+            await asyncio.wait_for(self._open.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
 class BoundedWebRequest(daphne.http_protocol.WebRequest):
-    """daphne's ``WebRequest`` without Twisted's form parsing and with a bounded body (module doc)."""
+    """daphne's ``WebRequest`` without Twisted's form parsing, with a bounded body, and with backpressure
+    on streamed responses (module doc)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.write_gate: WriteGate | None = None
         self._parsePOSTFormSubmission = False  # twisted.web.http.Request's documented switch
         self._body_bytes = 0
         self._refused = False
@@ -144,9 +189,35 @@ class BoundedWebRequest(daphne.http_protocol.WebRequest):
         half_close()
         self._linger_call = self.channel.callLater(REFUSAL_LINGER_S, transport.abortConnection)
 
+    def handle_reply(self, message):
+        """daphne: one ASGI message of the response. The first body message with ``more_body`` registers
+        the :class:`WriteGate` (closed at once if the transport is already full: Twisted's documented
+        ``HTTPChannel._waitingForTransport``); the last one unregisters it before the request finishes
+        (Twisted logs a producer left registered at the end of a request)."""
+        is_body = message.get("type") == "http.response.body"
+        if is_body and not self.finished and getattr(self, "channel", None) is not None:
+            if message.get("more_body") and self.write_gate is None:
+                self.write_gate = WriteGate()
+                self.registerProducer(self.write_gate, True)
+                if getattr(self.channel, "_waitingForTransport", False):
+                    self.write_gate.pauseProducing()
+            elif not message.get("more_body") and self.producer is not None:
+                self.unregisterProducer()
+        super().handle_reply(message)
+
+    def drop_slow_client(self) -> None:
+        """End the connection of a client that stopped reading (the send buffer is dropped)."""
+        channel = getattr(self, "channel", None)
+        if channel is not None and channel.transport is not None:
+            channel.transport.abortConnection()
+
     def connectionLost(self, reason) -> None:
         if self._linger_call is not None and self._linger_call.active():
             self._linger_call.cancel()
+        if self.write_gate is not None:
+            self.write_gate.stopProducing()
+            if self.producer is not None and getattr(self, "channel", None) is not None:
+                self.unregisterProducer()
         super().connectionLost(reason)
 
 
@@ -201,6 +272,20 @@ class DrainingServer(Server):
         self._drain_signals: bool = kwargs.get("signal_handlers", True)
         self.signal_handlers = False  # Twisted's would stop the reactor (and kill the apps) at once
         self._drain_task: asyncio.Task | None = None
+
+    async def handle_reply(self, protocol, message):
+        """daphne: the application's ``send``. After a body message of a streamed response, wait until
+        the connection's send buffer has room (module doc); past ``stream_write_timeout_ms`` drop the
+        client (the application then gets ``http.disconnect``)."""
+        await super().handle_reply(protocol, message)
+        gate = getattr(protocol, "write_gate", None)
+        if gate is None or message.get("type") != "http.response.body" or not message.get("more_body"):
+            return
+        timeout_ms = get_config().stream_write_timeout_ms
+        if not await gate.wait_open(timeout_ms / 1000):
+            log.warning("dropped a client that read nothing of its streamed response for %d ms "
+                        "(stream_write_timeout_ms)", timeout_ms)
+            protocol.drop_slow_client()
 
     def run(self):
         if self._drain_signals:

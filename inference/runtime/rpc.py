@@ -644,6 +644,11 @@ async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wa
 
 
 STOP_TTL_MS = 600000  # a stop request outlives any sentence
+# Frames a stream takes from Redis per read: the web process holds at most these (plus the one being
+# written) per stream while its client reads slowly; the rest wait in Redis. A speech frame is one
+# piece of at most ``inference.adapters.piper.PHONEMES_PER_RUN`` phonemes: up to about 1.4 MB of
+# PCM at the slowest pace (speed 0.25), 0.35 MB at speed 1.
+FRAMES_PER_READ = 4
 
 CANCEL_TTL_MS = 600000
 """Expiry (ms) of a run's ``Keys.stop`` marker set by :func:`run_reply` when its caller left: longer
@@ -695,7 +700,7 @@ class WorkerStream:
         while self.final is None:
             wake = self.ctx.listener.expect(self._wake_key)
             try:
-                items = await self.ctx.redis_bytes.lpop(self._key, 64)
+                items = await self.ctx.redis_bytes.lpop(self._key, FRAMES_PER_READ)
                 if items:
                     audio_frames = []
                     for item in items:
