@@ -9,9 +9,22 @@ and the voice's default scales (``inference``).
 Pipeline of one request: text → sentences of phonemes (espeak-ng through the
 ``piper-tts`` package's ``espeakbridge``; espeak-ng keeps global state, so
 every call in this process holds ``_ESPEAK_LOCK``) → phoneme ids (the voice's
-map, ``piper.phoneme_ids.phonemes_to_ids``) → one graph run per sentence →
-float32 samples, peak-normalised per sentence (as Piper does) → optional
-silence after each sentence.
+map, ``piper.phoneme_ids.phonemes_to_ids``) → one graph run per piece →
+float32 samples, peak-normalised per piece (as Piper does per sentence) →
+optional silence after each sentence.
+
+Bounds. The graph's memory grows with its output: about 0.75 KB per output
+sample (measured on en_US-joe-medium, one thread: 100 phonemes → 4.9 s of
+audio, +70 MB; 1,000 → 48 s, +1.07 GB; 2,000 → 97 s, +2.5 GB; 50 at
+``length_scale`` 4 → 8.6 s, +141 MB), and espeak makes one "sentence" of
+any text without a full stop (4,096 CJK characters: 26,324 phonemes). So a
+sentence longer than :func:`phonemes_per_run` (``PHONEMES_PER_RUN`` divided
+by ``length_scale`` above 1) is cut into pieces, at a pause (``,`` ``;``
+``:``) or else a word boundary, and each piece is one graph run: one run's
+output stays under about 160,000 samples (7 s) and its memory under about
+150 MB. Sentences within the budget are not cut (their audio is the same as
+before the budget existed). The whole request is bounded before anything is
+synthesised by :func:`check_speech_work` (``MAX_SPEECH_WORK_S``).
 
 Model I/O (read from the graph): ``input`` int64 ``(1, n_ids)``,
 ``input_lengths`` int64 ``(1,)``, ``scales`` float32 ``(3,)`` =
@@ -56,13 +69,26 @@ _PHONEMIZER: Any = None  # piper.phonemize_espeak.EspeakPhonemizer, created once
 MODULUS = 2147483647  # 2**31 - 1, a prime: x**2 < 2**62 stays inside int64
 SEED_INPUT = "seed"
 MAX_SEED = 2**31 - 2
-SENTENCE_SALT = 7919  # seed of sentence i is seed + i * SENTENCE_SALT (mod MODULUS)
+SENTENCE_SALT = 7919  # seed of graph run i is seed + i * SENTENCE_SALT (mod MODULUS)
+
+# Phonemes per graph run at length_scale <= 1 (divided by length_scale above 1). Measured on
+# en_US-joe-medium (module docstring): 150 phonemes of prose give about 7 s of audio and +135 MB
+# of peak RSS in 0.7 s on one thread; a plain sentence of 25 words is about 120 phonemes.
+PHONEMES_PER_RUN = 150
+PAUSES = frozenset(",;:")  # espeak keeps these in its phonemes; a cut prefers the space after one
+# Work bound of one request, in seconds of speech at Piper's normal pace, estimated before synthesis
+# (check_speech_work). 1800 s lets every 4,096-character input through at the default options
+# (4,096 CJK characters: 26,324 phonemes, about 1,320 s) and bounds the output (1800 s of s16le
+# at 22,050 Hz is 79 MB) and the time (about 4.5 ms of one core per phoneme at length_scale 1).
+MAX_SPEECH_WORK_S = 1800.0
+SECONDS_PER_PHONEME = 0.05  # measured on en_US-joe-medium: 0.048 s per phoneme of prose, 0.049 of CJK
 
 
 @dataclass
 class Sentence:
-    """One synthesised sentence: float32 mono ``samples`` ``(n,)`` in [-1, 1] at the voice's rate
-    (including the sentence silence) and the ``phonemes`` it was made from."""
+    """One synthesised sentence, or piece of a long one: float32 mono ``samples`` ``(n,)`` in [-1, 1] at
+    the voice's rate (including the sentence silence after a sentence's last piece) and the ``phonemes``
+    it was made from."""
 
     samples: np.ndarray
     phonemes: int
@@ -167,6 +193,76 @@ def phonemize(text: str, espeak_voice: str) -> list[list[str]]:
     return [s for s in sentences if any(ch.strip() for ch in s)]
 
 
+def phonemes_per_run(length_scale: float) -> int:
+    """The most phonemes one graph run takes at ``length_scale``: ``PHONEMES_PER_RUN`` divided by
+    ``length_scale`` above 1 (the output, and so the memory, grows with it), at least 1."""
+    return max(1, int(PHONEMES_PER_RUN / max(1.0, float(length_scale))))
+
+
+def split_phonemes(phonemes: list[str], budget: int) -> list[list[str]]:
+    """Cut one sentence's phonemes into pieces of at most ``budget`` code points.
+
+    A sentence within the budget comes back whole. Otherwise each cut goes at
+    the last space after a pause (``PAUSES``) in the second half of the
+    window, else at the last space in the window, else (a word longer than
+    the budget) at the budget itself; the space at a cut is dropped and
+    pieces without any sound are left out.
+
+    Returns:
+        the pieces, in order, each ``1..budget`` long.
+    """
+    if len(phonemes) <= budget:
+        return [phonemes]
+    pieces: list[list[str]] = []
+    start = 0
+    while start < len(phonemes):
+        end = start + budget
+        if end >= len(phonemes):
+            cut, resume = len(phonemes), len(phonemes)
+        else:
+            window = range(end, start, -1)  # a cut at i ends the piece before phonemes[i] (a space)
+            spaces = [i for i in window if phonemes[i] == " "]
+            paused = [i for i in spaces if i - start >= budget // 2 and phonemes[i - 1] in PAUSES]
+            if paused or spaces:
+                cut = (paused or spaces)[0]
+                resume = cut + 1
+            else:
+                cut = resume = end
+        piece = phonemes[start:cut]
+        if any(ch.strip() for ch in piece):
+            pieces.append(piece)
+        start = resume
+    return pieces
+
+
+def speech_work_s(sentences: list[list[str]], opts: dict) -> float:
+    """The work of a request in seconds of speech at normal pace (an estimate made before synthesis):
+    ``phonemes × SECONDS_PER_PHONEME × max(1, length_scale) / min(1, speed) + sentences ×
+    sentence_silence_s``. Its model runs grow with ``length_scale``, its output with ``1 / speed``
+    and with the silence; ``length_scale`` and ``speed`` below their defaults cost no less work."""
+    phonemes = sum(len(s) for s in sentences)
+    scale = max(1.0, float(opts.get("length_scale") or 1.0)) / min(1.0, float(opts.get("speed") or 1.0))
+    return phonemes * SECONDS_PER_PHONEME * scale + len(sentences) * float(opts.get("sentence_silence_s") or 0.0)
+
+
+def check_speech_work(sentences: list[list[str]], opts: dict) -> None:
+    """Refuse a request whose :func:`speech_work_s` is over ``MAX_SPEECH_WORK_S``.
+
+    Raises:
+        InvalidInput: (``param`` "input") the text is too long for its options; the message gives the
+            phoneme count, the estimate and the limit.
+    """
+    work_s = speech_work_s(sentences, opts)
+    if work_s > MAX_SPEECH_WORK_S:
+        phonemes = sum(len(s) for s in sentences)
+        raise InvalidInput(
+            f"the input is too much speech for one request: {phonemes} phonemes in {len(sentences)} sentence(s) "
+            f"with length_scale {opts.get('length_scale')}, speed {opts.get('speed')} and sentence_silence_s "
+            f"{opts.get('sentence_silence_s')} make about {work_s:.0f} s of speech; at most {MAX_SPEECH_WORK_S:.0f} s "
+            "(phonemes × 0.05 s × max(1, length_scale) / min(1, speed) + sentences × sentence_silence_s). "
+            "Send shorter text, or split it over several requests", param="input")
+
+
 def change_tempo(samples: np.ndarray, sample_rate_hz: int, speed: float) -> np.ndarray:
     """Play float32 mono ``samples`` ``speed`` times as fast, pitch kept (FFmpeg ``atempo`` through PyAV).
 
@@ -212,7 +308,7 @@ def change_tempo(samples: np.ndarray, sample_rate_hz: int, speed: float) -> np.n
 
 
 class PiperSession:
-    """One slot: its private state is the scratch of the sentence it is synthesising."""
+    """One slot: its private state is the scratch of the piece it is synthesising."""
 
     def __init__(self, shared: Shared, slot: int):
         self.shared = shared
@@ -223,15 +319,16 @@ class PiperSession:
                         dtype=np.float32)
 
     def stream(self, request: TextRequest) -> Iterator[Sentence]:
-        """Synthesise ``request.text`` one sentence at a time.
+        """Synthesise ``request.text`` one piece at a time: a sentence, or a piece of a sentence longer
+        than :func:`phonemes_per_run` (module docstring).
 
         Yields:
-            :class:`Sentence` per non-empty sentence, in order: float32 ``(n,)`` at
-            ``shared.sample_rate_hz``.
+            :class:`Sentence` per non-empty piece, in order: float32 ``(n,)`` at
+            ``shared.sample_rate_hz``; the last piece of each sentence carries its silence.
 
         Raises:
-            InvalidInput: a speaker index the voice lacks (``param`` "speaker"), or text that
-                yields no phonemes at all (``param`` "input").
+            InvalidInput: a speaker index the voice lacks (``param`` "speaker"), text that
+                yields no phonemes at all, or more work than ``MAX_SPEECH_WORK_S`` (``param`` "input").
         """
         opts = request.options
         speaker = int(opts.get("speaker") or 0)
@@ -243,33 +340,45 @@ class PiperSession:
         sentences = phonemize(request.text, self.shared.espeak_voice)
         if not sentences:
             raise InvalidInput("the input has nothing to say (no phonemes)", param="input")
-        from piper.phoneme_ids import phonemes_to_ids
-
-        scales = self._scales(opts)
+        check_speech_work(sentences, opts)
+        budget = phonemes_per_run(float(opts["length_scale"]))
         silence = np.zeros(int(round(float(opts["sentence_silence_s"]) * self.shared.sample_rate_hz)),
                            dtype=np.float32)
-        for index, phonemes in enumerate(sentences):
-            ids = phonemes_to_ids(phonemes, self.shared.id_map)
-            feeds = {"input": np.array([ids], dtype=np.int64),
-                     "input_lengths": np.array([len(ids)], dtype=np.int64),
-                     "scales": scales,
-                     SEED_INPUT: np.array((seed + index * SENTENCE_SALT) % MODULUS, dtype=np.int64)}
-            if self.shared.num_speakers > 1:
-                feeds["sid"] = np.array([speaker], dtype=np.int64)
-            audio = self.shared.session.run(None, feeds)[0].reshape(-1)
-            peak = float(np.max(np.abs(audio))) if audio.size else 0.0
-            audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
-            samples = np.clip(audio, -1.0, 1.0).astype(np.float32)
-            speed = float(opts.get("speed") or 1.0)
-            if speed != 1.0:
-                samples = np.clip(change_tempo(samples, self.shared.sample_rate_hz, speed), -1.0, 1.0)
-            yield Sentence(np.concatenate([samples, silence]) if silence.size else samples, len(phonemes))
+        index = 0
+        for sentence in sentences:
+            pieces = split_phonemes(sentence, budget)
+            for number, phonemes in enumerate(pieces, start=1):
+                samples = self._synthesise(phonemes, opts, speaker, (seed + index * SENTENCE_SALT) % MODULUS)
+                index += 1
+                last = number == len(pieces)
+                yield Sentence(np.concatenate([samples, silence]) if last and silence.size else samples,
+                               len(phonemes))
+
+    def _synthesise(self, phonemes: list[str], opts: dict, speaker: int, seed: int) -> np.ndarray:
+        """One graph run: float32 ``(n,)`` in [-1, 1], peak-normalised, time-stretched by ``speed``."""
+        from piper.phoneme_ids import phonemes_to_ids
+
+        ids = phonemes_to_ids(phonemes, self.shared.id_map)
+        feeds = {"input": np.array([ids], dtype=np.int64),
+                 "input_lengths": np.array([len(ids)], dtype=np.int64),
+                 "scales": self._scales(opts),
+                 SEED_INPUT: np.array(seed, dtype=np.int64)}
+        if self.shared.num_speakers > 1:
+            feeds["sid"] = np.array([speaker], dtype=np.int64)
+        audio = self.shared.session.run(None, feeds)[0].reshape(-1)
+        peak = float(np.max(np.abs(audio))) if audio.size else 0.0
+        audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)
+        samples = np.clip(audio, -1.0, 1.0).astype(np.float32)
+        speed = float(opts.get("speed") or 1.0)
+        if speed != 1.0:
+            samples = np.clip(change_tempo(samples, self.shared.sample_rate_hz, speed), -1.0, 1.0)
+        return samples
 
     def run(self, request: TextRequest) -> dict:
         """Synthesise the whole text.
 
         Returns:
-            ``{"samples": float32 (n,), "sample_rate": Hz, "sentences": count, "phonemes": count,
+            ``{"samples": float32 (n,), "sample_rate": Hz, "sentences": count of pieces, "phonemes": count,
             "duration": s}``; the web side encodes ``samples``.
         """
         parts = list(self.stream(request))
