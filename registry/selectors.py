@@ -6,6 +6,8 @@ import math
 from datetime import UTC, datetime
 
 from audiosite.serverconfig import get_config
+from inference import specs
+from inference.backend import resolve_backend
 from inference.runtime.context import AsyncContext
 from inference.runtime.metrics import ModelGauges
 from inference.runtime.published import meta_all as model_meta_all
@@ -124,19 +126,28 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
                      for alias, target in sorted(shown_aliases.items())]
 
 
+def _admitted_slots(meta: dict, backend: str) -> int:
+    """The largest slot count ``meta``'s model may be given here: counts 1..N are admitted (R9.1, R9.2:
+    at most the advertised capacity and the admission table's consecutive validated counts)."""
+    capacity = specs.advertised_capacity(meta["family"], backend)
+    return min(capacity, specs.admitted_counts(meta["family"], meta["task"], meta["mode"], backend))
+
+
 async def model_board(ctx: AsyncContext) -> list[dict]:
     """The UI's status board: every model's ``/v1/models`` entry plus what an operator watches, from
     the same one atomic snapshot (R4.7); never the private fields.
 
     Each entry is :func:`model_status_list`'s (without ``path``) with, on both runtimes:
     ``slots`` (configured; 1 on legacy), ``active_slots``, ``queued_requests``,
-    ``max_parallel_slots`` (null while not loaded), ``queued_managers``, ``worker`` (Celery
+    ``max_parallel_slots`` (null while not loaded), ``admitted_slots`` (N: slot counts 1..N may be
+    configured here, the advertised capacity and the admission table together), ``queued_managers``, ``worker`` (Celery
     hostname holding or loading the pool, else null) and ``last_used_at`` (ISO 8601 UTC end of
     the last work, else null). Ordered by id.
     """
     metas = await model_meta_all(ctx)
     ids = sorted(metas)
     snapshot = await ctx.scheduler.snapshot(ids)
+    backend = resolve_backend(get_config().backend)  # cached after the first call
     board = []
     for model_id in ids:
         status = snapshot[model_id]
@@ -146,6 +157,7 @@ async def model_board(ctx: AsyncContext) -> list[dict]:
             active_slots=status["active_leases"],
             queued_requests=status["queued"],
             max_parallel_slots=status["loaded_capacity"] or None,
+            admitted_slots=_admitted_slots(metas[model_id], backend),
             queued_managers=status["queued_managers"],
             worker=status["worker"] or None,
             last_used_at=_utc(status["last_used_ms"]) if status["last_used_ms"] else None,

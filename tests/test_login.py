@@ -63,6 +63,13 @@ def test_after_the_failure_limit_even_the_right_password_gets_429_until_the_lock
     assert _login(client, path, "alice", GOOD).status_code == 302 and _logged_in(client)
 
 
+def test_the_login_page_shows_no_live_status_indicator():
+    """The login page opens no status stream, so it must not say "connecting…" forever."""
+    page = Client().get("/ui/login/")
+    assert page.status_code == 200 and "Log in" in page.content.decode()
+    assert "live-state" not in page.content.decode() and "connecting" not in page.content.decode()
+
+
 def test_a_success_before_the_limit_resets_the_count(users):
     client = Client()
     limit = settings.AXES_FAILURE_LIMIT

@@ -71,11 +71,16 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
             vad = c.post("/v1/tasks/run", json={"model": "silero-vad", "request": {
                 "audio_base64": __import__("base64").b64encode(sample.read_bytes()).decode()}})
             assert vad.status_code == 200 and vad.json()["segments"]
-            assert {m["id"]: m["state"] for m in c.get("/v1/models").json()["data"]} == {
+            listed = c.get("/v1/models").json()["data"]
+            assert {m["id"]: m["state"] for m in listed if "alias_of" not in m} == {
                 "whisper-tiny.en": "ready", "silero-vad": "ready", "piper-joe": "ready",
                 "speaker-embedding": "unloaded", "basic-pitch": "unloaded", "diarization": "unloaded"}
-            # The README's speech example on the shipped default: an OpenAI voice name, mp3 by default.
-            speech = c.post("/v1/audio/speech", json={"model": "piper-joe", "voice": "alloy",
+            assert {m["id"]: m["alias_of"] for m in listed if "alias_of" in m} == {
+                "whisper-1": "whisper-tiny.en", "gpt-4o-transcribe": "whisper-tiny.en",
+                "gpt-4o-mini-transcribe": "whisper-tiny.en", "tts-1": "piper-joe", "tts-1-hd": "piper-joe",
+                "gpt-4o-mini-tts": "piper-joe"}
+            # The README's speech example on the shipped default: OpenAI's model and voice names, mp3 by default.
+            speech = c.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy",
                                                        "input": "Hello from audiosite."})
             assert speech.status_code == 200 and speech.headers["content-type"] == "audio/mpeg"
             samples, rate = soundfile.read(io.BytesIO(speech.content))

@@ -165,6 +165,17 @@ def test_unload_from_the_page_changes_the_state_live_and_writes_an_audit_row(ust
     page.context.close()
 
 
+def test_the_dashboard_shows_the_slot_counts_a_resize_may_ask_for(ustack, browser, users):
+    """silero_vad advertises 16 slots but the CPU admission table admits 1..4: the row says 1..4, the count
+    a resize error names, not 16."""
+    page = _page(browser, ustack, "operator")
+    _open_dashboard(page)
+    playwright_api.expect(_cell(page, "silero-vad", "admitted_slots")).to_have_text("1..4")
+    page.goto("/ui/models/silero-vad")
+    playwright_api.expect(page.locator('#status [data-field="admitted_slots"]')).to_have_text("4")
+    page.context.close()
+
+
 def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
     """R4.4: the dashboard's Load button is a plain load of the registration as it is: no reconfigure,
     the voice presets (and every other key) unchanged."""

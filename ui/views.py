@@ -114,7 +114,7 @@ class UiLoginView(LoginView):
     """Django's login page in the UI's look (``/ui/login/``); 404 with the UI off."""
 
     template_name = "ui/login.html"
-    extra_context = {"title": "Log in"}
+    extra_context = {"title": "Log in", "static_page": True}  # no live status stream, so no "connecting…"
 
     def dispatch(self, request, *args, **kwargs):
         _ui_on()
@@ -128,7 +128,8 @@ def login_locked(request: HttpRequest, original_response: HttpResponse | None,
     on the UI's and the admin's login pages alike (settings.py, "Login throttling")."""
     cooloff_s = int(settings.AXES_COOLOFF_TIME.total_seconds())
     username = (credentials or {}).get("username") or request.POST.get("username", "")
-    context = {"title": "Log in", "username": str(username)[:150], "cooloff_minutes": max(1, cooloff_s // 60)}
+    context = {"title": "Log in", "username": str(username)[:150], "cooloff_minutes": max(1, cooloff_s // 60),
+               "static_page": True}
     response = render(request, "ui/login_locked.html", context, status=429)
     response["Retry-After"] = str(cooloff_s)
     return response

@@ -68,7 +68,11 @@ function render(models) {
     for (const name of ["family", "task", "slots", "active_slots", "queued_requests", "worker", "last_error"]) {
       setField(row, name, model[name]);
     }
-    setField(row, "max_parallel_slots", model.max_parallel_slots ?? "–");
+    // The counts a resize may ask for here (capacity and admission table together), not the family's
+    // advertised capacity alone: a resize past it is refused with "admitted counts are 1..N".
+    setField(row, "admitted_slots", `1..${model.admitted_slots}`);
+    row.querySelector('[data-field="admitted_slots"]').title =
+      `advertised capacity of the loaded pool: ${model.max_parallel_slots ?? "not loaded"}`;
     setField(row, "last_used_at", shortTime(model.last_used_at));
     row.querySelector('[data-field="last_used_at"]').title = model.last_used_at || "never";
     const points = history.get(model.id) || [];
