@@ -139,7 +139,7 @@ def worst_cases(speech) -> dict[str, tuple[str, bytes, dict]]:
         "basic_pitch": ("bp", wav_bytes(noise(MAX_AUDIO_S, MUSIC_RATE_HZ)[: int(MAX_AUDIO_S * MUSIC_RATE_HZ) - 1],
                                         MUSIC_RATE_HZ),
                         {"onset_threshold": 0.05, "frame_threshold": 0.05, "minimum_note_length_ms": 0,
-                         "include_pitch_bends": True}),
+                         "include_pitch_bends": True, "midi": True}),
         "diarization": ("diar", longest_speech, {"hop_s": 0.1, "window_s": 0.5, "vad_threshold": 0.05,
                                                  "min_speech_duration_ms": 0, "min_silence_duration_ms": 0,
                                                  "max_speakers": 32}),
