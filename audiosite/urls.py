@@ -3,6 +3,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from inference import apis as inference_apis
+from inference.audio_models_api import AudioModelsApi
 from registry import apis as registry_apis
 from ui import views as ui_views
 
@@ -21,6 +22,7 @@ urlpatterns = [
     path("v1/audio/transcriptions/details", inference_apis.TranscriptionDetailsApi.as_view()),
     path("v1/audio/speech", inference_apis.SpeechApi.as_view()),
     path("v1/audio/voices", inference_apis.VoicesApi.as_view()),
+    path("v1/audio/models", AudioModelsApi.as_view()),
     path("v1/tasks/run", inference_apis.TaskRunApi.as_view()),
     path("admin/", admin.site.urls),
 ]
