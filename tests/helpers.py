@@ -56,7 +56,9 @@ from inference.scheduler import Keys, Listener, LoadEnd, Scheduler
 from inference.validation import evidence
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = (ROOT.parent / "shared" / "fixtures" / "speech").resolve()
+FIXTURES = ROOT / "samples"
+"""The speech the suite uses: two LibriSpeech utterances with their reference transcripts, in the repo
+(``samples/README.md``: source and licence), so a clone tests with nothing beside it."""
 REDIS_BASE = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15").rsplit("/", 1)[0]
 PG_BASE = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/audiosite").rsplit("/", 1)[0]
 FIXTURE_ENV = {"AUDIOSITE_ENABLE_FIXTURE_FAMILY": "1"}
@@ -986,3 +988,17 @@ def rows(table: Path) -> dict:
     return {k: v for k, v in json.loads(table.read_text()).items() if not k.startswith("_")}
 
 
+
+
+# -- system programs some tests drive ------------------------------------------------------------------
+def need_program(found: str | os.PathLike | None, name: str, package: str) -> str:
+    """``found`` (a path to the program) as a str, else skip the test naming the Debian package to
+    install; with ``AUDIOSITE_REQUIRE_PROGRAMS=1`` (``.ci/run``, which installs them) fail instead, so a
+    missing install step cannot pass as a skip."""
+    if found:
+        return str(found)
+    import pytest  # only the test modules use this helper
+    message = f"needs {name} (apt-get install {package}; .ci/run installs it)"
+    if os.environ.get("AUDIOSITE_REQUIRE_PROGRAMS") == "1":
+        pytest.fail(message + ", and AUDIOSITE_REQUIRE_PROGRAMS=1 turns the skip into a failure", pytrace=False)
+    pytest.skip(message, allow_module_level=True)

@@ -29,7 +29,7 @@ import yaml
 
 from audiosite.serverconfig import DEFAULT_CONFIG_PATH, load_config
 
-from .helpers import QUICK_S, ROOT, embedded_env, free_port, kill_tree, mode_of, start_embedded
+from .helpers import QUICK_S, ROOT, embedded_env, free_port, kill_tree, mode_of, need_program, start_embedded
 
 SECURITY_HEADERS = {
     "x-frame-options": "DENY",
@@ -265,8 +265,7 @@ NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.pat
 @pytest.fixture
 def proxy(stack, tmp_path):
     """nginx with deploy/nginx/audiosite.conf in front of the stack (upstream and listen address replaced)."""
-    if NGINX is None:
-        pytest.skip("no nginx binary (apt-get install nginx-light) to run deploy/nginx/audiosite.conf")
+    nginx = need_program(NGINX, "nginx to run deploy/nginx/audiosite.conf", "nginx-light")
     site = (ROOT / "deploy" / "nginx" / "audiosite.conf").read_text()
     port = free_port()
     upstream = stack.url.removeprefix("http://")
@@ -288,10 +287,10 @@ def proxy(stack, tmp_path):
         "}",
     ])
     (tmp_path / "nginx.conf").write_text(main)
-    check = subprocess.run([NGINX, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
+    check = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
                            capture_output=True, text=True, timeout=QUICK_S)
     assert check.returncode == 0, check.stderr
-    proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"],
+    proc = subprocess.Popen([nginx, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + QUICK_S
     while True:

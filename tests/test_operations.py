@@ -23,8 +23,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, mclient, post, run, run_cluster, run_stack, until,
-                      wav_bytes, within)
+from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, mclient, need_program, post, run, run_cluster,
+                      run_stack, until, wav_bytes, within)
 
 pytestmark = pytest.mark.stack
 
@@ -62,8 +62,8 @@ def scrape_when(url: str, ready, timeout_s: float = 10.0) -> tuple[str, dict[Sam
 
 
 def promtool_check(text: str) -> None:
-    assert PROMTOOL, "promtool is missing (Debian package prometheus; .ci/run installs it)"
-    done = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True,
+    promtool = need_program(PROMTOOL, "promtool to check the exposition", "prometheus")
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
                           timeout=QUICK_S)
     assert done.returncode == 0, done.stdout + done.stderr
 

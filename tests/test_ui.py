@@ -21,15 +21,13 @@ from django.test import RequestFactory
 from audiosite.errors import InvalidRequest
 from ui import views as ui_views
 
-from .helpers import FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, events_of, run_stack
+from .helpers import FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, events_of, need_program, run_stack
 
 pytestmark = pytest.mark.stack
 
 playwright_api = pytest.importorskip("playwright.sync_api")
-CHROMIUM = Path("/usr/bin/chromium")
-if not CHROMIUM.exists():
-    pytest.skip("the browser tests need Debian's chromium (apt-get install chromium; .ci/run does it)",
-                allow_module_level=True)
+CHROMIUM = Path(need_program(Path("/usr/bin/chromium") if Path("/usr/bin/chromium").exists() else None,
+                             "Debian's chromium for the browser tests", "chromium"))
 
 SAMPLE = ROOT / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 ARTIFACTS = Path(os.environ.get("AUDIOSITE_ARTIFACTS", ROOT / "var" / "artifacts")) / "ui"
