@@ -152,8 +152,17 @@ class ServerConfig(_Strict):
     """serve: delay before restarting a worker that exited (first time; doubles per quick exit)."""
     worker_restart_max_delay_ms: int = Field(default=30000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
     """serve: ceiling of that doubling delay."""
+    web_stall_timeout_ms: int = Field(default=5000, ge=2000, le=MAX_BUSY_TIMEOUT_MS)
+    """serve: a web process whose event loop sent no heartbeat for this long is killed and restarted
+    (``audiosite.heartbeat``, ``audiosite.supervision.WebSupervisor``; restart delays as for workers)."""
     lease_ttl_ms: int = Field(default=30000, ge=1000)
     max_request_body_bytes: int = Field(default=104857600, ge=1024)
+    request_header_timeout_ms: int = Field(default=10000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    """A request whose headers are not all in this long after its first byte (or the connection's
+    start) gets 408 ``request_timeout`` and its connection is closed (``audiosite.web``)."""
+    request_body_timeout_ms: int = Field(default=120000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    """A request whose body is not all in this long after its headers gets 408 ``request_timeout``
+    and its connection is closed (the default admits a ``max_request_body_bytes`` body at 0.9 MB/s)."""
     stream_write_timeout_ms: int = Field(default=30000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
     """A streamed response (speech, SSE) whose client has read nothing for this long while the web
     process's send buffer for it is full is dropped, and its lease released (``audiosite.web``)."""

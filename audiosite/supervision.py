@@ -1,4 +1,5 @@
-"""How ``manage.py serve`` keeps its Celery workers running: restart with backoff, tell the others.
+"""How ``manage.py serve`` keeps its Celery workers and its web process running: restart with backoff,
+tell the others. The web process: :class:`WebSupervisor` (its exit, or a stalled event loop, see there).
 
 A worker process that exits while serve is not stopping (a crash, the OOM
 killer, ``kill -9``, even a clean exit nobody asked for) is replaced:
@@ -31,6 +32,7 @@ Tolerated: if Redis cannot be reached, the bookkeeping of that tick is skipped
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -38,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import redis
 
 from inference.scheduler import ForgottenWorker, Keys, Scheduler
@@ -280,3 +283,163 @@ class WorkerSupervisor:
         elif self._advertised_at is not None:
             if self._redis_call(lambda: self._redis.delete(self._keys.worker_starting)) is not None:
                 self._advertised_at = None
+
+
+WEB_BOOT_TIMEOUT_S = 120.0
+"""How long (seconds) a web process serve (re)started may take to its first heartbeat (Django's and
+daphne's start-up on a loaded machine) before it counts as stalled."""
+WEB_STOP_WAIT_S = 10.0
+"""How long serve waits for a killed web process tree to be gone before starting the replacement, in seconds."""
+
+
+def kill_tree(pid: int, wait_s: float = WEB_STOP_WAIT_S) -> None:
+    """SIGKILL process ``pid`` and its descendants (found before the kill), and wait up to ``wait_s``
+    seconds for them to be gone. Processes already gone are skipped."""
+    try:
+        root = psutil.Process(pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.Error:
+            continue
+    psutil.wait_procs(victims, timeout=wait_s)
+
+
+class WebSupervisor:
+    """Starts serve's web process and keeps it running: a web process that exits, or whose event loop
+    stops turning (no heartbeat, ``audiosite.heartbeat``, for ``stall_timeout_s``; none within
+    ``WEB_BOOT_TIMEOUT_S`` of its start), is killed with its process tree, what it held in the scheduler
+    is let go at once (``on_gone``), and a new one is started after a :class:`RestartBackoff` delay.
+
+    Args:
+        spawn: ``spawn(heartbeat_fd) -> Popen`` starts one web process that writes its heartbeat to the
+            inherited file descriptor ``heartbeat_fd`` (pass it in ``pass_fds`` and in the environment
+            variable ``audiosite.heartbeat.HEARTBEAT_FD_ENV``).
+        stall_timeout_s: a heartbeat older than this (seconds) is a stalled loop (``web_stall_timeout_ms``).
+        first_delay_s, max_delay_s: the restart backoff.
+        say: writes one line to serve's log.
+        on_gone: ``on_gone(channel)`` once a web process is dead: ``channel`` is the scheduler channel
+            its heartbeat announced ("" if it announced none).
+        clock: monotonic seconds (``time.monotonic``).
+    """
+
+    def __init__(self, spawn: Callable[[int], subprocess.Popen], stall_timeout_s: float, first_delay_s: float,
+                 max_delay_s: float, say: Callable[[str], None], on_gone: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self._spawn = spawn
+        self.stall_timeout_s = stall_timeout_s
+        self._backoff = RestartBackoff(first_delay_s, max_delay_s)
+        self._say = say
+        self._on_gone = on_gone
+        self._clock = clock
+        self.proc: subprocess.Popen | None = None
+        self.channel = ""
+        self.restarts = 0
+        self._read_fd: int | None = None
+        self._pending = b""
+        self._started_at = 0.0
+        self._last_beat: float | None = None
+        self._restart_at: float | None = None
+
+    def start(self) -> None:
+        """Spawn the web process with a fresh heartbeat pipe."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        try:
+            self.proc = self._spawn(write_fd)
+        finally:
+            os.close(write_fd)  # the child has its own copy; EOF here once it is gone
+        self._read_fd = read_fd
+        self._pending = b""
+        self.channel = ""
+        self._started_at = self._clock()
+        self._last_beat = None
+        self._restart_at = None
+
+    def running(self) -> list[tuple[str, subprocess.Popen]]:
+        """``[("web", process)]`` while a web process runs (or has exited unnoticed), else ``[]``."""
+        return [("web", self.proc)] if self.proc is not None else []
+
+    def tick(self, restart: bool = True) -> list[str]:
+        """Read the heartbeats, notice an exit or a stall (killing a stalled process), start a due restart.
+
+        Args:
+            restart: schedule a replacement (False during serve's start-up, when an exit is fatal).
+
+        Returns:
+            One line per web process that exited or was killed for a stall since the last tick.
+        """
+        now = self._clock()
+        lines = []
+        if self.proc is not None:
+            self._read_beats(now)
+            if self.proc.poll() is not None:
+                lines.append(self._gone(f"web process (pid {self.proc.pid}) exited with "
+                                        f"{describe_exit(self.proc.returncode)}", now, restart))
+            else:
+                stalled = self._stalled(now)
+                if stalled:
+                    kill_tree(self.proc.pid)
+                    self.proc.wait(timeout=WEB_STOP_WAIT_S)
+                    lines.append(self._gone(f"web process (pid {self.proc.pid}) {stalled}; killed it", now, restart))
+        if self._restart_at is not None and self._restart_at <= now:
+            self.restarts += 1
+            self.start()
+            assert self.proc is not None
+            self._say(f"started web process (pid {self.proc.pid}) (restart {self.restarts})")
+        return lines
+
+    def close(self) -> None:
+        """No restart from now on (serve is stopping)."""
+        self._restart_at = None
+
+    def _stalled(self, now: float) -> str:
+        """Why the running process counts as stalled, or "" if it does not."""
+        if self._last_beat is None:
+            if now - self._started_at > WEB_BOOT_TIMEOUT_S:
+                return f"sent no heartbeat within {WEB_BOOT_TIMEOUT_S:g} s of its start"
+            return ""
+        if now - self._last_beat > self.stall_timeout_s:
+            return (f"sent no heartbeat for {now - self._last_beat:.1f} s (its event loop stalled; "
+                    f"web_stall_timeout_ms={self.stall_timeout_s * 1000:.0f})")
+        return ""
+
+    def _read_beats(self, now: float) -> None:
+        if self._read_fd is None:
+            return
+        while True:
+            try:
+                data = os.read(self._read_fd, 65536)
+            except BlockingIOError:
+                return
+            if not data:  # EOF: the process is gone (its exit is noticed by poll)
+                return
+            self._pending += data
+            *lines, self._pending = self._pending.split(b"\n")
+            for line in lines:
+                if line == b".":
+                    self._last_beat = now
+                elif line.startswith(b"chan "):
+                    self.channel = line[5:].decode(errors="replace")
+
+    def _gone(self, line: str, now: float, restart: bool) -> str:
+        assert self.proc is not None
+        uptime_s = now - self._started_at
+        self.proc = None
+        if self._read_fd is not None:
+            os.close(self._read_fd)
+            self._read_fd = None
+        line += f" after {uptime_s:.1f} s"
+        if restart:
+            delay_s = self._backoff.next_delay_s(uptime_s)
+            self._restart_at = now + delay_s
+            line += f"; restarting it in {delay_s:g} s"
+        self._say(line)
+        try:
+            self._on_gone(self.channel)
+        except Exception as exc:  # best effort: the scheduler reclaims by TTL anyway
+            self._say(f"letting go of what the web process held failed: {exc}")
+        return line

@@ -33,6 +33,11 @@ Same command line as ``daphne``, with daphne's request class replaced by
   are in, and a body without one (chunked) is answered 413 as soon as it
   passes the limit; what the client sends after that is read and dropped.
 
+Each connection is a :class:`DeadlineHTTPChannel`: a request's headers and its body each have an
+absolute deadline (``request_header_timeout_ms``, ``request_body_timeout_ms``; 408 past either), so a
+client dribbling its request a byte at a time cannot hold a connection open. The event loop writes a
+heartbeat for ``manage.py serve`` (``audiosite.heartbeat``), which restarts a process whose loop stalls.
+
 WebSockets: the protocol class is :class:`CloseCodeWebSocketProtocol` (it can close with 1009 and
 the other server codes of RFC 6455), and daphne's message size limit is set above
 ``live_ingest.max_chunk_bytes`` (:func:`websocket_limit_bytes`) so that the consumer, not daphne,
@@ -60,18 +65,24 @@ import logging
 import signal
 import sys
 import time
+from typing import Any
 
 import daphne.http_protocol
+import daphne.server
+import twisted.web.http
 import daphne.ws_protocol
 from daphne.cli import CommandLineInterface
 from daphne.server import Server
 from daphne.ws_protocol import WebSocketProtocol
 from twisted.internet import reactor  # daphne's asyncio reactor (installed by daphne.server's import)
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import connectionDone
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from audiosite import heartbeat
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
-from audiosite.errors import PayloadTooLarge
+from audiosite.errors import PayloadTooLarge, error_body
 from audiosite.serverconfig import get_config
 from inference.runtime import metrics
 
@@ -221,6 +232,90 @@ class BoundedWebRequest(daphne.http_protocol.WebRequest):
         super().connectionLost(reason)
 
 
+class DeadlineHTTPChannel(twisted.web.http.HTTPChannel):
+    """Twisted's HTTP/1.1 channel with two absolute deadlines per request (a client that dribbles its
+    request a byte at a time resets Twisted's idle timeout forever, and daphne sets none of its own):
+
+    - headers: from the connection's start, or from the first byte of a later request on it, until the
+      end of its headers, at most ``request_header_timeout_ms``;
+    - body: from the end of the headers until the end of the body, at most ``request_body_timeout_ms``.
+
+    Past a deadline the client gets 408 in the API error shape (code ``request_timeout``) and the
+    connection is closed (aborted after ``REFUSAL_LINGER_S`` if the client does not read). A deadline
+    never fires while a request is being answered (a pipelined next request waits for it); a WebSocket,
+    once upgraded, no longer goes through this channel.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._deadline_call = None
+        self._awaiting_request = True  # the next byte begins a request's headers
+
+    def connectionMade(self) -> None:  # noqa: N802 (Twisted's interface)
+        super().connectionMade()
+        self._arm("headers", get_config().request_header_timeout_ms)
+        self._awaiting_request = False
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's interface)
+        if self._awaiting_request and self._deadline_call is None:
+            self._arm("headers", get_config().request_header_timeout_ms)
+        self._awaiting_request = False
+        super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:  # noqa: N802 (Twisted's interface)
+        self._disarm()
+        super().allHeadersReceived()
+        if self.length != 0 and self.transport is not None:  # a body follows (a length, or chunked: None)
+            self._arm("body", get_config().request_body_timeout_ms)
+
+    def allContentReceived(self) -> None:  # noqa: N802 (Twisted's interface)
+        self._disarm()
+        self._awaiting_request = True
+        super().allContentReceived()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:  # noqa: N802 (Twisted's interface)
+        self._disarm()
+        super().connectionLost(reason)
+
+    def _arm(self, part: str, timeout_ms: int) -> None:
+        self._disarm()
+        call_later: Any = self.callLater  # TimeoutMixin's: the reactor's callLater
+        self._deadline_call = call_later(timeout_ms / 1000, self._expired, part, timeout_ms)
+
+    def _disarm(self) -> None:
+        if self._deadline_call is not None and self._deadline_call.active():
+            self._deadline_call.cancel()
+        self._deadline_call = None
+
+    def _expired(self, part: str, timeout_ms: int) -> None:
+        self._deadline_call = None
+        if self._handlingRequest:  # answering an earlier request: the next one's deadline waits for it
+            self._arm(part, timeout_ms)
+            return
+        transport: Any = self.transport
+        if transport is None:
+            return
+        setting = "request_header_timeout_ms" if part == "headers" else "request_body_timeout_ms"
+        log.warning("closed a connection whose request %s took over %d ms (%s)", part, timeout_ms, setting)
+        body = json.dumps(error_body(f"the request's {part} did not arrive within {timeout_ms} ms ({setting})",
+                                     "invalid_request_error", None, "request_timeout"),
+                          separators=(",", ":")).encode()
+        transport.write((f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+        self.dataReceived = lambda data: None  # type: ignore[method-assign]  # what else comes is dropped
+        transport.loseConnection()
+        call_later: Any = self.callLater
+        call_later(REFUSAL_LINGER_S, transport.abortConnection)
+
+
+class DeadlineHTTPFactory(daphne.http_protocol.HTTPFactory):
+    """daphne's HTTP factory whose connections use :class:`DeadlineHTTPChannel` (Twisted builds each
+    connection's protocol as ``_GenericHTTPChannelProtocol(HTTPChannel())``; the same with ours)."""
+
+    def protocol(self):  # Twisted calls self.protocol() to build one
+        return twisted.web.http._GenericHTTPChannelProtocol(DeadlineHTTPChannel())
+
+
 SERVER_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011, 1013})
 """RFC 6455 close codes (section 7.4.1) a server sends besides 1000: going away, policy violation,
 message too big, internal error, try again later. autobahn's public ``sendClose`` refuses them
@@ -290,6 +385,7 @@ class DrainingServer(Server):
     def run(self):
         if self._drain_signals:
             reactor.callWhenRunning(self._install_signal_handlers)
+        reactor.callWhenRunning(heartbeat.start)  # serve's liveness check of this loop (audiosite.heartbeat)
         super().run()
 
     def _install_signal_handlers(self) -> None:
@@ -347,6 +443,7 @@ def main() -> None:
     as its WebSocket protocol and :class:`DrainingServer` as its server, set daphne's WebSocket size
     limits (unless given), then run daphne's own command line."""
     daphne.http_protocol.WebRequest = BoundedWebRequest  # read by daphne's HTTPFactory.buildProtocol
+    daphne.server.HTTPFactory = DeadlineHTTPFactory  # daphne's Server builds its factory from this name
     daphne.ws_protocol.WebSocketFactory.protocol = CloseCodeWebSocketProtocol  # built per WebSocket connection
     CommandLineInterface.server_class = DrainingServer
     argv = sys.argv[1:]

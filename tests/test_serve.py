@@ -132,27 +132,47 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
 
 
 @pytest.mark.stack
-def test_serve_stops_everything_and_fails_when_the_web_process_dies(tmp_path):
-    """If the web process dies, serve stops the rest and exits non-zero (docs/operations.md: only
-    workers are restarted). Also: serve keeps the caller's own AUDIOSITE_CONFIG_OVERRIDES (merged
-    under its flags; it used to replace them, found by a new-user run)."""
+def test_serve_restarts_a_web_process_that_dies_with_the_callers_overrides(tmp_path):
+    """If the web process dies, serve starts a new one and keeps running (docs/operations.md,
+    "Restarts"); the new one gets the same environment: the caller's own AUDIOSITE_CONFIG_OVERRIDES
+    (merged under serve's flags; they used to be replaced, found by a new-user run). Ctrl-C then
+    stops everything cleanly."""
     config = tmp_path / "server.json"
-    config.write_text('{"backend": "cpu", "lazy_load": true, "models": [{"id": "vad", "family": "silero_vad"}]}')
+    config.write_text('{"backend": "cpu", "lazy_load": true, "worker_restart_delay_ms": 200, '
+                      '"models": [{"id": "vad", "family": "silero_vad"}]}')
     port = free_port()
     env = embedded_env(tmp_path, AUDIOSITE_CONFIG_OVERRIDES='{"max_request_body_bytes": 2000}')
     proc, log_path = start_embedded(tmp_path, "--config", str(config), "--port", str(port), env=env)
     children: list[psutil.Process] = []
+
+    def too_big() -> httpx.Response:
+        return httpx.post(f"http://127.0.0.1:{port}/v1/tasks/run", content=b"x" * 3000,
+                          headers={"content-type": "application/json"}, timeout=QUICK_S)
+
     try:
-        too_big = httpx.post(f"http://127.0.0.1:{port}/v1/tasks/run", content=b"x" * 3000,
-                             headers={"content-type": "application/json"}, timeout=QUICK_S)
-        assert too_big.status_code == 413 and "2000" in too_big.json()["error"]["message"], too_big.text
+        first = too_big()
+        assert first.status_code == 413 and "2000" in first.json()["error"]["message"], first.text
         children = psutil.Process(proc.pid).children(recursive=True)
         web = next(c for c in children if "audiosite.web" in " ".join(c.cmdline()))
         web.kill()
-        assert proc.wait(timeout=60) != 0
+        deadline = time.monotonic() + 90
+        while "started web process" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        while True:
+            try:
+                again = too_big()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.2)
+        assert again.status_code == 413 and "2000" in again.json()["error"]["message"], again.text
+        assert f"web process (pid {web.pid}) exited with code -9 (SIGKILL)" in log_path.read_text()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [p.cmdline() for p in alive]
-        assert "web exited with code -9" in log_path.read_text()
     finally:
         kill_tree(proc, also=children)
 

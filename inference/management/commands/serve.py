@@ -19,10 +19,14 @@ shutdown), and whatever is still up after ``FORCED_STOP_S`` is killed.
 While it serves, a worker that exits is restarted with backoff
 (``audiosite.supervision``: 1 s doubling to 30 s by default,
 ``worker_restart_delay_ms`` / ``worker_restart_max_delay_ms``) and HTTP keeps
-being served. A child dying during start-up, or daphne or the embedded Redis
-dying at any time, still stops everything with a non-zero exit: the web
-process holds no state worth a restart loop, and a restarted embedded Redis
-would have lost every queue, lease and registration.
+being served. The web process is restarted the same way when it exits or when
+its event loop stops sending its heartbeat (``audiosite.heartbeat``) for
+``web_stall_timeout_ms``: serve kills its process tree, ends the liveness key
+of its scheduler channel (so its queued tickets are never granted to it), and
+starts a new one (``audiosite.supervision.WebSupervisor``). A child dying
+during start-up, or the embedded Redis dying at any time, still stops
+everything with a non-zero exit: a restarted embedded Redis would have lost
+every queue, lease and registration.
 
 Files stay private to the service user: serve sets the umask 0o077 for itself
 and every child (new files 0600, new folders 0700), makes the var folder 0700
@@ -62,13 +66,14 @@ from audiosite.celery import app as celery_app
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, kombu_broker_url, redacted
 from audiosite.serverconfig import ConfigError, ServerConfig, install_config, load_config, slot_count
 from audiosite.settings import env_json, env_str
-from audiosite.supervision import TICK_S, WorkerSupervisor, describe_exit
+from audiosite.heartbeat import HEARTBEAT_FD_ENV
+from audiosite.supervision import TICK_S, WebSupervisor, WorkerSupervisor, describe_exit
 from inference.consumers import close_live_sessions
 from inference.runtime import published
 from inference.management.commands.load_models import report_failures, report_preload
 from inference.runtime.context import KEYS, async_context, sync_scheduler
 from inference.services import PreloadResult, models_preload
-from inference.scheduler import ForgottenWorker, RuntimeMismatch, Scheduler
+from inference.scheduler import ForgottenWorker, Keys, RuntimeMismatch, Scheduler
 from inference.worker.memory import arenas_bounded
 from registry import services as records
 
@@ -139,8 +144,9 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         os.umask(PRIVATE_UMASK)
-        self.children: list[tuple[str, subprocess.Popen]] = []  # all but the workers (see self.workers)
+        self.children: list[tuple[str, subprocess.Popen]] = []  # Redis (the workers: self.workers; web: self.web)
         self.workers: WorkerSupervisor | None = None
+        self.web: WebSupervisor | None = None
         self.stopping = False
         self.forced = False  # a second signal: stop everything at once
         # The caller's own AUDIOSITE_CONFIG_OVERRIDES first, then the command-line flags over it.
@@ -197,8 +203,13 @@ class Command(BaseCommand):
                 KEYS, config.lease_ttl_ms, config.worker_restart_delay_ms / 1000,
                 config.worker_restart_max_delay_ms / 1000, self._say, self._record_lost)
             self.workers.start()
-            self._spawn("web", [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
-                                "audiosite.asgi:application"], env)
+            web_argv = [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
+                        "audiosite.asgi:application"]
+            self.web = WebSupervisor(
+                lambda fd: self._spawn_web(web_argv, env, fd), config.web_stall_timeout_ms / 1000,
+                config.worker_restart_delay_ms / 1000, config.worker_restart_max_delay_ms / 1000, self._say,
+                lambda channel: self._web_gone(redis_url, channel))
+            self.web.start()
             self._wait_healthy(config.host, config.port)
             metas = self._published(redis_url)
             ignored = published.legacy_slots_ignored(metas, config.runtime)
@@ -220,6 +231,7 @@ class Command(BaseCommand):
                         break
                 else:
                     self.workers.tick()
+                    self.web.tick()
                 time.sleep(TICK_S)
         except _Stop:
             pass
@@ -253,6 +265,32 @@ class Command(BaseCommand):
         proc = subprocess.Popen(argv, env=env, cwd=settings.BASE_DIR, start_new_session=True)
         self.children.append((name, proc))
         return proc
+
+    @staticmethod
+    def _spawn_web(argv: list[str], env: dict, heartbeat_fd: int) -> subprocess.Popen:
+        """Start the web process (daphne, ``audiosite.web``; supervised by ``self.web``, not in ``children``),
+        its heartbeat going to the inherited descriptor ``heartbeat_fd`` (``audiosite.heartbeat``)."""
+        return subprocess.Popen(argv, env={**env, HEARTBEAT_FD_ENV: str(heartbeat_fd)}, cwd=settings.BASE_DIR,
+                                start_new_session=True, pass_fds=(heartbeat_fd,))
+
+    def _web_gone(self, redis_url: str, channel: str) -> None:
+        """A web process is dead (it exited, or serve killed it): end the liveness key of its scheduler
+        channel now (R7.5), not when its TTL (``LIVENESS_TTL_MS``) runs out, so that the grant pass drops
+        the tickets it left queued instead of granting them to nobody (each such grant held a slot for one
+        ``lease_ttl_ms``)."""
+        if not channel:
+            self._say("the dead web process had announced no scheduler channel; its tickets lapse with "
+                      "their liveness key")
+            return
+        client = redis.Redis.from_url(redis_url, socket_timeout=SUPERVISOR_REDIS_TIMEOUT_S,
+                                      socket_connect_timeout=SUPERVISOR_REDIS_TIMEOUT_S)
+        try:
+            ended = client.delete(Keys.process_live(channel))
+            self._say(f"ended the liveness key of its scheduler channel {channel} ({ended} key)")
+        except redis.RedisError as exc:
+            self._say(f"could not end the liveness key of the dead web process ({exc}); it lapses on its own")
+        finally:
+            client.close()
 
     @staticmethod
     def _spawn_worker(name: str, concurrency: int, env: dict) -> subprocess.Popen:
@@ -402,8 +440,8 @@ class Command(BaseCommand):
             for name, proc in self.children:
                 if proc.poll() is not None:
                     raise CommandError(f"{name} exited with {describe_exit(proc.returncode)} during start-up")
-            assert self.workers is not None
-            exits = self.workers.tick(restart=False)
+            assert self.workers is not None and self.web is not None
+            exits = self.workers.tick(restart=False) + self.web.tick(restart=False)
             if exits:
                 raise CommandError(f"{exits[0]} during start-up")
             try:
@@ -428,11 +466,14 @@ class Command(BaseCommand):
         second signal (``self.forced``) daphne gets SIGINT (its immediate stop), a worker SIGQUIT
         (Celery's cold shutdown), and each is killed after ``FORCED_STOP_S``.
         """
-        workers = []
+        workers, web = [], []
         if self.workers is not None:
             self.workers.close()  # no restart from now on; stop announcing one
             workers = self.workers.running()
-        order = [c for c in self.children if c[0] == "web"] + workers + \
+        if self.web is not None:
+            self.web.close()
+            web = self.web.running()
+        order = web + workers + \
                 [c for c in self.children if c[0] not in ("web", "redis")] + \
                 [c for c in self.children if c[0] == "redis"]
         for name, proc in order:
