@@ -383,7 +383,11 @@ class WebSupervisor:
                 stalled = self._stalled(now)
                 if stalled:
                     kill_tree(self.proc.pid)
-                    self.proc.wait(timeout=WEB_STOP_WAIT_S)
+                    try:
+                        self.proc.wait(timeout=WEB_STOP_WAIT_S)
+                    except subprocess.TimeoutExpired:  # stuck in the kernel: the replacement may fail to bind
+                        self._say(f"web process (pid {self.proc.pid}) did not go within {WEB_STOP_WAIT_S:g} s "
+                                  "of SIGKILL")
                     lines.append(self._gone(f"web process (pid {self.proc.pid}) {stalled}; killed it", now, restart))
         if self._restart_at is not None and self._restart_at <= now:
             self.restarts += 1
