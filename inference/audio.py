@@ -1,5 +1,8 @@
 """Audio input: decode with ``soundfile`` (libsndfile: WAV, FLAC, OGG/Vorbis/Opus,
-MP3), mix to mono, resample with ``soxr`` to the model's rate.
+MP3), mix to mono, resample with ``soxr`` to the model's rate. A FLAC whose
+STREAMINFO does not state its length (what a streaming encoder writes) is
+counted, then decoded, with PyAV (FFmpeg's FLAC decoder): libsndfile cannot read
+such a stream past its first block.
 
 All functions raise :class:`AudioError` subclasses, which the web side maps to
 400 (empty/implausible) or 415 (undecodable); nothing here knows HTTP.
@@ -56,6 +59,13 @@ class TooManyChannels(AudioError):
     """The header announces more than :data:`MAX_CHANNELS` channels."""
 
 
+class LengthNotStated(AudioError):
+    """A FLAC whose STREAMINFO does not state its length, met by :func:`read_header` with
+    ``count_frames=False``: its length is known only after a pass over the whole stream
+    (:func:`read_header` with ``count_frames=True``), which the caller may want to run elsewhere
+    (``inference.runtime.decoding`` runs it in its bulk pool)."""
+
+
 BLOCK_FRAMES = 65536  # frames read per step: the source is never held whole, only one block of it
 # soxr's filter tables and buffers besides its input and output arrays: measured under 1 MiB at 384 kHz -> 16 kHz;
 # its buffers grow with the chunk it returns (about twice it when upsampling 1 kHz -> 16 kHz), counted separately.
@@ -63,6 +73,12 @@ RESAMPLER_TABLES_BYTES = 1 << 20
 # libsndfile's decoder state, the bytes it reads from the upload through soundfile's I/O callbacks, and the
 # Python objects of a decode: a few KB traced, well under this.
 DECODER_STATE_BYTES = 1 << 20
+# A FLAC decoded by PyAV (length not stated): FFmpeg's decoded frame, its copy as a numpy array and the
+# decoder's own buffers, each at most one FLAC block (a 16-bit field: at most 65,535 frames, FLAC format
+# specification) x channels x 4 bytes (FFmpeg decodes over 16 bits to int32), plus its I/O buffers.
+FLAC_MAX_BLOCK_FRAMES = 65535
+PYAV_FLAC_COPIES = 3
+PYAV_STATE_BYTES = 1 << 20
 FLOAT32_BYTES = 4
 INT16_BYTES = 2  # a 16-bit PCM sample, as a WAV read as-is carries them
 
@@ -77,12 +93,16 @@ class AudioHeader:
     produces. ``as_is``: read by :func:`read_pcm16_as_is`, a WAV whose samples
     need no decoding at the rate it was read for (they are a view of the
     upload); not part of equality (the same header as libsndfile's).
+    ``counted``: a FLAC that does not state its length, whose ``frames`` were
+    counted by demuxing it (:func:`read_header`); :func:`decode` reads it with
+    PyAV and never returns more frames than counted.
     """
 
     sample_rate_hz: int
     channels: int
     frames: int
     as_is: bool = field(default=False, compare=False)
+    counted: bool = field(default=False, compare=False)
 
     @property
     def duration_s(self) -> float:
@@ -115,16 +135,85 @@ def _seconds_over(frames: int, rate: int, max_seconds: float) -> str:
     return f"{seconds:.9f}"
 
 
+def _states_no_length(handle: soundfile.SoundFile) -> bool:
+    return int(handle.frames) >= UNKNOWN_LENGTH_FRAMES
+
+
 def _checked_header(handle: soundfile.SoundFile, max_seconds: float) -> AudioHeader:
-    if int(handle.frames) >= UNKNOWN_LENGTH_FRAMES:
-        raise UndecodableAudio(
-            f"the {handle.format} stream does not state its length (a FLAC written by a streaming encoder "
-            "says 0 total samples), which this server cannot read; send it with its length (any encoder "
-            "writing to a file does) or as WAV")
+    """The header of a stream that states its length (callers check :func:`_states_no_length` first)."""
     return _checked_stated(int(handle.samplerate), int(handle.channels), int(handle.frames), max_seconds)
 
 
-def _checked_stated(rate: int, channels: int, frames: int, max_seconds: float, as_is: bool = False) -> AudioHeader:
+def _counted_header(handle: soundfile.SoundFile, data: bytes, max_seconds: float, count_frames: bool,
+                    cancel: threading.Event | None = None) -> AudioHeader:
+    """The header of a stream that does not state its length: a FLAC's is counted (:func:`count_flac_frames`,
+    stopped past ``max_seconds``); any other such stream is refused."""
+    if handle.format != "FLAC":
+        raise UndecodableAudio(
+            f"the {handle.format} stream does not state its length, which this server reads only for FLAC; "
+            "send it with its length (any encoder writing to a file does) or as WAV")
+    rate, channels = int(handle.samplerate), int(handle.channels)
+    _checked_stated(rate, channels, 1, max_seconds)  # rate and channels, before any pass over the stream
+    if not count_frames:
+        raise LengthNotStated("the FLAC stream does not state its length: count its frames")
+    frames = count_flac_frames(data, rate, max_frames_for(max_seconds, rate), cancel)
+    if frames > max_frames_for(max_seconds, rate):
+        raise AudioTooLong(f"the audio lasts more than {max_seconds:g} s (the FLAC stream does not state its "
+                           f"length; counted up to the limit); the limit is max_audio_seconds={max_seconds:g}")
+    return _checked_stated(rate, channels, frames, max_seconds, counted=True)
+
+
+def _av_error(exc: Exception) -> UndecodableAudio:
+    return UndecodableAudio(f"cannot decode the FLAC stream ({str(exc).strip().rstrip('.')}); "
+                            "send WAV, FLAC, OGG (Vorbis/Opus) or MP3")
+
+
+def count_flac_frames(data: bytes, rate: int, max_frames: int, cancel: threading.Event | None = None) -> int:
+    """Frames of a FLAC stream, counted by demuxing it with PyAV (FFmpeg's FLAC parser reads each frame's
+    header and block size; no sample is decoded), stopping as soon as the count passes ``max_frames``.
+
+    Holds one packet at a time (a FLAC frame: at most 65,535 frames x 8 channels x 4 bytes compressed).
+    Time grows with the packets read: about 2 µs each (30 min of 16 kHz silence from our own encoder,
+    25,000 packets: 54 ms), so run it off the event loop.
+
+    Args:
+        data: the whole FLAC file.
+        rate: its sample rate (STREAMINFO's), in Hz.
+        max_frames: stop counting once past this many frames.
+        cancel: when set (by another thread), counting stops at the next packet.
+
+    Returns:
+        The frames counted (at most ``max_frames`` + one packet's worth; 0 when the metadata is all there is).
+
+    Raises:
+        UndecodableAudio: FFmpeg cannot demux it as FLAC.
+        DecodeCancelled: ``cancel`` was set.
+    """
+    import av  # PyAV: imported only by processes that read or write such streams
+
+    try:
+        with av.open(io.BytesIO(data), mode="r", format="flac") as container:
+            stream = container.streams.audio[0]
+            per_tick = Fraction(stream.time_base) * rate if stream.time_base else Fraction(1)
+            ticks = 0
+            for packet in container.demux(stream):
+                if cancel is not None and cancel.is_set():
+                    raise DecodeCancelled("decoding was cancelled")
+                if packet.size and packet.duration:
+                    ticks += packet.duration
+                    if ticks * per_tick > max_frames:
+                        break
+            return math.floor(ticks * per_tick)
+    except AudioError:
+        raise
+    except av.EOFError:  # nothing after the metadata: no frame at all
+        return 0
+    except (av.FFmpegError, IndexError, ValueError, OSError) as exc:
+        raise _av_error(exc) from exc
+
+
+def _checked_stated(rate: int, channels: int, frames: int, max_seconds: float, as_is: bool = False,
+                    counted: bool = False) -> AudioHeader:
     if not MIN_SAMPLE_RATE_HZ <= rate <= MAX_SAMPLE_RATE_HZ:
         raise ImplausibleAudio(
             f"sample rate {rate} Hz is outside the plausible range "
@@ -137,7 +226,7 @@ def _checked_stated(rate: int, channels: int, frames: int, max_seconds: float, a
                            f"max_audio_seconds={max_seconds:g}")
     if frames <= 0:
         raise EmptyAudio("the audio file holds no samples")
-    return AudioHeader(rate, channels, frames, as_is)
+    return AudioHeader(rate, channels, frames, as_is, counted)
 
 
 def _undecodable(exc: Exception) -> UndecodableAudio:
@@ -146,7 +235,8 @@ def _undecodable(exc: Exception) -> UndecodableAudio:
         f"cannot decode the audio ({reason.strip().rstrip('.')}); send WAV, FLAC, OGG (Vorbis/Opus) or MP3")
 
 
-def read_header(data: bytes, max_seconds: float = 1800.0) -> AudioHeader:
+def read_header(data: bytes, max_seconds: float = 1800.0, count_frames: bool = True,
+                cancel: threading.Event | None = None) -> AudioHeader:
     """Open ``data`` and check its header, decoding no frame.
 
     Usually well under a millisecond (30 min OGG/Opus and MP3 included), but
@@ -154,17 +244,28 @@ def read_header(data: bytes, max_seconds: float = 1800.0) -> AudioHeader:
     callbacks: 8,000 empty chunks (67 KB) take about 30 ms. Call it off the
     event loop.
 
+    A FLAC whose STREAMINFO says 0 total samples (length not stated, legal,
+    what a streaming encoder writes) is counted with ``count_frames``
+    (:func:`count_flac_frames`: a pass over the whole stream, stopped past
+    ``max_seconds``; the header then has ``counted``), else refused with
+    :class:`LengthNotStated` after its rate and channels were checked.
+
     Raises:
         EmptyAudio: no bytes, or a header stating zero frames.
-        UndecodableAudio: libsndfile cannot open it.
+        UndecodableAudio: libsndfile cannot open it, or FFmpeg cannot demux a FLAC to count; a stream other
+            than FLAC that does not state its length.
         ImplausibleAudio: sample rate outside 1 kHz..384 kHz.
         TooManyChannels: more than :data:`MAX_CHANNELS` channels.
-        AudioTooLong: a stated length over ``max_seconds``.
+        AudioTooLong: a stated (or counted) length over ``max_seconds``.
+        LengthNotStated: a FLAC that does not state its length, without ``count_frames``.
+        DecodeCancelled: ``cancel`` was set while counting.
     """
     if not data:
         raise EmptyAudio("the audio file is empty (0 bytes)")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as handle:
+            if _states_no_length(handle):
+                return _counted_header(handle, data, max_seconds, count_frames, cancel)
             return _checked_header(handle, max_seconds)
     except AudioError:
         raise
@@ -203,10 +304,14 @@ def decode_peak_bytes(header: AudioHeader, target_rate_hz: int) -> int:
     plus :data:`DECODER_STATE_BYTES` for libsndfile and small objects. The
     upload itself (the caller's ``data``) is not counted: it is held anyway.
     Example: 30 min of 16 kHz mono for a 16 kHz model is 115.2 MB of output
-    plus 1.4 MB.
+    plus 1.4 MB. A FLAC decoded by PyAV (``header.counted``) adds
+    :data:`PYAV_FLAC_COPIES` FLAC blocks (:data:`FLAC_MAX_BLOCK_FRAMES` x
+    channels x 4 bytes) and :data:`PYAV_STATE_BYTES` (1.8 MB for mono).
     """
     rate = header.sample_rate_hz
     total = output_frames_bound(header.frames, rate, target_rate_hz) * FLOAT32_BYTES + DECODER_STATE_BYTES
+    if header.counted:
+        total += PYAV_FLAC_COPIES * FLAC_MAX_BLOCK_FRAMES * header.channels * FLOAT32_BYTES + PYAV_STATE_BYTES
     total += BLOCK_FRAMES * header.channels * (FLOAT32_BYTES + 1)  # read buffer and finiteness mask
     if header.channels > 1:
         total += BLOCK_FRAMES * FLOAT32_BYTES
@@ -216,7 +321,8 @@ def decode_peak_bytes(header: AudioHeader, target_rate_hz: int) -> int:
 
 
 def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
-           cancel: threading.Event | None = None, keep_pcm16: bool = False) -> tuple[np.ndarray, int]:
+           cancel: threading.Event | None = None, keep_pcm16: bool = False,
+           header: AudioHeader | None = None) -> tuple[np.ndarray, int]:
     """Decode an audio file in memory to mono float32 at ``target_rate_hz``.
 
     The header is checked before any frame is decoded (:func:`read_header`'s
@@ -238,6 +344,11 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
             ``target_rate_hz``, return its int16 samples as they are: exactly the
             float32 result times :data:`PCM16_SCALE` (see :func:`is_pcm16_exact`),
             in half the bytes (what a web process sends to its worker).
+        header: :func:`read_header`'s answer for ``data``, if the caller has it: for a FLAC that does not
+            state its length, its counted ``frames`` (the output's size and the most frames decoded) are
+            used instead of counting again. A FLAC that does not state its length is decoded by PyAV
+            (FFmpeg), block by block as any other file: the same samples libsndfile gives for the same
+            stream with its length stated (tests/test_audio.py).
 
     Returns:
         ``(samples, source_rate_hz)``: contiguous float32 ``(n,)`` in about
@@ -248,7 +359,7 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
 
     Raises:
         EmptyAudio: no bytes, no frames, or nothing left after resampling.
-        UndecodableAudio: libsndfile cannot open or read it.
+        UndecodableAudio: libsndfile cannot open or read it (FFmpeg, a FLAC that does not state its length).
         ImplausibleAudio: sample rate outside 1 kHz..384 kHz, or non-finite samples.
         TooManyChannels: more than :data:`MAX_CHANNELS` channels.
         AudioTooLong: more than ``max_seconds`` of audio.
@@ -258,9 +369,17 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
         raise EmptyAudio("the audio file is empty (0 bytes)")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as handle:
-            header = _checked_header(handle, max_seconds)
-            pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
-            samples, frames = _decode_blocks(handle, header, target_rate_hz, max_seconds, cancel, pcm16)
+            if _states_no_length(handle):
+                if header is None or not header.counted or header != _checked_stated(
+                        int(handle.samplerate), int(handle.channels), header.frames, max_seconds):
+                    header = _counted_header(handle, data, max_seconds, True, cancel)
+                pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
+                with _FlacReader(data, header) as reader:
+                    samples, frames = _decode_blocks(reader, header, target_rate_hz, max_seconds, cancel, pcm16)
+            else:
+                header = _checked_header(handle, max_seconds)
+                pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
+                samples, frames = _decode_blocks(handle, header, target_rate_hz, max_seconds, cancel, pcm16)
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
@@ -284,8 +403,9 @@ def is_pcm16_exact(handle: soundfile.SoundFile, header: AudioHeader, target_rate
     return handle.subtype == "PCM_16" and header.channels == 1 and header.sample_rate_hz == target_rate_hz
 
 
-def _decode_blocks(handle: soundfile.SoundFile, header: AudioHeader, target_rate_hz: int, max_seconds: float,
-                   cancel: threading.Event | None, pcm16: bool = False) -> tuple[np.ndarray, int]:
+def _decode_blocks(handle: soundfile.SoundFile | _FlacReader, header: AudioHeader, target_rate_hz: int,
+                   max_seconds: float, cancel: threading.Event | None,
+                   pcm16: bool = False) -> tuple[np.ndarray, int]:
     """The body of :func:`decode`: ``(samples, source frames read)``; int16 samples when ``pcm16``
     (the caller checked :func:`is_pcm16_exact`: no mix, no resampling, no non-finite value possible)."""
     rate, channels = header.sample_rate_hz, header.channels
@@ -323,7 +443,7 @@ def _decode_blocks(handle: soundfile.SoundFile, header: AudioHeader, target_rate
     return out[:filled], frames
 
 
-def _read_pcm16(handle: soundfile.SoundFile, header: AudioHeader, max_frames: int, max_seconds: float,
+def _read_pcm16(handle: soundfile.SoundFile | _FlacReader, header: AudioHeader, max_frames: int, max_seconds: float,
                 cancel: threading.Event | None) -> tuple[np.ndarray, int]:
     """Mono 16-bit PCM at the target rate read as int16 ``(n,)``, block by block into one output
     array sized from the header (as :func:`_decode_blocks`); ``(samples, frames read)``."""
@@ -339,6 +459,92 @@ def _read_pcm16(handle: soundfile.SoundFile, header: AudioHeader, max_frames: in
         if filled > max_frames:
             raise AudioTooLong(f"the audio lasts more than max_audio_seconds={max_seconds:g}")
     return out[:filled], filled
+
+
+class _FlacReader:
+    """A FLAC stream that does not state its length, decoded by PyAV and read as :func:`_decode_blocks` reads
+    a ``soundfile.SoundFile``: ``read`` (float32 ``(count, channels)`` into ``out``) and ``buffer_read_into``
+    (int16, mono), in blocks of any size, the same values libsndfile gives (integers / 2^15 for 16-bit
+    and 8-bit audio, which FFmpeg widens to int16; / 2^31 for more bits, which it widens to int32 by
+    shifting left: 24-bit x / 2^23, as libsndfile).
+
+    Returns at most ``header.frames`` frames (the counted length) and stops decoding there. Holds one
+    decoded FFmpeg frame (a FLAC block, at most 65,535 frames x channels) at a time.
+
+    Raises (from its reads):
+        UndecodableAudio: FFmpeg cannot decode a block, or a block changes the rate or channel count.
+    """
+
+    def __init__(self, data: bytes, header: AudioHeader):
+        import av
+
+        self._av = av
+        self._header = header
+        self._left = header.frames
+        self._piece: np.ndarray | None = None  # (n, channels) int16 or int32, a decoded block
+        self._offset = 0
+        try:
+            self._container = av.open(io.BytesIO(data), mode="r", format="flac")
+            self._blocks = self._container.decode(audio=0)
+        except (av.FFmpegError, IndexError, ValueError, OSError) as exc:
+            raise _av_error(exc) from exc
+
+    def __enter__(self) -> _FlacReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._container.close()
+
+    def _next_piece(self) -> bool:
+        try:
+            frame = next(self._blocks, None)
+        except (self._av.FFmpegError, ValueError, OSError) as exc:
+            raise _av_error(exc) from exc
+        if frame is None:
+            return False
+        channels = frame.layout.nb_channels
+        if frame.sample_rate != self._header.sample_rate_hz or channels != self._header.channels:
+            raise UndecodableAudio(
+                f"the FLAC stream changes from {self._header.channels} channel(s) at {self._header.sample_rate_hz} "
+                f"Hz to {channels} at {frame.sample_rate} Hz; send it as WAV")
+        array = frame.to_ndarray()
+        self._piece = array.reshape(channels, -1).T if frame.format.is_planar else array.reshape(-1, channels)
+        self._offset = 0
+        return True
+
+    def _fill(self, out: np.ndarray) -> int:
+        """Copy up to ``len(out)`` frames into ``out`` (``(n, channels)``); returns how many."""
+        count = 0
+        while count < out.shape[0] and self._left > 0:
+            if self._piece is None or self._offset >= self._piece.shape[0]:
+                if not self._next_piece():
+                    break
+            assert self._piece is not None
+            take = min(out.shape[0] - count, self._piece.shape[0] - self._offset, self._left)
+            piece = self._piece[self._offset:self._offset + take]
+            target = out[count:count + take]
+            if out.dtype == np.float32:
+                target[...] = piece
+                target *= np.float32(1 / PCM16_SCALE if piece.dtype == np.int16 else 2.0 ** -31)
+            elif piece.dtype == out.dtype:
+                target[...] = piece
+            else:
+                raise UndecodableAudio("the FLAC stream's samples are not 16-bit as its header says")
+            self._offset += take
+            self._left -= take
+            count += take
+        return count
+
+    def read(self, frames: int, dtype: str = "float32", always_2d: bool = True,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """Up to ``frames`` frames as float32 ``(count, channels)``, in ``out`` when given (soundfile's call)."""
+        if out is None:
+            out = np.empty((frames, self._header.channels), dtype=np.float32)
+        return out[:self._fill(out[:frames])]
+
+    def buffer_read_into(self, out: np.ndarray, dtype: str = "int16") -> int:
+        """Up to ``len(out)`` frames of a mono 16-bit stream as int16 into ``out`` ``(n,)``; returns how many."""
+        return self._fill(out.reshape(-1, 1))
 
 
 def _append(out: np.ndarray, filled: int, piece: np.ndarray) -> tuple[np.ndarray, int]:

@@ -224,6 +224,17 @@ def silent_flac(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
     return buf.getvalue()
 
 
+def flac_without_length(flac: bytes) -> bytes:
+    """``flac`` with STREAMINFO's total samples set to 0, "unknown" (FLAC format specification: the 36 bits
+    after the rate, channels and bits per sample, bytes 21-25 of a file starting with ``fLaC`` and its
+    STREAMINFO block), as a streaming encoder writes it; everything else unchanged."""
+    data = bytearray(flac)
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0, "fLaC then a STREAMINFO block"
+    data[21] &= 0xF0
+    data[22:26] = bytes(4)
+    return bytes(data)
+
+
 # -- the server stack ----------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as sock:

@@ -14,7 +14,7 @@ import soundfile
 
 from inference import audio
 
-from .helpers import FIXTURES, ROOT, riff_wave, wav_bytes, wav_fmt
+from .helpers import FIXTURES, ROOT, flac_without_length, riff_wave, silent_flac, wav_bytes, wav_fmt
 
 
 def tone(rate: int, seconds: float = 0.5, freq: float = 440.0) -> np.ndarray:
@@ -326,3 +326,84 @@ def test_decoding_allocates_the_output_once_and_stays_within_its_estimate(rate, 
     block_bytes = audio.BLOCK_FRAMES * channels * 4
     assert samples.nbytes <= peak_bytes < samples.nbytes + 3 * block_bytes + (4 << 20)
     assert peak_bytes <= audio.decode_peak_bytes(header, 16000)
+
+
+# -- a FLAC that does not state its length -------------------------------------------------------------
+
+def _noise_flac(rate: int, channels: int, subtype: str, frames: int) -> bytes:
+    rng = np.random.default_rng(rate + channels)
+    return wav_bytes((0.1 * rng.standard_normal((frames, channels))).astype(np.float32), rate, "FLAC", subtype)
+
+
+@pytest.mark.parametrize("rate, channels, subtype", [
+    (16000, 1, "PCM_16"), (22050, 1, "PCM_16"), (44100, 2, "PCM_24"), (8000, 1, "PCM_S8"), (48000, 6, "PCM_16")])
+@pytest.mark.parametrize("keep_pcm16", [False, True])
+def test_a_flac_that_does_not_state_its_length_decodes_to_the_samples_of_the_same_flac_with_its_length(
+        rate, channels, subtype, keep_pcm16):
+    """A STREAMINFO total of 0 samples means "unknown" (FLAC format specification; streaming encoders write
+    it). libsndfile cannot read such a stream past its first block; the server counts it, then decodes it
+    with PyAV, to exactly the samples libsndfile gives for the same stream with its length stated
+    (mono 16-bit at the model's rate as int16, the rest mixed and resampled)."""
+    frames = 3 * audio.BLOCK_FRAMES + 123  # several blocks, the last one short
+    stated = _noise_flac(rate, channels, subtype, frames)
+    unstated = flac_without_length(stated)
+    assert soundfile.info(io.BytesIO(unstated)).frames == audio.UNKNOWN_LENGTH_FRAMES
+    header = audio.read_header(unstated, 1800)
+    assert header == audio.read_header(stated, 1800) == audio.AudioHeader(rate, channels, frames)
+    assert header.counted
+    expected, _ = audio.decode(stated, 16000, keep_pcm16=keep_pcm16)
+    for given in (None, header):
+        samples, source_rate = audio.decode(unstated, 16000, keep_pcm16=keep_pcm16, header=given)
+        assert source_rate == rate
+        assert samples.dtype == expected.dtype
+        assert np.array_equal(samples, expected)
+
+
+def test_our_own_streamed_flac_is_read_back_sample_for_sample():
+    """The speech endpoint's streamed flac (``SpeechEncoder`` writing to a socket: length not stated)
+    decodes to the int16 samples it was made of."""
+    pcm = (3000 * np.random.default_rng(5).standard_normal(50000)).astype("<i2")
+    encoder = audio.SpeechEncoder("flac", 16000)
+    flac = encoder.encode(pcm.tobytes()) + encoder.finish()
+    assert soundfile.info(io.BytesIO(flac)).frames == audio.UNKNOWN_LENGTH_FRAMES
+    samples, _ = audio.decode(flac, 16000, keep_pcm16=True)
+    assert np.array_equal(samples, pcm)
+
+
+def test_a_flac_that_does_not_state_its_length_is_counted_only_up_to_max_seconds():
+    """An unstated length is counted by demuxing, stopped as soon as the count passes ``max_audio_seconds``
+    (413's AudioTooLong, nothing decoded); without ``count_frames`` the header read stops at
+    LengthNotStated after checking rate and channels; a stream of 0 frames is empty."""
+    unstated = flac_without_length(silent_flac(1800))
+    assert audio.read_header(unstated, 1800).frames == 1800 * 16000
+    started = time.perf_counter()
+    with pytest.raises(audio.AudioTooLong, match="more than 60 s .* max_audio_seconds=60"):
+        audio.read_header(unstated, 60)
+    assert time.perf_counter() - started < 0.5, "stopped at the limit, not at the end of the stream"
+    with pytest.raises(audio.AudioTooLong, match="max_audio_seconds=60"):
+        audio.decode(unstated, 16000, 60)
+    with pytest.raises(audio.LengthNotStated):
+        audio.read_header(unstated, 1800, count_frames=False)
+    with pytest.raises(audio.EmptyAudio):
+        audio.read_header(flac_without_length(silent_flac(1))[:42], 1800)
+
+
+def test_a_cancelled_count_stops_at_the_next_packet():
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(audio.DecodeCancelled):
+        audio.read_header(flac_without_length(silent_flac(10)), 1800, cancel=cancel)
+
+
+def test_a_flac_that_does_not_state_its_length_decodes_within_its_estimate():
+    """The decode of a counted FLAC allocates its output once (the counted length) plus PyAV's blocks,
+    within decode_peak_bytes (what the web process reserves)."""
+    unstated = flac_without_length(_noise_flac(48000, 2, "PCM_16", 48000 * 60))
+    header = audio.read_header(unstated, 1800)
+    tracemalloc.start()
+    try:
+        samples, _ = audio.decode(unstated, 16000, header=header)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert samples.nbytes <= peak_bytes <= audio.decode_peak_bytes(header, 16000)

@@ -17,8 +17,8 @@ import pytest
 
 from inference import audio
 
-from .helpers import (FIXTURE_ENV, events_of, MODEL_S, QUICK_S, fx, mclient, post, run, run_stack, silent_flac, until,
-                      wav_bytes, within)
+from .helpers import (FIXTURE_ENV, events_of, MODEL_S, QUICK_S, flac_without_length, fx, mclient, peak_rss_bytes, post,
+                      run, run_stack, silent_flac, until, wav_bytes, web_pid, within)
 
 pytestmark = pytest.mark.stack
 
@@ -175,6 +175,37 @@ def test_short_requests_to_another_model_keep_their_latency_while_huge_decodes_r
         assert max(during) < 2.0, during
 
     run(scenario(), QUICK_S * 4)
+
+
+def test_a_flac_that_does_not_state_its_length_is_counted_refused_past_the_limit_and_served_within_it(bstack):
+    """A FLAC whose STREAMINFO says 0 total samples ("unknown", what a streaming encoder writes; it was a 415)
+    is counted before it queues: one just over ``max_audio_seconds`` (3,601 s of silence, 1.1 MB of FLAC that
+    would decode to 230 MB of float32) is a 413 naming the limit while the web process's peak RSS grows by
+    under 16 MiB (the count stops at the limit and decodes nothing); 780 s within the limit are served with
+    every sample, and their reservation (the counted length's) is given back: the longest input that fits
+    the whole budget is admitted afterwards."""
+    within_limit = flac_without_length(silent_flac(780))
+    over_limit = flac_without_length(silent_flac(MAX_SECONDS + 1))
+    fitting = silent_flac(longest_fitting_frames() / 16000)
+    pid = web_pid(bstack)
+
+    async def scenario():
+        async with mclient(bstack, None, timeout=MODEL_S) as c:
+            resp, _, _ = await within(post(c, "fx", within_limit))
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["samples"] == 780 * 16000
+            with open(f"/proc/{pid}/clear_refs", "w") as refs:
+                refs.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            baseline = peak_rss_bytes(pid)
+            resp, _, _ = await within(post(c, "fx", over_limit))
+            assert_error(resp, 413, "invalid_request_error", None, f"max_audio_seconds={MAX_SECONDS}")
+            growth = peak_rss_bytes(pid) - baseline
+            assert growth < 16 * 2**20, f"the web process's peak RSS grew by {growth / 2**20:.0f} MiB"
+            resp, _, _ = await within(post(c, "fx", fitting))
+            assert resp.status_code == 200, resp.text
+        bstack.wait_idle("fx")
+
+    run(scenario())
 
 
 @pytest.mark.parametrize("model_id, seconds", [("orphan", 120), ("orphan-small", 2)],

@@ -18,6 +18,16 @@ on the loop in general: a typical header takes 0.07 ms, but a crafted WAV of
 8,000 empty chunks (67 KB) keeps libsndfile walking it, through soundfile's
 Python I/O callbacks, for about 30 ms.
 
+**A FLAC that does not state its length** (STREAMINFO's total samples 0,
+what a streaming encoder writes) has no length to check before decoding, so
+its header read counts its frames: a pass over the whole stream with PyAV's
+demuxer (``inference.audio.count_flac_frames``, stopped as soon as the count
+passes ``max_audio_seconds``: 413, nothing decoded). That pass grows with the
+upload, not with a header, so it runs in the bulk pool (the quick pool's read
+stops at :class:`inference.audio.LengthNotStated`), and so does its decode,
+which reserves the exact counted length like any other and returns at most
+that many frames.
+
 **No decoding, no hop.** One kind of upload needs no decoding at all: a WAV
 of 16-bit PCM, mono, already at the model's rate (the shipped samples, most
 recorders' output), whose samples are sent to the worker as they are. Such a
@@ -135,7 +145,23 @@ async def read_header(data: bytes, target_rate_hz: int, max_seconds: float) -> a
     found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, _leave)
     if found is not None:
         return found[0]
-    return await asyncio.get_running_loop().run_in_executor(_QUICK_POOL, audio.read_header, data, max_seconds)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_QUICK_POOL, audio.read_header, data, max_seconds,
+                                                                False)
+    except audio.LengthNotStated:
+        return await _counted_header(data, max_seconds)
+
+
+async def _counted_header(data: bytes, max_seconds: float) -> audio.AudioHeader:
+    """:func:`inference.audio.read_header` counting the frames of a FLAC that does not state its length, in
+    the bulk pool (module doc); a cancelled caller stops the count at its next packet."""
+    cancel = threading.Event()
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_BULK_POOL, audio.read_header, data, max_seconds,
+                                                                True, cancel)
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
 
 
 def _leave(header: audio.AudioHeader) -> bool:
@@ -179,7 +205,7 @@ class Inspected:
 
 def _inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
                         bytes_needed: Callable[[audio.AudioHeader], int], cancel: threading.Event) -> Inspected:
-    header = audio.read_header(data, max_seconds)
+    header = audio.read_header(data, max_seconds, False)
     if header.frames * header.channels > QUICK_DECODE_MAX_SAMPLES:
         return Inspected(header)
     needed_bytes = bytes_needed(header)
@@ -224,6 +250,8 @@ async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: floa
         cancel.set()
         future.add_done_callback(_release_abandoned)
         raise
+    except audio.LengthNotStated:  # counted in the bulk pool, decoded after the grant (module doc)
+        return Inspected(await _counted_header(data, max_seconds))
 
 
 def _release_abandoned(future: Future) -> None:
@@ -236,7 +264,8 @@ def _release_abandoned(future: Future) -> None:
 
 async def decode(data: bytes, header: audio.AudioHeader, target_rate_hz: int, max_seconds: float) -> np.ndarray:
     """Decode ``data`` (whose header is ``header``) to mono ``(n,)`` at ``target_rate_hz``, in the quick
-    pool when it is small, else in the bulk pool. The caller holds the reservation.
+    pool when it is small, else (and for a FLAC whose length was counted: module doc) in the bulk pool.
+    The caller holds the reservation.
 
     The samples are float32, or int16 where that is exact (mono 16-bit PCM at the target rate,
     :func:`inference.audio.decode`'s ``keep_pcm16``): half the bytes to send to the worker, which
@@ -251,11 +280,12 @@ async def decode(data: bytes, header: audio.AudioHeader, target_rate_hz: int, ma
     found = audio.read_pcm16_as_is(data, target_rate_hz, max_seconds, QUICK_DECODE_MAX_SAMPLES, _take)
     if found is not None and found[1] is not None:
         return found[1]
-    pool = _QUICK_POOL if header.frames * header.channels <= QUICK_DECODE_MAX_SAMPLES else _BULK_POOL
+    quick = header.frames * header.channels <= QUICK_DECODE_MAX_SAMPLES and not header.counted
+    pool = _QUICK_POOL if quick else _BULK_POOL
     cancel = threading.Event()
     try:
         samples, _source_rate_hz = await asyncio.get_running_loop().run_in_executor(
-            pool, audio.decode, data, target_rate_hz, max_seconds, cancel, True)
+            pool, audio.decode, data, target_rate_hz, max_seconds, cancel, True, header)
     except asyncio.CancelledError:
         cancel.set()
         raise
