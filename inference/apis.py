@@ -525,6 +525,26 @@ class VoicesApi(APIView):
         return Response({"model": meta["id"], "voices": voices.model_voices(meta)})
 
 
+WAV_BASE64_STEP_BYTES = 3 << 20  # a multiple of 3: the steps' base64 texts join into the whole one
+
+
+def _wav_base64(parts: list[bytes], sample_rate_hz: int) -> tuple[str, int]:
+    """``(base64 of the WAV file of the s16le PCM parts, its sample count)``; ``parts`` is emptied.
+
+    Run in a thread: the longest answer (1800 s of speech, ``MAX_SPEECH_WORK_S``) is 79 MB of PCM, and
+    base64 holds the GIL while it runs, so it goes in steps of ``WAV_BASE64_STEP_BYTES`` between which
+    the event loop's thread gets the GIL back.
+    """
+    pcm = b"".join(parts)
+    parts.clear()
+    samples = len(pcm) // 2
+    wav = memoryview(audio.wav_bytes(pcm, sample_rate_hz))
+    del pcm
+    text = "".join(base64.b64encode(wav[i:i + WAV_BASE64_STEP_BYTES]).decode("ascii")
+                   for i in range(0, len(wav), WAV_BASE64_STEP_BYTES))
+    return text, samples
+
+
 async def _task_speech(meta: dict, ctx: AsyncContext, data: dict, started: float) -> Response:
     """``/v1/tasks/run`` for a ``tts`` model: the whole text synthesised, answered at once as
     ``{"audio": base64 WAV (s16le mono, its RIFF and data sizes filled in), "sample_rate", "duration" (s),
@@ -541,12 +561,10 @@ async def _task_speech(meta: dict, ctx: AsyncContext, data: dict, started: float
         final = stream.final or {}
     finally:
         await stream.aclose()
-    pcm = b"".join(parts)
-    samples = len(pcm) // 2
-    wav = audio.wav_bytes(pcm, stream.sample_rate_hz)
+    wav_base64, samples = await asyncio.to_thread(_wav_base64, parts, stream.sample_rate_hz)
     wall_ms = (time.monotonic() - started) * 1000
     duration_s = samples / stream.sample_rate_hz
-    return Response({"model": meta["id"], "task": "tts", "audio": base64.b64encode(wav).decode(),
+    return Response({"model": meta["id"], "task": "tts", "audio": wav_base64,
                      "format": "wav", "sample_rate": stream.sample_rate_hz, "duration": round(duration_s, 6),
                      "sentences": final.get("sentences"),
                      "timing": {"wall_ms": round(wall_ms, 3), "audio_duration_ms": round(duration_s * 1000, 3),

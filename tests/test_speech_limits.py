@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -120,8 +121,11 @@ def test_the_worst_allowed_speech_keeps_the_worker_under_its_memory_and_time_bou
     with PeakRss(worker_pid(tts)) as rss:
         started = time.monotonic()
         with tts.client(timeout=time_bound_s) as client:
-            answer = client.post("/v1/tasks/run", json={"model": "piper", "request": {
-                "text": text, "options": {"seed": 1, **options}}})
+            try:
+                answer = client.post("/v1/tasks/run", json={"model": "piper", "request": {
+                    "text": text, "options": {"seed": 1, **options}}})
+            except httpx.HTTPError as exc:
+                raise AssertionError(f"no answer ({exc!r}); serve's log:\n{tts.log_tail(120)}") from exc
         elapsed_s = time.monotonic() - started
     assert answer.status_code == 200, answer.text
     result = answer.json()
