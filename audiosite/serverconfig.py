@@ -170,6 +170,9 @@ class ServerConfig(_Strict):
     max_decoded_bytes_in_flight: int = Field(default=DEFAULT_DECODE_BUDGET_BYTES, ge=0)
     """Decoded audio one web process may hold at once (``inference.runtime.decoding``); 0 = no limit."""
     media_roots: list[str] = Field(default_factory=list)
+    wyoming_max_connections: int = Field(default=32, ge=1, le=4096)
+    """Connections ``manage.py wyoming`` serves at once (``inference.wyoming_server``); one more gets an
+    ``error`` event ``too_many_connections``. Each buffers at most one transcription's audio."""
     ui: bool = True
     """The browser UI at ``/ui/`` (``/`` redirects there); false: both answer 404."""
     ui_anonymous: Literal["status", "none"] = "status"
