@@ -5,8 +5,10 @@ are JSON client events, server events go out as JSON text frames. Routed in ``au
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from urllib.parse import parse_qs, urlsplit
 
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -15,7 +17,7 @@ from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
-from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY
+from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, DrainNotice
 from audiosite.serverconfig import get_config
 from audiosite.settings import channel_layer_config
 from inference import realtime
@@ -44,6 +46,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
     and the session goes on. Its handshake passed :class:`HostOriginValidator` (``audiosite.asgi``)."""
 
     session: realtime.LiveSession | None = None
+    _drain_task: asyncio.Task | None = None
 
     async def connect(self) -> None:
         await self.accept()
@@ -102,17 +105,23 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         except Exception:  # already closed
             pass
 
-    async def _on_drain(self, notice) -> None:
-        await self.live_close({"code": WEBSOCKET_CLOSE_GOING_AWAY, "reason": "the server is shutting down"})
+    async def _on_drain(self, notice: DrainNotice) -> None:
+        """This web process drains: the session's turns end with their transcripts (or ``failed``
+        ``shutting_down`` at ``notice.deadline_s``), then close 1001 (``LiveSession.drain``)."""
+        if self.session is not None:
+            await self.session.drain(notice.deadline_s, WEBSOCKET_CLOSE_GOING_AWAY)
 
     async def disconnect(self, code: int) -> None:
-        watch = getattr(self, "_drain_watch", None)
-        if watch is not None:
-            watch.close()
-        if self.channel_layer is not None:
-            await self.channel_layer.group_discard(LIVE_GROUP, self.channel_name)
-        if self.session is not None:
-            await self.session.close()
+        try:
+            if self.channel_layer is not None:
+                await self.channel_layer.group_discard(LIVE_GROUP, self.channel_name)
+            if self.session is not None:
+                await self.session.close()  # its turns' leases are back (at most one decode step)
+        finally:
+            # Only now: a drain waits for this watch, so it does not stop the process under a turn's lease.
+            watch = getattr(self, "_drain_watch", None)
+            if watch is not None:
+                watch.close()
 
     async def send_event(self, event: dict) -> None:
         """Send one server event as a JSON text frame."""
@@ -123,11 +132,24 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         await self.close(code=code)
 
     async def live_close(self, message: dict) -> None:
-        """Group message ``{"type": "live.close", "code": int, "reason": str}``: end this session
-        (``LiveSession.end`` closes its turns even when the client is already gone)."""
-        if self.session is not None:
-            await self.session.end(realtime.ClientError(message.get("reason") or "the server closed the session",
-                                                        "session_closed"), int(message.get("code", 1001)))
+        """Group message ``{"type": "live.close", "code": int, "reason": str}``: end this session.
+
+        Code 1001 (the server going away, ``serve`` stopping) drains it like its web process's drain
+        does (``LiveSession.drain``: open turns get their transcript, or ``failed`` ``shutting_down``, by
+        the drain deadline, or ``shutdown_timeout_ms`` from now when this process is not draining);
+        any other code ends it at once (``LiveSession.end`` closes its turns even when the client is
+        already gone)."""
+        if self.session is None:
+            return
+        code = int(message.get("code", WEBSOCKET_CLOSE_GOING_AWAY))
+        reason = message.get("reason") or "the server closed the session"
+        if code == WEBSOCKET_CLOSE_GOING_AWAY:
+            deadline_s = DRAIN.deadline_s if DRAIN.deadline_s is not None else \
+                time.monotonic() + get_config().shutdown_timeout_ms / 1000
+            # In a task of its own: this consumer's messages (a disconnect) are still handled meanwhile.
+            self._drain_task = asyncio.ensure_future(self.session.drain(deadline_s, code, reason))
+        else:
+            await self.session.end(realtime.ClientError(reason, "session_closed"), code)
 
 
 DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
@@ -217,9 +239,10 @@ class NoRouteConsumer(AsyncWebsocketConsumer):
 
 async def close_live_sessions(redis_url: str, code: int = CLOSE_GOING_AWAY,
                               reason: str = "the server is shutting down") -> None:
-    """Ask every open realtime session of the deployment on ``redis_url`` to end: each sends a final
-    ``error`` event (``session_closed``) and closes with ``code`` (CONTRACT R8.4: WebSocket clients
-    get a close frame with a code). Called by ``serve`` before it stops the web server."""
+    """Ask every open realtime session of the deployment on ``redis_url`` to end: with ``code`` 1001 each
+    drains (its open turns get their transcript, or ``failed`` ``shutting_down`` at the drain deadline),
+    then sends a final ``error`` event (``session_closed``) and closes with ``code`` (CONTRACT R8.4:
+    WebSocket clients get a close frame with a code). Called by ``serve`` before it stops the web server."""
     layer = RedisChannelLayer(**channel_layer_config(redis_url))
     try:
         await layer.group_send(LIVE_GROUP, {"type": "live.close", "code": code, "reason": reason})

@@ -33,13 +33,23 @@ transcribed, nor past ``max_turns_per_session`` (an ``error`` event, nothing que
 Event loop: an append's conversion, resampling and VAD run in a thread (:func:`_prepare`); the
 loop keeps only the JSON and base64 decoding (under 1 ms a 1 MiB frame) and the turn decisions.
 
-Partial transcripts: while a server-VAD turn is still being spoken, the growing turn is decoded
-again every :data:`PARTIAL_STEP_MS` of new audio (greedy, beam 1), except while the VAD hears
-silence (the turn may be ending: the final decode should not wait behind a partial); the words on which two
-consecutive decodes agree (case and punctuation aside) and that were not sent yet go out as a
-``…input_audio_transcription.delta``. The final decode (the model's default beam) gives the
-rest: aligned on the words already sent, the words after them form the last delta. The deltas
-of a turn therefore concatenate exactly to its ``completed`` ``transcript``.
+Transcripts: a turn's ``…input_audio_transcription.completed`` ``transcript`` is one
+decode of the whole turn's audio with the file route's options (the session's ``language`` and
+``prompt``, the model's default beam): exactly the ``text`` ``POST /v1/audio/transcriptions``
+answers for the same 16 kHz samples. While a server-VAD turn is still being spoken, the growing turn
+is decoded again every :data:`PARTIAL_STEP_MS` of new audio (greedy, beam 1), except while the VAD
+hears silence (the turn may be ending: the final decode should not wait behind a partial); the
+words on which two consecutive decodes agree (case and punctuation aside) and that were not sent
+yet go out as a ``…input_audio_transcription.delta``. Deltas are early and provisional: after the
+final decode the words that follow the ones already sent (aligned, :func:`words_after`) form the
+last delta, so the deltas concatenate to the ``completed`` transcript unless the final decode
+revised a word a partial had sent; then the ``completed`` transcript is the one to keep.
+
+Drain (R8.4): when the web process drains (or ``serve`` sends ``live.close`` with 1001),
+:meth:`LiveSession.drain` commits the turn being spoken, refuses new turns, and waits until the
+drain deadline for its turns: each ends with its ``completed`` transcript, or, at the deadline,
+``…transcription.failed`` (``server_busy``, code ``shutting_down``). Then the final ``error``
+event (``session_closed``) and close code 1001.
 
 Disconnects: :meth:`LiveSession.close` cancels the turns; a decode running on the worker
 finishes (it is not pre-empted, R8.2) and then the lease is released: at most one decode step.
@@ -59,6 +69,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import soxr
 
+from audiosite.drain import refusal as drain_refusal
 from audiosite.errors import ApplicationError, InvalidRequest, NotFound
 from audiosite.serverconfig import LiveIngest
 from audiosite.validation import b64decode_strict
@@ -243,6 +254,7 @@ class Turn:
         self.committed = asyncio.Event()
         self.pausing = False  # server VAD hears silence now: the turn may be about to end
         self.task: asyncio.Task | None = None
+        self.ended = False  # its completed (or failed) event is out: nothing more is sent for it
 
 
 _VAD_SHARED: list[silero_vad.Shared] = []
@@ -304,6 +316,8 @@ class LiveSession:
         self._refusing = False  # server VAD heard speech it could not open a turn for (told the client once)
         self._last_item: str | None = None
         self._closed = False
+        self._draining = False  # the server is going away: no new turn opens
+        self._closing: asyncio.Future | None = None  # close(): its turns being ended
         self._started = time.monotonic()
         self._last_event = self._started
         self._last_audio = self._started
@@ -318,17 +332,17 @@ class LiveSession:
     async def close(self) -> None:
         """End the session (the client left, or a limit closed it): cancel its turns; each running
         decode finishes on the worker and then its lease is released (at most one decode step).
-        Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        tasks = [turn.task for turn in self._turns if turn.task is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        Idempotent: every call returns once the turns are over (a disconnect arriving while a drain
+        closes the session waits for them too, so the drain waits for the leases to go back)."""
+        if self._closing is None:
+            self._closed = True
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            tasks = [turn.task for turn in self._turns if turn.task is not None]
+            for task in tasks:
+                task.cancel()
+            self._closing = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+        await asyncio.shield(self._closing)
 
     async def emit(self, event: dict) -> None:
         """Send one server event (an ``event_id`` is added), unless the session is closed."""
@@ -354,6 +368,39 @@ class LiveSession:
             log.info("ending a live session: could not reach its client (%s)", send_exc)
         finally:
             await self.close()
+
+    async def drain(self, deadline_s: float, close_code: int, reason: str = "the server is shutting down") -> None:
+        """End the session because the server is going away (CONTRACT R8.4), without losing a turn.
+
+        The turn being spoken is committed (``speech_stopped``, ``committed``) and no new turn opens
+        (a commit or speech gets an ``error`` event, code ``shutting_down``). Each turn not transcribed
+        yet ends with its ``completed`` transcript when its decode finishes by ``deadline_s``
+        (``time.monotonic()`` seconds; the web process's drain deadline, ``shutdown_timeout_ms`` after the
+        signal); one still queued or decoding then gets ``…transcription.failed`` (``server_busy``, code
+        ``shutting_down``) instead. Then the final ``error`` event (``session_closed``, ``reason``) and close
+        ``close_code``; a decode still running finishes on the worker before its lease goes back (at most
+        one decode step, R8.2). Idempotent: a second call (the drain watch and ``serve``'s ``live.close``
+        both ask) returns at once.
+        """
+        if self._draining or self._closed:
+            return
+        self._draining = True
+        try:
+            if self._speaking is not None:
+                await self._commit_turn(self._speaking, self._buffer.end, stopped=True)
+            pending = [turn for turn in self._turns if turn.task is not None and not turn.task.done()]
+            if pending:
+                left_s = max(0.0, deadline_s - time.monotonic())
+                await asyncio.wait([turn.task for turn in pending if turn.task is not None], timeout=left_s)
+                late = [turn for turn in pending if not turn.ended]
+                if late:
+                    log.info("live session %s: %d turn(s) not transcribed by the drain deadline", self.session_id,
+                             len(late))
+                for turn in late:
+                    await self._failed(turn, drain_refusal("this turn (queued or decoding at the drain deadline)"))
+        except Exception as exc:  # the client left meanwhile: end() below still frees the turns
+            log.info("draining a live session: could not reach its client (%s)", exc)
+        await self.end(ClientError(reason, "session_closed"), close_code)
 
     async def _watch_limits(self) -> None:
         """Close the session after ``idle_timeout_ms`` without a client event while no turn is being
@@ -499,6 +546,9 @@ class LiveSession:
     def _turn_refusal(self) -> ClientError | None:
         """Why a new turn may not open now (None: it may): ``max_turns_per_session`` turns were had, or
         ``max_pending_turns`` turns are not transcribed yet."""
+        if self._draining:
+            return ClientError("the server is shutting down: no new turn is opened; reconnect (another instance, "
+                               "or after the restart)", "shutting_down")
         if self._turn_count >= self.limits.max_turns_per_session:
             return ClientError(f"this session has had its {self.limits.max_turns_per_session} turns "
                                "(live_ingest.max_turns_per_session); open a new session", "session_turn_limit")
@@ -692,13 +742,24 @@ class LiveSession:
                 "input_audio_noise_reduction": None, "include": []}
 
     # -- one turn --------------------------------------------------------------------------------
+    async def _final(self, turn: Turn, event: dict) -> None:
+        """Send the turn's last event (``completed`` or ``failed``), once: a turn a drain failed at its
+        deadline sends nothing after that."""
+        if turn.ended:
+            return
+        turn.ended = True
+        await self.emit(event)
+
     async def _failed(self, turn: Turn, exc: ApplicationError) -> None:
         body = exc.body()["error"]
-        await self.emit({"type": "conversation.item.input_audio_transcription.failed", "item_id": turn.item_id,
-                         "content_index": 0, "error": {"type": body["type"], "code": body["code"],
-                                                       "message": body["message"], "param": body["param"]}})
+        await self._final(turn, {"type": "conversation.item.input_audio_transcription.failed",
+                                 "item_id": turn.item_id, "content_index": 0,
+                                 "error": {"type": body["type"], "code": body["code"], "message": body["message"],
+                                           "param": body["param"]}})
 
     async def _delta(self, turn: Turn, text: str) -> None:
+        if turn.ended:
+            return
         await self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": turn.item_id,
                          "content_index": 0, "delta": text})
 
@@ -789,16 +850,17 @@ class LiveSession:
             if not turn.committed.is_set():
                 await self._await_audio(turn)
         assert turn.audio is not None
+        # The transcript: one decode of the whole turn with the file route's options (no beam_size: the
+        # model's default), so it is the text POST /v1/audio/transcriptions gives for these samples.
         result = await services.decode_held(self.ctx, settings.model or "", lease, turn.audio, MODEL_RATE_HZ,
                                             options, timeout_ms)
-        rest = words_after(sent, result["text"].split())
+        transcript = result["text"]
+        rest = words_after(sent, transcript.split())
         if rest:
-            delta = (" " if text else "") + " ".join(rest)
-            text += delta
-            await self._delta(turn, delta)
-        await self.emit({"type": "conversation.item.input_audio_transcription.completed", "item_id": turn.item_id,
-                         "content_index": 0, "transcript": text,
-                         "usage": {"type": "duration", "seconds": round(turn.audio.size / MODEL_RATE_HZ, 3)}})
+            await self._delta(turn, (" " if text else "") + " ".join(rest))
+        await self._final(turn, {"type": "conversation.item.input_audio_transcription.completed",
+                                 "item_id": turn.item_id, "content_index": 0, "transcript": transcript,
+                                 "usage": {"type": "duration", "seconds": round(turn.audio.size / MODEL_RATE_HZ, 3)}})
 
 
 async def default_model(ctx: AsyncContext, asked: str | None = None) -> str | None:

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import io
 import json
+import signal
 import time
 
 import httpx
@@ -279,7 +280,7 @@ def test_server_vad_turns_at_real_time_pace_give_partials_early_and_accurate_tra
     assert committed[1]["previous_item_id"] == committed[0]["item_id"]
     for turn, (_samples, reference) in zip(committed, turns, strict=True):
         deltas, transcript = turn_text(heard, turn["item_id"])
-        assert deltas == transcript and transcript, (deltas, transcript)
+        assert deltas and transcript, (deltas, transcript)  # deltas are provisional: the transcript is checked
         assert wer(reference, transcript) <= 0.15, (reference, transcript)
     # The first turn's first delta must come before its commit (it is then a partial), where the machine
     # leaves time for the partial decodes (SLOW_FINAL_DECODE_S above). bench_realtime measures how
@@ -295,6 +296,75 @@ def test_server_vad_turns_at_real_time_pace_give_partials_early_and_accurate_tra
         pytest.skip(f"no partial before the commit, on a machine where the final decode of the 8.5 s turn took "
                     f"{final_decode_s:.1f} s (> {SLOW_FINAL_DECODE_S} s): too loaded for partials")
     assert first_delta_at < committed_at, ("a partial arrives while the turn is open", final_decode_s)
+
+
+def sdk_turns(stack: Stack, samples: np.ndarray, pace: float = 1.0) -> tuple[bytes, list[dict]]:
+    """Stream ``samples`` (16 kHz float32) through the official SDK's realtime client as 16 kHz PCM in
+    20 ms appends at ``pace`` × real time, OpenAI's default server VAD, model ``whisper`` (English);
+    return the PCM sent and the server events, each with ``"_at"`` (its monotonic arrival time) and the
+    last append's time as ``"_sent"`` on a final ``{"type": "_end"}`` entry, until every turn the VAD
+    opened is completed or failed."""
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    chunks = pcm_chunks(samples, 16000)
+    events: list[dict] = []
+    with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        assert conn.recv().type == "session.created"
+        conn.session.update(session={"type": "transcription", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 16000},
+            "transcription": {"model": "whisper", "language": "en"}}}})
+        assert conn.recv().type == "session.updated"
+
+        def send() -> float:
+            started = time.monotonic()
+            for index, chunk in enumerate(chunks):
+                conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+                time.sleep(max(0.0, started + (index + 1) * CHUNK_MS / 1000 / pace - time.monotonic()))
+            return time.monotonic()
+
+        async def scenario() -> float:
+            sender = asyncio.ensure_future(asyncio.to_thread(send))
+            while True:
+                event = (await asyncio.to_thread(conn.recv)).model_dump()
+                event["_at"] = time.monotonic()
+                events.append(event)
+                ended = sum(e["type"] in (COMPLETED, FAILED) for e in events)
+                opened = sum(e["type"] == "input_audio_buffer.speech_started" for e in events)
+                if sender.done() and ended == opened:
+                    return await sender
+        sent_at = run(scenario(), MODEL_S * 2)
+    events.append({"type": "_end", "_sent": sent_at})
+    return b"".join(chunks), events
+
+
+def test_a_turns_completed_transcript_is_the_file_routes_text_for_the_same_samples(live, speech):
+    """A turn's ``…transcription.completed`` is one decode of the whole turn: the official SDK's realtime
+    client streams the fixtures at real-time pace (16 kHz, server VAD), and each turn's transcript is
+    exactly the ``text`` the official SDK gets from ``POST /v1/audio/transcriptions`` for the same samples
+    (the turn's ``audio_start_ms``..``audio_end_ms`` of the PCM sent), though partial deltas of the
+    growing turn came first (they are provisional: a word they sent may be revised)."""
+    long_turn, long_text = one_long_turn(speech)
+    turns = [(long_turn, long_text), (speech[1].samples, speech[1].text)]
+    samples = np.concatenate([np.concatenate([silence(0.6), t, silence(1.2)]) for t, _ in turns])
+    pcm, events = sdk_turns(live, samples)
+    started = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
+    stopped = {e["item_id"]: e for e in events if e["type"] == "input_audio_buffer.speech_stopped"}
+    completed = {e["item_id"]: e for e in events if e["type"] == COMPLETED}
+    assert len(started) == len(turns) and set(completed) == {e["item_id"] for e in started}, events
+    client = openai_client(live)
+    for start, (_samples, reference) in zip(started, turns, strict=True):
+        item = start["item_id"]
+        lo, hi = start["audio_start_ms"] * 16, stopped[item]["audio_end_ms"] * 16  # 16 samples a ms
+        turn_pcm = np.frombuffer(pcm, dtype="<i2")[lo:hi]
+        wav = wav_bytes(turn_pcm.astype(np.float32) / 32768, 16000, subtype="PCM_16")
+        assert np.array_equal(soundfile.read(io.BytesIO(wav), dtype="int16")[0], turn_pcm)
+        as_file = client.audio.transcriptions.create(model="whisper", file=("turn.wav", io.BytesIO(wav)),
+                                                     language="en").text
+        transcript = completed[item]["transcript"]
+        assert transcript == as_file, (transcript, as_file)
+        assert completed[item]["usage"]["seconds"] == pytest.approx((hi - lo) / 16000, abs=0.001)
+        assert wer(reference, transcript) <= 0.15, (reference, transcript)
+    assert any(e["type"] == DELTA for e in events), "partial deltas came too"
+    live.wait_idle("whisper", timeout_s=10)
 
 
 def test_the_official_sdk_realtime_client_commits_16_khz_audio_sent_faster_than_real_time(live, speech):
@@ -593,3 +663,51 @@ def test_stopping_the_server_closes_live_sessions_with_a_final_event_and_1001(tm
     heard, close_code = run(scenario())
     assert close_code == 1001
     assert heard.of("error")[-1]["error"]["code"] == "session_closed"
+
+
+@pytest.mark.parametrize(("shutdown_timeout_ms", "ending"), [(30000, COMPLETED), (0, FAILED)])
+def test_a_drain_ends_an_open_turn_with_its_transcript_or_failed_shutting_down_before_session_closed(
+        tmp_path, speech, shutdown_timeout_ms, ending):
+    """R8.4: SIGTERM to ``serve`` while a server-VAD turn is being spoken (its slot held, partials running):
+    the turn is committed (``speech_stopped``, ``committed``) and ends with its ``completed`` transcript
+    when the drain window lets its decode finish, or with ``…transcription.failed`` (``server_busy``,
+    code ``shutting_down``) when the window is 0; only then the final ``error`` event (``session_closed``)
+    and close code 1001. The slot is given back and serve exits 0."""
+    stacks = run_stack(tmp_path, [{"id": "whisper", "family": "whisper", "task": "asr", "slots": 1}], redis_db=10,
+                       name="livedrain", parallel=True, extra_config={"shutdown_timeout_ms": shutdown_timeout_ms})
+    stack = next(stacks)
+    utt = max(speech, key=lambda u: len(u.samples))
+    try:
+        async def scenario():
+            async with websockets.connect(ws_url(stack)) as ws:
+                heard = Listener(ws)
+                await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                    "input": {"transcription": {"model": "whisper", "language": "en"}}}}}))
+                await heard.wait_for("session.updated")
+                await speak(ws, np.concatenate([silence(0.6), utt.samples[: len(utt.samples) * 2 // 3]]))
+                await heard.wait_for("input_audio_buffer.speech_started")
+                held = stack.counters("whisper")
+                stack.proc.send_signal(signal.SIGTERM)
+                await within(heard.task, MODEL_S)
+                return heard, ws.close_code, held
+
+        heard, close_code, held = run(scenario())
+        assert held["leases"] == 1, "the open turn held the slot when the signal came"
+        assert stack.proc.wait(timeout=MODEL_S) == 0, stack.log_tail()
+        kinds = [e["type"] for _t, e in heard.events]
+        item = heard.of("input_audio_buffer.speech_started")[0]["item_id"]
+        assert [e["item_id"] for e in heard.of("input_audio_buffer.committed")] == [item], kinds
+        assert heard.of("input_audio_buffer.speech_stopped")[0]["item_id"] == item
+        endings = [e for _t, e in heard.events if e["type"] in (COMPLETED, FAILED)]
+        assert [(e["type"], e["item_id"]) for e in endings] == [(ending, item)], kinds
+        if ending == COMPLETED:
+            assert wer(utt.text, endings[0]["transcript"]) < 0.6, endings[0]  # two thirds of the sentence
+        else:
+            assert endings[0]["error"]["type"] == "server_busy", endings[0]
+            assert endings[0]["error"]["code"] == "shutting_down", endings[0]
+        assert kinds.index(ending) < len(kinds) - 1 and kinds[-1] == "error", kinds
+        assert heard.of("error")[-1]["error"]["code"] == "session_closed" and close_code == 1001
+        assert len(heard.of("error")) == 1, heard.of("error")
+        assert stack.counters("whisper") == {"leases": 0, "queued": 0}
+    finally:
+        next(stacks, None)
