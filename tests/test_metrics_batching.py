@@ -122,3 +122,45 @@ def test_flush_right_as_a_slow_write_ends_returns_instead_of_spinning(redis_clie
     failures = [(i, repr(o)) for i, o in enumerate(outcomes) if o is not None]
     assert not failures, f"flush() called that many iterations after the reply did not return: {failures}"
     assert redis_client.hget(key, '["slow-write","ok"]') == "2"
+
+
+def test_a_write_redis_does_not_answer_is_given_up_and_flush_returns(redis_client, caplog):
+    """Redis held (``CLIENT PAUSE ... WRITE``) past ``WRITE_TIMEOUT_S``: the write is given up (its events
+    are lost, logged) and ``flush()`` returns within that bound instead of waiting for Redis for good."""
+    pause_ms = int(metrics.WRITE_TIMEOUT_S * 1000) + 4000  # unpaused as soon as flush() returns
+
+    async def scenario():
+        ctx = await async_context()
+        await ctx.redis.ping()
+        redis_client.execute_command("CLIENT", "PAUSE", pause_ms, "WRITE")
+        try:
+            started = time.monotonic()
+            metrics.record_soon(metrics.count(metrics.REQUESTS, "held", "ok"))
+            await asyncio.sleep(metrics.FLUSH_INTERVAL_S + 0.1)  # the timer's write is in flight, held
+            await metrics.flush()
+            return time.monotonic() - started
+        finally:
+            redis_client.execute_command("CLIENT", "UNPAUSE")
+            await ctx.listener.close()
+
+    flushed_after_s = run(scenario(), seconds=30.0)
+    assert metrics.WRITE_TIMEOUT_S - 0.5 <= flushed_after_s <= metrics.WRITE_TIMEOUT_S + 2.0, flushed_after_s
+    assert "1 event(s) lost: the write took over" in caplog.text
+
+
+def test_flush_right_after_record_soon_writes_the_events(redis_client):
+    """``flush()`` called before the batch's timer task has had its first step (the drain can run right
+    after an answer's ``record_soon``): the events are written and flush returns normally. It used to
+    cancel that task and await it, which raises CancelledError for a task cancelled before it started
+    (its coroutine never runs): the events were lost and the error ended the drain before its stop."""
+    key = KEYS.metric(metrics.REQUESTS.name)
+
+    async def scenario():
+        ctx = await async_context()
+        metrics.record_soon(metrics.count(metrics.REQUESTS, "at-once", "ok"))
+        await metrics.flush()
+        seen = redis_client.hget(key, '["at-once","ok"]')
+        await ctx.listener.close()
+        return seen
+
+    assert run(scenario()) == "1"

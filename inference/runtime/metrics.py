@@ -197,20 +197,31 @@ async def _flush_later(batch: _Batch) -> None:
     try:
         await asyncio.sleep(FLUSH_INTERVAL_S)
     except asyncio.CancelledError:
-        pass  # flush() wants the write now
-    batch.task = None
+        return  # flush() took over: it writes the events itself
+    if batch.task is asyncio.current_task():
+        batch.task = None
     await _write(batch)
+
+
+WRITE_TIMEOUT_S = 5.0
+"""A batch write that has not ended this long after it began is given up (its events are lost, logged):
+the web process's connections to Redis have no socket timeout, so without it a Redis that stops answering
+would hold every later write, and ``flush()`` at the drain, for good, while the events piled up."""
 
 
 async def _write(batch: _Batch) -> None:
     """Write the batch's queued events, after any write already in flight (one at a time, in order).
 
     The events are taken once the lock is held, so a write carries everything queued up to its turn
-    and a write whose turn finds nothing queued costs nothing."""
+    and a write whose turn finds nothing queued costs nothing. A write is bounded by ``WRITE_TIMEOUT_S``."""
     async with batch.lock:
         events, batch.events = batch.events, []
         if events:
-            await _record_events(events)
+            try:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await _record_events(events)
+            except TimeoutError:
+                log.warning("metrics: %d event(s) lost: the write took over %g s", len(events), WRITE_TIMEOUT_S)
 
 
 async def _record_events(events: list[Event]) -> None:
@@ -224,13 +235,12 @@ async def flush() -> None:
     batch = _BATCHES.get(asyncio.get_running_loop())
     if batch is None:
         return
-    if batch.task is not None:
-        batch.task.cancel()  # its handler goes straight to the write
-        await batch.task
-    else:
-        await _write(batch)
-    async with batch.lock:  # first come, first served: every write that asked before has ended
-        pass
+    # The timer is cancelled, not awaited: one created but not yet started ends at its first step
+    # with CancelledError (its coroutine never runs), which awaiting it would raise here.
+    task, batch.task = batch.task, None
+    if task is not None:
+        task.cancel()
+    await _write(batch)  # first come, first served: every write that asked before has ended first
 
 
 def record_sync(redis_client: Any, *events: Event) -> None:
