@@ -435,6 +435,29 @@ async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text:
         await stream.aclose()
 
 
+async def _speech_file(stream: services.SpeechStream, fmt: str) -> bytes:
+    """The whole body of a speech response sent at once (``flac`` without SSE): every sentence encoded
+    into one file whose header states its length (FLAC's STREAMINFO total samples and MD5, filled in at
+    the end: ``audio.SpeechEncoder`` ``whole``), so that libsndfile reads it; the lease is released when
+    the last sentence arrived or the client left (R8.3). Holds the encoded file until it is sent (at most
+    ``MAX_SPEECH_WORK_S`` of audio; FLAC keeps about half of the 16-bit PCM).
+
+    Raises:
+        ServerBusy: a drain's deadline passed before the last sentence (``shutting_down``; headers are
+            not out yet, so it is an error response, not a short body), or the worker was lost.
+        ApplicationError: the adapter failed mid-stream (a bug).
+    """
+    try:
+        encoder = audio.SpeechEncoder(fmt, stream.sample_rate_hz, whole=True)
+        async for pcm in DRAIN.until_expired(stream.pcm()):
+            encoder.encode(pcm)
+        return encoder.finish()
+    except DrainExpired:
+        raise refusal("this speech") from None
+    finally:
+        await stream.aclose()
+
+
 def sse_event(event: dict) -> bytes:
     """One server-sent event carrying ``event`` as JSON on its ``data:`` line."""
     return f"data: {json.dumps(event)}\n\n".encode()
@@ -467,7 +490,9 @@ class SpeechApi(APIView):
 
     Responds with the audio in ``response_format`` (``pcm``: raw s16le mono at
     the rate in ``X-Sample-Rate``), sent sentence by sentence as it is
-    synthesised; with ``stream_format=sse`` (chosen by that field only, never by
+    synthesised, except ``flac``, sent at once with ``Content-Length`` once the
+    whole text is synthesised, so that its STREAMINFO states its length
+    (:func:`_speech_file`); with ``stream_format=sse`` (chosen by that field only, never by
     ``Accept``) ``text/event-stream`` of ``speech.audio.delta`` events (base64
     of the chunk in ``response_format``) then ``speech.audio.done`` with ``usage``.
 
@@ -495,8 +520,15 @@ class SpeechApi(APIView):
         _check_options(meta["family"], options, lambda keys: keys[0] if keys else None)
         stream = await services.speech_open(ctx, meta, data["input"], options, data["busy_timeout_ms"])
         fmt, sse = data["response_format"], data["stream_format"] == "sse"
-        response = StreamingHttpResponse(_speech_body(stream, fmt, sse, data["input"]),
-                                         content_type="text/event-stream" if sse else audio.speech_content_type(fmt))
+        response: HttpResponse | StreamingHttpResponse
+        if fmt == "flac" and not sse:
+            body = await _speech_file(stream, fmt)
+            response = HttpResponse(body, content_type=audio.speech_content_type(fmt))
+            response["Content-Length"] = str(len(body))
+        else:
+            response = StreamingHttpResponse(_speech_body(stream, fmt, sse, data["input"]),
+                                             content_type="text/event-stream" if sse else
+                                             audio.speech_content_type(fmt))
         response["X-Sample-Rate"] = str(audio.speech_output_rate(fmt, stream.sample_rate_hz))
         response["Cache-Control"] = "no-cache"
         return response

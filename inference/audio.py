@@ -745,24 +745,35 @@ class SpeechEncoder:
     concatenation of all returned bytes is one playable file/stream. ``pcm``
     passes the bytes through unchanged (raw s16le at the model's rate).
 
+    Streamed (the default), the muxer writes to a non-seekable sink, so a
+    header written before the audio exists says "length unknown" (FLAC's
+    STREAMINFO: 0 total samples, which libsndfile cannot read past its first
+    block; WAV: sizes 0xFFFFFFFF, which it reads). With ``whole``, ``encode``
+    returns nothing and ``finish`` returns the whole file, its header
+    completed by the muxer at the end (FLAC: total samples, min/max frame
+    sizes and the MD5 of the audio), from a seekable buffer holding the
+    encoded bytes until then.
+
     Args:
         fmt: one of :data:`SPEECH_FORMATS`.
         sample_rate_hz: rate of the PCM given to ``encode`` (the model's, e.g. 22,050).
+        whole: encode the whole file before returning any byte (above).
 
     Raises:
         KeyError: an unknown ``fmt`` (callers validate it first).
     """
 
-    def __init__(self, fmt: str, sample_rate_hz: int):
+    def __init__(self, fmt: str, sample_rate_hz: int, whole: bool = False):
         self.fmt = fmt
         self.sample_rate_hz = sample_rate_hz
+        self.whole = whole
         if fmt == "pcm":
             return
         import av  # PyAV: imported only by processes that encode
 
         muxer, codec, rate, _mime, bit_rate = _CONTAINERS[fmt]
         self._av = av
-        self._sink = _Sink()
+        self._sink: _Sink | io.BytesIO = io.BytesIO() if whole else _Sink()
         # bitexact: no random Ogg serial number or encoder version tag, so equal audio gives equal bytes
         self._container = av.open(self._sink, mode="w", format=muxer, options={"fflags": "+bitexact"})
         stream: Any = self._container.add_stream(codec, rate=rate or sample_rate_hz, layout="mono")
@@ -790,7 +801,10 @@ class SpeechEncoder:
         frame.pts = self._pts
         self._pts += samples.size
         self._mux(frame)
-        return self._sink.take()
+        return self._taken()
+
+    def _taken(self) -> bytes:
+        return b"" if isinstance(self._sink, io.BytesIO) else self._sink.take()
 
     def finish(self) -> bytes:
         """Flush the encoder and close the container; returns the last bytes."""
@@ -800,4 +814,6 @@ class SpeechEncoder:
         for packet in self._stream.encode(None):
             self._container.mux(packet)
         self._container.close()
+        if isinstance(self._sink, io.BytesIO):
+            return self._sink.getvalue()
         return self._sink.take()

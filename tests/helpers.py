@@ -919,10 +919,10 @@ class Decoded:
 def decode_speech(data: bytes, fmt: str, pcm_rate: int = 22050) -> Decoded:
     """Decode a speech response with a library other than its encoder (PyAV's FFmpeg) where one exists.
 
-    mp3, opus (Ogg), wav: libsndfile (``soundfile``). flac: libsndfile cannot read a FLAC stream whose
-    header gives no length (what a streamed response must send), and aac it does not read at all:
-    those go through PyAV, and the flac test compares the result sample by sample with the raw pcm
-    response instead. pcm: raw s16le at ``pcm_rate``.
+    mp3, opus (Ogg), wav: libsndfile (``soundfile``). flac (libsndfile reads it too, its length stated:
+    tests/test_speech_flac_reads_back.py) and aac (which libsndfile does not read at all) go through
+    PyAV, and the flac test compares the result sample by sample with the raw pcm response. pcm: raw
+    s16le at ``pcm_rate``.
     """
     if fmt == "pcm":
         return Decoded(np.frombuffer(data, "<i2").astype(np.float32) / 32768, pcm_rate, 1, "numpy")
