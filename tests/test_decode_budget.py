@@ -179,7 +179,7 @@ def test_short_requests_to_another_model_keep_their_latency_while_huge_decodes_r
 
 def test_a_flac_that_does_not_state_its_length_is_counted_refused_past_the_limit_and_served_within_it(bstack):
     """A FLAC whose STREAMINFO says 0 total samples ("unknown", what a streaming encoder writes; it was a 415)
-    is counted before it queues: one just over ``max_audio_seconds`` (3,601 s of silence, 1.1 MB of FLAC that
+    is counted before it queues: one just over ``max_audio_seconds`` (3,601 s of silence, 181 KB of FLAC that
     would decode to 230 MB of float32) is a 413 naming the limit while the web process's peak RSS grows by
     under 16 MiB (the count stops at the limit and decodes nothing); 780 s within the limit are served with
     every sample, and their reservation (the counted length's) is given back: the longest input that fits
