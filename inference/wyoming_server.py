@@ -77,6 +77,8 @@ AUDIO_CHUNK_BYTES = 4096
 """Largest ``audio-chunk`` payload the server sends (1,024 s16le samples at 22,050 Hz: 46 ms)."""
 MIN_RATE_HZ, MAX_RATE_HZ = 8000, 48000
 """Sample rates an ``audio-start`` may state (the decoder resamples to the model's rate)."""
+LINGER_S = 2.0
+"""How long a refused connection's remaining input is read and dropped before it closes (:meth:`Connection._linger`)."""
 ATTRIBUTION = Attribution(name="audiosite", url="https://github.com/")
 PROGRAM = "audiosite"
 
@@ -255,8 +257,10 @@ class Connection:
                     raise item
                 await self._while_present(self.handle(item))
         except Refusal as refusal:
+            reader_task.cancel()
             with contextlib.suppress(ConnectionError, OSError):
                 await self.write(Error(text=refusal.text, code=refusal.code).event())
+                await self._linger()
         except (ConnectionError, OSError):
             pass
         finally:
@@ -264,6 +268,17 @@ class Connection:
             self.writer.close()
             with contextlib.suppress(Exception):
                 await self.writer.wait_closed()
+
+    async def _linger(self) -> None:
+        """After a refusal: end our side (EOF), then read and drop what the client still sends for at most
+        :data:`LINGER_S`, so that closing with its input unread does not reset the connection and
+        discard the ``error`` event before the client reads it."""
+        if self.writer.can_write_eof():
+            self.writer.write_eof()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LINGER_S):
+                while await self.reader.read(MAX_PAYLOAD_BYTES):
+                    pass
 
     async def _while_present(self, coro) -> None:
         """Run ``coro``; cancel it if the client leaves first (services give back what they hold)."""
