@@ -75,9 +75,9 @@ def test_a_web_process_whose_loop_stalls_is_killed_and_replaced_and_http_answers
 
 def test_a_killed_web_process_is_restarted_and_its_queued_ticket_is_never_granted_to_it(tmp_path):
     """R7.5 at a web process's death: it is waiting for the only slot of ``q`` (held by another live
-    process, this test) when it is killed (``kill -9``). serve restarts it, and ends its liveness key at
-    once, so when the slot is given back the dead process's ticket is dropped instead of granted — a
-    grant to nobody would hold the slot for one ``lease_ttl_ms`` (30 s here)."""
+    process, this test) when it is killed (``kill -9``). serve restarts it, and forgets its scheduler
+    channel at once (liveness key, queued tickets), so when the slot is given back nothing is granted
+    to the dead process — a grant to nobody would hold the slot for one ``lease_ttl_ms`` (30 s here)."""
     stacks = run_stack(tmp_path, [{"id": "q", "family": "fixture"}], redis_db=8, name="webkill",
                        extra_env=FIXTURE_ENV,
                        extra_config={"lease_ttl_ms": 30000, "worker_restart_delay_ms": RESTART_MS})
@@ -96,8 +96,7 @@ def test_a_killed_web_process_is_restarted_and_its_queued_ticket_is_never_grante
                     waiting = asyncio.create_task(c.post("/v1/tasks/run", json=body("q")))
                     await until(lambda: stack.counters("q")["queued"] == 1, QUICK_S)
                     os.kill(old, signal.SIGKILL)
-                    await until(lambda: "ended the liveness key of its scheduler channel" in stack.log_path.read_text(),
-                                QUICK_S)
+                    await until(lambda: "forgot scheduler channel" in stack.log_path.read_text(), QUICK_S)
                     assert f"web process (pid {old}) exited with code -9" in stack.log_path.read_text()
                     await scheduler.release("q", lease.lease_id)
                     after_release = stack.counters("q")
@@ -118,4 +117,50 @@ def test_a_killed_web_process_is_restarted_and_its_queued_ticket_is_never_grante
             resp = c.post("/v1/tasks/run", json=body("q"))
             assert resp.status_code == 200, resp.text
     finally:
+        next(stacks, None)
+
+
+def test_the_slot_a_killed_web_process_held_is_given_back_at_its_death(tmp_path):
+    """R2.5 at a web process's death: its request holds the only slot of ``q`` (run held at a fixture
+    barrier on the worker) and another live process (this test) waits for it, when the web process is
+    killed (``kill -9``). serve releases the dead process's lease at once (the scheduler records each
+    lease's holder channel), so the waiter is granted within seconds instead of when the lease expires
+    (``lease_ttl_ms``, 30 s here)."""
+    stacks = run_stack(tmp_path, [{"id": "q", "family": "fixture"}], redis_db=8, name="webheld",
+                       extra_env=FIXTURE_ENV,
+                       extra_config={"lease_ttl_ms": 30000, "worker_restart_delay_ms": RESTART_MS})
+    stack = next(stacks)
+    keys = Keys("as:")
+    try:
+        old = web_pid(stack)
+
+        async def scenario():
+            client = aioredis.Redis.from_url(stack.env["REDIS_URL"], decode_responses=True)
+            scheduler = Scheduler(client, keys, 30000)
+            listener = await Listener.start(client, keys.process_channel)
+            try:
+                async with mclient(stack, None, timeout=QUICK_S) as c:
+                    holding = asyncio.create_task(c.post("/v1/tasks/run", json=body("q", barrier="held")))
+                    await until(lambda: stack.arrived("held") == 1, QUICK_S)
+                    waiter = asyncio.create_task(scheduler.acquire(listener, "q", 0, LeaseKind.REQUEST))
+                    await until(lambda: stack.counters("q")["queued"] == 1, QUICK_S)
+                    os.kill(old, signal.SIGKILL)
+                    killed_at = time.monotonic()
+                    lease = await within(waiter, QUICK_S)
+                    granted_after_s = time.monotonic() - killed_at
+                    await scheduler.release("q", lease.lease_id)
+                    try:
+                        await within(holding, QUICK_S)
+                    except httpx.HTTPError:
+                        pass  # its connection went with the process
+                return granted_after_s
+            finally:
+                await listener.close()
+                await client.aclose()
+
+        granted_after_s = run(scenario())
+        assert granted_after_s < 5, f"the waiter was granted {granted_after_s:.1f} s after the holder's death"
+        assert "1 lease(s) released" in stack.log_path.read_text(), stack.log_tail()
+    finally:
+        stack.release("held")
         next(stacks, None)

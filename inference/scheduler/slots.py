@@ -48,7 +48,7 @@ _SCRIPT_NAMES = (
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
-    "census", "forget_worker", "forget_departed", "worker_leave",
+    "census", "forget_worker", "forget_departed", "worker_leave", "forget_process",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -284,6 +284,22 @@ class Scheduler:
                                                  self.keys.worker_memory, *bases],
                                [hostname, "worker lost", self.lost_load_error(hostname)]),
                      lambda r: ForgottenWorker([bases[_text(b)] for b in r[0]], [bases[_text(b)] for b in r[1]]))
+
+    def forget_process(self, channel: str, model_ids: list[str]):
+        """Give back at once what a dead web process held (``forget_process.lua``, R7.5/R2.5): its liveness
+        key is deleted, its queued tickets on ``model_ids`` (pass every registered model) are dropped and
+        every lease granted to it there is released (the grant pass then serves the next waiters).
+
+        Args:
+            channel: the process's pub/sub channel (its ``Listener.channel``).
+            model_ids: the models to look at.
+
+        Returns:
+            ``(tickets dropped, leases released)`` (an awaitable of it with an async client).
+        """
+        bases = [self.keys.model(model_id) for model_id in model_ids]
+        return _then(self._run("forget_process", [Keys.process_live(channel), *bases], [channel, self.lease_ttl_ms]),
+                     lambda r: (int(r[0]), int(r[1])))
 
     def forget_departed_workers(self) -> list[str]:
         """Drop the registry entries (``worker_pid``, ``worker_memory``) of workers whose liveness key is

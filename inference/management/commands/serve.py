@@ -21,9 +21,10 @@ While it serves, a worker that exits is restarted with backoff
 ``worker_restart_delay_ms`` / ``worker_restart_max_delay_ms``) and HTTP keeps
 being served. The web process is restarted the same way when it exits or when
 its event loop stops sending its heartbeat (``audiosite.heartbeat``) for
-``web_stall_timeout_ms``: serve kills its process tree, ends the liveness key
-of its scheduler channel (so its queued tickets are never granted to it), and
-starts a new one (``audiosite.supervision.WebSupervisor``). A child dying
+``web_stall_timeout_ms``: serve kills its process tree, forgets its scheduler
+channel (``Scheduler.forget_process``: its liveness key ends, its queued tickets
+are dropped and its leases released at once), and starts a new one
+(``audiosite.supervision.WebSupervisor``). A child dying
 during start-up, or the embedded Redis dying at any time, still stops
 everything with a non-zero exit: a restarted embedded Redis would have lost
 every queue, lease and registration.
@@ -73,7 +74,7 @@ from inference.runtime import published
 from inference.management.commands.load_models import report_failures, report_preload
 from inference.runtime.context import KEYS, async_context, sync_scheduler
 from inference.services import PreloadResult, models_preload
-from inference.scheduler import ForgottenWorker, Keys, RuntimeMismatch, Scheduler
+from inference.scheduler import ForgottenWorker, RuntimeMismatch, Scheduler
 from inference.worker.memory import arenas_bounded
 from registry import services as records
 
@@ -208,7 +209,7 @@ class Command(BaseCommand):
             self.web = WebSupervisor(
                 lambda fd: self._spawn_web(web_argv, env, fd), config.web_stall_timeout_ms / 1000,
                 config.worker_restart_delay_ms / 1000, config.worker_restart_max_delay_ms / 1000, self._say,
-                lambda channel: self._web_gone(redis_url, channel))
+                lambda channel: self._web_gone(redis_url, config.lease_ttl_ms, channel))
             self.web.start()
             self._wait_healthy(config.host, config.port)
             metas = self._published(redis_url)
@@ -273,22 +274,24 @@ class Command(BaseCommand):
         return subprocess.Popen(argv, env={**env, HEARTBEAT_FD_ENV: str(heartbeat_fd)}, cwd=settings.BASE_DIR,
                                 start_new_session=True, pass_fds=(heartbeat_fd,))
 
-    def _web_gone(self, redis_url: str, channel: str) -> None:
-        """A web process is dead (it exited, or serve killed it): end the liveness key of its scheduler
-        channel now (R7.5), not when its TTL (``LIVENESS_TTL_MS``) runs out, so that the grant pass drops
-        the tickets it left queued instead of granting them to nobody (each such grant held a slot for one
-        ``lease_ttl_ms``)."""
+    def _web_gone(self, redis_url: str, lease_ttl_ms: int, channel: str) -> None:
+        """A web process is dead (it exited, or serve killed it): give back at once what it held in the
+        scheduler (``Scheduler.forget_process``, one script): its liveness key ends (R7.5), its queued
+        tickets are dropped and the leases granted to it are released, on every registered model and the
+        cold-load guard, instead of each holding a slot until its liveness key or its lease expires."""
         if not channel:
-            self._say("the dead web process had announced no scheduler channel; its tickets lapse with "
-                      "their liveness key")
+            self._say("the dead web process had announced no scheduler channel; what it held lapses with "
+                      "its liveness key and lease TTL")
             return
-        client = redis.Redis.from_url(redis_url, socket_timeout=SUPERVISOR_REDIS_TIMEOUT_S,
+        client = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=SUPERVISOR_REDIS_TIMEOUT_S,
                                       socket_connect_timeout=SUPERVISOR_REDIS_TIMEOUT_S)
         try:
-            ended = client.delete(Keys.process_live(channel))
-            self._say(f"ended the liveness key of its scheduler channel {channel} ({ended} key)")
+            model_ids = [str(m) for m in sorted(client.hkeys(KEYS.models_meta))] + [KEYS.cold_guard]
+            dropped, released = Scheduler(client, KEYS, lease_ttl_ms).forget_process(channel, model_ids)
+            self._say(f"forgot scheduler channel {channel} of the dead web process: {dropped} queued ticket(s) "
+                      f"dropped, {released} lease(s) released")
         except redis.RedisError as exc:
-            self._say(f"could not end the liveness key of the dead web process ({exc}); it lapses on its own")
+            self._say(f"could not give back what the dead web process held ({exc}); it lapses on its own")
         finally:
             client.close()
 

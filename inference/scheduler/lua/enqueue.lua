@@ -41,7 +41,7 @@ local now = now_ms()
 if reap(base, now) > 0 or redis.call('ZCARD', base .. ':queue') > 0 then grant_pass(base, now, ttl_ms) end
 
 if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager) then
-  grant(base, ticket, now, ttl_ms, is_manager)
+  grant(base, ticket, now, ttl_ms, is_manager, chan)
   local meta = redis.call('HGET', KEYS[3], ARGV[6]) or ''
   local owner, boot = '', ''
   local load = redis.call('HMGET', base .. ':load', 'state', 'owner', 'boot')

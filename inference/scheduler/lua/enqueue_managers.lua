@@ -18,7 +18,7 @@ for i = 1, n do
   local base, ticket = KEYS[i], ARGV[i + 2]
   if reap(base, now) > 0 or redis.call('ZCARD', base .. ':queue') > 0 then grant_pass(base, now, ttl_ms) end
   if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, true) then
-    grant(base, ticket, now, ttl_ms, true)
+    grant(base, ticket, now, ttl_ms, true, chan)
     out[i] = 1
   else
     redis.call('ZADD', base .. ':queue', redis.call('INCR', seq_key), ticket)

@@ -11,6 +11,9 @@
 --   base..':leases'   HASH  request lease -> granted_at_ms (one slot each)
 --   base..':mleases'  HASH  manager lease -> granted_at_ms (the whole model)
 --   base..':expiry'   ZSET  lease (either kind) -> expires_at_ms (renewed by the holder)
+--   base..':holder'   HASH  lease (either kind) -> pub/sub channel of the process it was granted to
+--                           (absent for a lease taken without a channel: try_acquire); lets
+--                           forget_process.lua give back at once what a dead web process held
 --   base..':cap'      STRING capacity (slots); absent = 1
 --   base..':load'     HASH  state, owner, boot, loader, loader_expires_ms,
 --                           loader_host + loader_boot (the worker running the load),
@@ -56,6 +59,7 @@ local function reap(base, now)
     redis.call('ZREM', base .. ':expiry', lease)
     redis.call('HDEL', base .. ':leases', lease)
     redis.call('HDEL', base .. ':mleases', lease)
+    redis.call('HDEL', base .. ':holder', lease)
   end
   if #expired > 0 then changed(base) end
   return #expired
@@ -65,9 +69,10 @@ local function capacity(base)
   return tonumber(redis.call('GET', base .. ':cap') or '1')
 end
 
-local function grant(base, ticket, now, ttl_ms, is_manager)
+local function grant(base, ticket, now, ttl_ms, is_manager, chan)
   redis.call('HSET', base .. (is_manager and ':mleases' or ':leases'), ticket, now)
   redis.call('ZADD', base .. ':expiry', now + ttl_ms, ticket)
+  if chan then redis.call('HSET', base .. ':holder', ticket, chan) end
   changed(base)
 end
 
@@ -102,7 +107,7 @@ local function grant_pass(base, now, ttl_ms)
     redis.call('HDEL', base .. ':kind', ticket)
     redis.call('HDEL', base .. ':chan', ticket)
     if not orphan then
-      grant(base, ticket, now, ttl_ms, is_manager)
+      grant(base, ticket, now, ttl_ms, is_manager, chan)
       if chan then redis.call('PUBLISH', chan, 'grant:' .. ticket) end
       granted = granted + 1
       if is_manager then break end
@@ -206,6 +211,7 @@ local function release_lease(base, lease, now, ttl_ms)
   local granted_at = tonumber(redis.call('HGET', base .. ':leases', lease) or '-1')
   local held = redis.call('HDEL', base .. ':leases', lease) + redis.call('HDEL', base .. ':mleases', lease)
   redis.call('ZREM', base .. ':expiry', lease)
+  redis.call('HDEL', base .. ':holder', lease)
   if held > 0 and redis.call('EXISTS', base .. ':load') == 1 then
     redis.call('HSET', base .. ':load', 'last_used_ms', now)
   end
