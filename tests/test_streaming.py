@@ -14,7 +14,9 @@ import asyncio
 import base64
 import io
 import json
+import queue
 import signal
+import threading
 import time
 
 import httpx
@@ -321,12 +323,27 @@ def sdk_turns(stack: Stack, samples: np.ndarray, pace: float = 1.0) -> tuple[byt
                 time.sleep(max(0.0, started + (index + 1) * CHUNK_MS / 1000 / pace - time.monotonic()))
             return time.monotonic()
 
+        received: queue.Queue = queue.Queue()
+
+        def receive() -> None:
+            try:
+                for event in conn:
+                    received.put((time.monotonic(), event.model_dump()))
+            except Exception:  # the connection closed when the scenario ended
+                pass
+
+        threading.Thread(target=receive, daemon=True).start()
+
         async def scenario() -> float:
             sender = asyncio.ensure_future(asyncio.to_thread(send))
             while True:
-                event = (await asyncio.to_thread(conn.recv)).model_dump()
-                event["_at"] = time.monotonic()
-                events.append(event)
+                # A turn may end before the last (silent) chunk is sent: poll, so neither waits on the other.
+                try:
+                    at, event = await asyncio.to_thread(received.get, timeout=0.2)
+                    event["_at"] = at
+                    events.append(event)
+                except queue.Empty:
+                    pass
                 ended = sum(e["type"] in (COMPLETED, FAILED) for e in events)
                 opened = sum(e["type"] == "input_audio_buffer.speech_started" for e in events)
                 if sender.done() and ended == opened:

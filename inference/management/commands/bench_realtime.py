@@ -1,6 +1,26 @@
 """``python manage.py bench_realtime --url URL``: live transcription over the realtime WebSocket.
 
-Each session streams a speech file (default: the ``../shared/fixtures/speech`` files joined into
+Accuracy and latency (first, through the official ``openai`` SDK's realtime client, ``--rounds``
+times): every speech fixture (``samples/`` and the tests' ``../shared/fixtures/speech``, the same
+file once) and the fixtures joined as one utterance (:func:`_speech`) are streamed as 16 kHz PCM
+in 20 ms appends at real-time pace between 0.6 s and 1.2 s of silence, with OpenAI's default
+server VAD. Printed, of the same run:
+
+- completed WER: the WER against the reference of each utterance's ``completed`` transcripts
+  joined, beside the file WER: the same utterance sent whole to ``POST /v1/audio/transcriptions``
+  (the official SDK's ``audio.transcriptions.create``); and how many turns' ``completed``
+  transcript equals, character for character, the file route's text for the turn's own samples
+  (``audio_start_ms``..``audio_end_ms`` of the PCM sent);
+- first delta: the time of each turn's first ``…transcription.delta`` relative to the end of the
+  utterance's audio (the moment its last chunk was sent; negative = before the end);
+- end of speech → completed (p50, p95): from that moment to the turn's ``completed`` event (it
+  includes the 500 ms of silence the server VAD waits for, and the final decode).
+
+WER: lower-cased words without punctuation, common contractions spelt out (the LibriSpeech
+references spell them out), :mod:`jiwer`.
+
+Sessions sustained (then, ``--max-sessions`` > 0): each session streams a speech file (default:
+the ``../shared/fixtures/speech`` files joined into
 one utterance of about 5 s, see :func:`_speech`), between 0.75 s of silence, in 20 ms appends of
 24 kHz PCM at real-time pace, with OpenAI's default server VAD,
 ``--turns`` times. Measured per turn (issue 11, item 6):
@@ -24,8 +44,15 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
+import io
+import logging
+import re
+
+import jiwer
 import numpy as np
+import openai
 import soundfile
 import soxr
 import websockets
@@ -35,6 +62,14 @@ from django.core.management.base import BaseCommand, CommandError
 CHUNK_MS = 20
 RATE_HZ = 24000
 FIXTURES = Path(settings.BASE_DIR).parent / "shared" / "fixtures" / "speech"
+SAMPLES = Path(settings.BASE_DIR) / "samples"
+"""The speech files shipped with the checkout (the same LibriSpeech utterances as ``FIXTURES``)."""
+MODEL_RATE_HZ = 16000
+LEAD_SILENCE_S = 0.6
+TAIL_SILENCE_S = 1.2
+"""Silence around each utterance of the accuracy run: the tail lets the server VAD (500 ms) end the turn."""
+CONTRACTIONS = {"i'm": "i am", "it's": "it is", "don't": "do not", "can't": "cannot", "we're": "we are",
+                "you're": "you are", "that's": "that is", "he's": "he is", "she's": "she is"}
 
 
 def _speech(path: str | None) -> np.ndarray:
@@ -115,6 +150,167 @@ async def _session(url: str, model: str, speech: list[str], quiet: list[str], tu
         return out
 
 
+def wer(reference: str, hypothesis: str) -> float:
+    """Word error rate of ``hypothesis`` against ``reference`` (lower case, no punctuation, contractions
+    spelt out), a fraction (0.0 = every word right)."""
+    def norm(text: str) -> str:
+        text = re.sub(r"[^\w\s']", " ", text.replace("\u2019", "'").lower())
+        return " ".join(CONTRACTIONS.get(w, w) for w in text.split())
+    return jiwer.wer(norm(reference), norm(hypothesis))
+
+
+def _utterances() -> list[tuple[str, np.ndarray, str]]:
+    """``(name, float32 samples at 16 kHz, reference text)`` of every speech file with a ``.txt``
+    reference in ``SAMPLES`` and ``FIXTURES`` (a name found in both once), then all of them joined as
+    one utterance (:func:`_speech`)."""
+    found: dict[str, Path] = {}
+    for folder in (SAMPLES, FIXTURES):
+        for wav in sorted(folder.glob("*.wav")):
+            if wav.with_suffix(".txt").exists():
+                found.setdefault(wav.stem, wav)
+    if not found:
+        raise CommandError(f"no speech file with a reference .txt in {SAMPLES} or {FIXTURES}")
+    out = []
+    for name, wav in found.items():
+        samples, rate = soundfile.read(wav, dtype="float32", always_2d=True)
+        mono = samples.mean(axis=1)
+        if rate != MODEL_RATE_HZ:
+            mono = soxr.resample(mono, rate, MODEL_RATE_HZ)
+        out.append((name, mono.astype(np.float32), wav.with_suffix(".txt").read_text().strip()))
+    joined = np.concatenate([s if i == 0 else s[MODEL_RATE_HZ // 4:] for i, (_n, s, _t) in enumerate(out)])
+    out.append(("joined", joined, " ".join(text for _n, _s, text in out)))
+    return out
+
+
+def _wav(pcm: np.ndarray) -> bytes:
+    """16 kHz s16le ``pcm`` (int16) as a WAV file."""
+    buf = io.BytesIO()
+    soundfile.write(buf, pcm, MODEL_RATE_HZ, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+async def _sdk_turns(client: openai.AsyncOpenAI, model: str, samples: np.ndarray) -> dict:
+    """Stream ``samples`` (16 kHz float32), between silences, through the official SDK's realtime client at
+    real-time pace. Returns ``{"pcm": int16 array sent, "speech_end": monotonic s of the utterance's last
+    chunk, "turns": [{"item_id", "lo", "hi" (samples of the PCM sent), "transcript", "first_delta",
+    "committed", "completed" (monotonic s)}]}``.
+
+    Raises:
+        CommandError: an ``error`` or ``failed`` event, or a turn not completed within 120 s.
+    """
+    quiet = lambda s: np.zeros(int(s * MODEL_RATE_HZ), dtype=np.float32)  # noqa: E731
+    lead = quiet(LEAD_SILENCE_S)
+    pcm = (np.clip(np.concatenate([lead, samples, quiet(TAIL_SILENCE_S)]), -1, 1) * 32767).astype("<i2")
+    step = MODEL_RATE_HZ * CHUNK_MS // 1000
+    speech_chunks = (lead.size + samples.size + step - 1) // step
+    turns: dict[str, dict] = {}
+    order: list[str] = []
+    async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        session: Any = {"type": "transcription", "audio": {"input": {  # the SDK's TypedDicts, as JSON
+            "format": {"type": "audio/pcm", "rate": MODEL_RATE_HZ},
+            "transcription": {"model": model, "language": "en"}}}}
+        await conn.session.update(session=session)
+        speech_end = [0.0]
+
+        async def send() -> None:
+            clock = time.monotonic()
+            for index, lo in enumerate(range(0, pcm.size, step)):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[lo:lo + step].tobytes()).decode())
+                if index + 1 == speech_chunks:
+                    speech_end[0] = time.monotonic()
+                await asyncio.sleep(max(0.0, clock + (index + 1) * CHUNK_MS / 1000 - time.monotonic()))
+
+        received: asyncio.Queue = asyncio.Queue()
+
+        async def receive() -> None:
+            async for event in conn:
+                await received.put((time.monotonic(), event))
+
+        sender = asyncio.ensure_future(send())
+        reader = asyncio.ensure_future(receive())
+        try:
+            async with asyncio.timeout(pcm.size / MODEL_RATE_HZ + 120):
+                while True:
+                    # A turn may end before the last (silent) chunk is sent: poll both.
+                    if sender.done() and turns and all("completed" in t for t in turns.values()):
+                        break
+                    if reader.done():
+                        reader.result()
+                        raise CommandError("the server closed the session")
+                    try:
+                        now, event = await asyncio.wait_for(received.get(), 0.2)
+                    except TimeoutError:
+                        continue
+                    if event.type == "input_audio_buffer.speech_started":
+                        turns[event.item_id] = {"item_id": event.item_id, "lo": event.audio_start_ms * 16,
+                                                "first_delta": None}
+                        order.append(event.item_id)
+                    elif event.type == "input_audio_buffer.speech_stopped":
+                        turns[event.item_id]["hi"] = event.audio_end_ms * 16
+                    elif event.type == "input_audio_buffer.committed":
+                        turns[event.item_id]["committed"] = now
+                    elif event.type == "conversation.item.input_audio_transcription.delta":
+                        turn = turns[event.item_id]
+                        turn["first_delta"] = turn["first_delta"] or now
+                    elif event.type == "conversation.item.input_audio_transcription.completed":
+                        turns[event.item_id].update(transcript=event.transcript, completed=now)
+                    elif event.type in ("error", "conversation.item.input_audio_transcription.failed"):
+                        raise CommandError(f"session failed: {event}")
+        except TimeoutError:
+            raise CommandError("a turn was not completed within 120 s of the end of its audio") from None
+        finally:
+            sender.cancel()
+            reader.cancel()
+    return {"pcm": pcm, "speech_end": speech_end[0], "turns": [turns[i] for i in order]}
+
+
+async def _accuracy(base_url: str, model: str, rounds: int, write) -> None:
+    """The accuracy and latency run (module docstring), printed through ``write``."""
+    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0,
+                                timeout=120)
+    utterances = _utterances()
+    first_delta_s: list[float] = []
+    latency_s: list[float] = []
+    equal = turns_seen = no_delta = partial_first = 0
+    write(f"accuracy: {len(utterances)} utterances x {rounds} round(s), 16 kHz PCM in {CHUNK_MS} ms appends at "
+          "real-time pace, server VAD, official openai SDK")
+    for name, samples, reference in utterances:
+        whole = _wav((np.clip(samples, -1, 1) * 32767).astype("<i2"))
+        as_file = (await client.audio.transcriptions.create(model=model, file=("u.wav", whole), language="en")).text
+        for _round in range(rounds):
+            run = await _sdk_turns(client, model, samples)
+            texts = []
+            for turn in run["turns"]:
+                turns_seen += 1
+                texts.append(turn["transcript"])
+                turn_wav = _wav(run["pcm"][turn["lo"]:turn["hi"]])
+                turn_file = (await client.audio.transcriptions.create(model=model, file=("t.wav", turn_wav),
+                                                                      language="en")).text
+                equal += turn_file == turn["transcript"]
+                latency_s.append(turn["completed"] - run["speech_end"])
+            first = run["turns"][0]["first_delta"] if run["turns"] else None
+            if first is None:
+                no_delta += 1
+            else:
+                first_delta_s.append(first - run["speech_end"])
+                partial_first += first < run["turns"][0]["committed"]  # a partial, not the final decode's
+            completed = " ".join(texts)
+            write(f"  {name:45s} completed WER {wer(reference, completed):6.1%}  file WER "
+                  f"{wer(reference, as_file):6.1%}  turns {len(run['turns'])}  first delta "
+                  + (f"{(first - run['speech_end']) * 1000:+6.0f} ms" if first else "  none  ")
+                  + f"  end of speech -> completed {(latency_s[-1]) * 1000:5.0f} ms")
+    p50, p95 = np.percentile(latency_s, [50, 95]) if latency_s else (float("nan"), float("nan"))
+    write(f"completed == file route text of the turn's samples: {equal}/{turns_seen} turns")
+    if first_delta_s:
+        write(f"first delta relative to the end of the utterance's audio: median "
+              f"{statistics.median(first_delta_s) * 1000:+.0f} ms, {sum(d < 0 for d in first_delta_s)}/"
+              f"{len(first_delta_s) + no_delta} utterances before the end; {partial_first} had a partial delta "
+              "before their turn was committed (the others' first delta came with the final decode)")
+    else:
+        write(f"first delta: none before completed in {no_delta} utterances")
+    write(f"end of speech -> completed: p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms ({len(latency_s)} turns)")
+
+
 class Command(BaseCommand):
     help = "End-of-turn latency, time to first partial and sustained sessions of /v1/realtime (transcription)."
 
@@ -123,15 +319,24 @@ class Command(BaseCommand):
         parser.add_argument("--model", default="whisper-tiny.en")
         parser.add_argument("--file", default=None, help="a speech file (default: the fixtures as one utterance)")
         parser.add_argument("--turns", type=int, default=3, help="turns per session")
-        parser.add_argument("--max-sessions", type=int, default=6)
+        parser.add_argument("--max-sessions", type=int, default=6,
+                            help="sessions sustained: try up to this many at once (0: skip)")
+        parser.add_argument("--rounds", type=int, default=3,
+                            help="accuracy: times each utterance is streamed (0: skip)")
 
     def handle(self, *args, **opts):
+        for name in ("httpx", "httpx2", "openai"):  # the SDK's per-request INFO lines
+            logging.getLogger(name).setLevel(logging.WARNING)
         url = opts["url"].replace("http://", "ws://").replace("https://", "wss://").rstrip("/")
         url += "/v1/realtime?intent=transcription"
         speech = _chunks(_speech(opts["file"]))
         quiet = _chunks(np.zeros(16000 * 3 // 4, dtype=np.float32))
         model, turns = opts["model"], opts["turns"]
         asyncio.run(_session(url, model, speech, quiet, 1))  # warm: load, first decodes
+        if opts["rounds"] > 0:
+            asyncio.run(_accuracy(opts["url"], model, opts["rounds"], self.stdout.write))
+        if opts["max_sessions"] <= 0:
+            return
         self.stdout.write(f"model {model} at {opts['url']}; turn of {len(speech) * CHUNK_MS / 1000:.2f} s of speech "
                           f"between 0.75 s of silence, 24 kHz PCM in {CHUNK_MS} ms appends at real-time pace")
         baseline = None
