@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from inference import diarization, specs
-from inference.adapters.base import AudioRequest, InvalidInput
+from inference.adapters import basic_pitch
+from inference.adapters.base import AudioRequest, Cancelled, InvalidInput
 
 from .helpers import (MODEL_S, Stack, adapter_session, mclient, post, run, run_stack, until, wav_bytes,
                       without_timing)
@@ -221,6 +222,21 @@ def test_noise_with_pitch_bends_and_midi_gives_a_readable_midi_file(transcriber)
     wheels = [message.pitch for message in midi if message.type == "pitchwheel"]
     assert wheels and min(wheels) >= -8192 and max(wheels) <= 8191
     assert max(abs(w) for w in wheels) in (8191, 8192)
+
+
+def test_noise_at_the_lowest_thresholds_is_refused_past_the_note_limit_and_a_left_client_stops_the_run(
+        transcriber):
+    """Noise at thresholds 0.05 finds ~1,500 notes a second (60 s: 92,167 notes, 10.8 MB, +677 MB): past
+    MAX_NOTES the run stops with a 400 naming onset_threshold instead of running on; a run whose client
+    left (AudioRequest.cancelled) stops between notes."""
+    noise = np.random.default_rng(3).uniform(-1.0, 1.0, 20 * MUSIC_RATE).astype(np.float32)
+    options = {**specs.request_defaults("basic_pitch"), "onset_threshold": 0.05, "frame_threshold": 0.05,
+               "minimum_note_length_ms": 0}
+    with pytest.raises(basic_pitch.TooManyNotes) as refused:
+        transcriber.run(AudioRequest(noise, MUSIC_RATE, options))
+    assert refused.value.param == "onset_threshold" and str(basic_pitch.MAX_NOTES) in str(refused.value)
+    with pytest.raises(Cancelled):
+        transcriber.run(AudioRequest(noise[: 2 * MUSIC_RATE], MUSIC_RATE, options, cancelled=lambda: True))
 
 
 def test_pitch_bends_follow_a_glide(transcriber):

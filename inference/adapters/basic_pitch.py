@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,7 +54,7 @@ import onnxruntime as ort
 import pretty_midi
 import scipy.signal
 
-from .base import AudioRequest, InvalidInput, LoadContext, spec_capacity
+from .base import AudioRequest, Cancelled, InvalidInput, LoadContext, spec_capacity
 from .silero_vad import providers_for
 
 SAMPLE_RATE_HZ = 22050
@@ -151,10 +152,48 @@ def _clear(energy: np.ndarray, lo: int, hi: int, key: int) -> None:
     energy[lo:hi, max(0, key - 1): key + 2] = 0
 
 
+MAX_NOTES = 20_000
+"""Most notes one request may find (about 11 a second over a 30-minute piece; dense piano music stays well
+under it). Noise at the lowest thresholds finds about 1,500 a second: 60 s of it gave 92,167 notes, a
+10.8 MB answer and 677 MB of peak memory, and the melodia step's cost grows with notes x frames, so a
+request that passes this count is refused (400) instead of running on."""
+
+MAX_MELODIA_STEPS = 2 * MAX_NOTES
+"""Most steps of the melodia trick (step 4), each a scan of the whole activation array whether it finds a
+note or not: past it the request is refused like one with too many notes."""
+
+CANCEL_CHECK_NOTES = 256
+"""The note loops ask :attr:`AudioRequest.cancelled` once per this many notes (each ask may cost a Redis
+round trip): a request whose client left stops within that many notes."""
+
+
+class TooManyNotes(InvalidInput):
+    """The audio holds more than :data:`MAX_NOTES` notes at the request's thresholds."""
+
+    def __init__(self) -> None:
+        super().__init__(f"the audio holds more than {MAX_NOTES} notes at these thresholds (noise, or thresholds "
+                         "too low): raise onset_threshold or frame_threshold, or send shorter audio",
+                         param="onset_threshold")
+
+
+def _counted(notes: list, cancelled: Callable[[], bool]) -> None:
+    """Refuse a note list past :data:`MAX_NOTES` and stop a run nobody waits for (every
+    :data:`CANCEL_CHECK_NOTES` notes). Raises TooManyNotes or Cancelled."""
+    if len(notes) > MAX_NOTES:
+        raise TooManyNotes()
+    if len(notes) % CANCEL_CHECK_NOTES == 0 and cancelled():
+        raise Cancelled("the request's client left")
+
+
 def extract_notes(frames: np.ndarray, onsets: np.ndarray, *, onset_threshold: float, frame_threshold: float,
                   min_note_frames: int, infer_onsets: bool, melodia_trick: bool,
-                  key_range: tuple[int, int] = (0, N_KEYS)) -> list[tuple[int, int, int, float]]:
+                  key_range: tuple[int, int] = (0, N_KEYS),
+                  cancelled: Callable[[], bool] = lambda: False) -> list[tuple[int, int, int, float]]:
     """Note events from the activations (steps 1–4 of the module docstring).
+
+    Raises:
+        TooManyNotes: more than :data:`MAX_NOTES` notes (400: the work grows with them).
+        Cancelled: ``cancelled()`` said the client left.
 
     Args:
         frames, onsets: float32 ``(n_frames, 88)`` in [0, 1].
@@ -186,7 +225,14 @@ def extract_notes(frames: np.ndarray, onsets: np.ndarray, *, onset_threshold: fl
             continue
         _clear(energy, start, end, key)
         notes.append((start, end, key + LOWEST_MIDI, float(frames[start:end, key].mean())))
+        _counted(notes, cancelled)
+    steps = 0
     while melodia_trick and energy.max() > frame_threshold:
+        steps += 1  # each step scans the whole array: bounded like the notes, found or not
+        if steps > MAX_MELODIA_STEPS:
+            raise TooManyNotes()
+        if steps % CANCEL_CHECK_NOTES == 0 and cancelled():
+            raise Cancelled("the request's client left")
         flat = int(np.argmax(energy))
         middle, row = divmod(flat, energy.shape[1])
         energy[middle, row] = 0
@@ -205,6 +251,7 @@ def extract_notes(frames: np.ndarray, onsets: np.ndarray, *, onset_threshold: fl
         if last - first <= min_note_frames:
             continue
         notes.append((first, last, row + LOWEST_MIDI, float(frames[first:last, row].mean())))
+        _counted(notes, cancelled)
     return sorted(notes, key=lambda n: (n[0], n[2]))
 
 
@@ -274,7 +321,8 @@ class TranscriptionSession:
             "encoding": "base64", "data"}] (with midi)}``; notes sorted by start, then pitch.
 
         Raises:
-            InvalidInput: the frequency limits leave no key.
+            InvalidInput: the frequency limits leave no key; TooManyNotes (400) past :data:`MAX_NOTES`.
+            Cancelled: the client left (checked between notes).
         """
         opts = request.options
         key_range = _key_range(opts.get("minimum_frequency_hz"), opts.get("maximum_frequency_hz"))
@@ -286,7 +334,7 @@ class TranscriptionSession:
         events = extract_notes(grams["note"], grams["onset"], onset_threshold=float(opts["onset_threshold"]),
                                frame_threshold=float(opts["frame_threshold"]), min_note_frames=min_frames,
                                infer_onsets=bool(opts["infer_onsets"]), melodia_trick=bool(opts["melodia_trick"]),
-                               key_range=key_range)
+                               key_range=key_range, cancelled=request.cancelled)
         times = frame_times_s(grams["note"].shape[0] + 1)
         notes = []
         for start, end, pitch, amplitude in events:
