@@ -21,7 +21,7 @@ from .helpers import FIXTURES, REDIS_BASE, Stack, Utterance, load_speech, run_st
 # ``pytest -n 3 --dist loadfile`` (scripts/test.sh) each worker takes the next module when it is free,
 # and a long module begun last would leave the other workers idle at the end. A module missing here
 # only runs later; the order changes nothing else.
-LONGEST_FIRST = ("test_validation", "test_operations", "test_adversary_load_end", "test_streaming",
+LONGEST_FIRST = ("test_validation", "test_operations", "test_load_end_wakeups", "test_streaming",
                  "test_parallel", "test_speech", "test_management", "test_ui", "test_serve", "test_residency",
                  "test_validate_slots_cli", "test_scale", "test_http", "test_catalogue")
 

@@ -1,4 +1,4 @@
-"""Adversarial tests of two changes of 2026-12-02.
+"""How a load's end reaches its waiters, and serve's start-up loads.
 
 1. R7.4 / R4.2: a load's end reaches each waiter in its wake-up (``load:<token>`` LF the outcome) and
    is kept per caller token in ``<base>:loadend:<token>`` (``lua/lib.lua`` ``wake_load_waiters``,
@@ -8,7 +8,7 @@
 
 Real Redis, real listeners, real ``serve`` processes; nothing of the project is mocked. The GPU
 worker of a load is played, where needed, with exactly the calls its load task makes
-(``renew_load``, its liveness key, ``finish_load``, the reply key), as tests/test_adversary_load_race.py does.
+(``renew_load``, its liveness key, ``finish_load``, the reply key), as tests/test_single_flight_load_races.py does.
 
 Two tests failed against c88df37 (2026-12-02) and were fixed the same evening:
 - ``test_a_kept_end_expires_a_minute_after_its_own_end_not_after_the_last_one``: ``wake_load_waiters``

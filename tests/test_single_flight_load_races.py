@@ -1,4 +1,4 @@
-"""Adversarial tests of the single-flight load protocol around ``begin_load``'s ``woken`` answer.
+"""Races of the single-flight load protocol around ``begin_load``'s ``woken`` answer.
 
 ``begin_load.lua`` answers ``{'woken', <how that load ended>}`` when the caller passes
 ``replaces=<its previous wait's token>`` and that ``:loadwait`` entry is already gone; the end comes

@@ -1,4 +1,4 @@
-"""Adversarial tests of the WAV read on the event loop (commit 4df5faa: ``inference.audio.plain_pcm16_wav``,
+"""The WAV read on the event loop (``inference.audio.plain_pcm16_wav``,
 ``read_pcm16_as_is``; ``inference.runtime.decoding.read_as_is``/``samples_as_is``).
 
 The promise: a WAV that takes the as-is path gets the same header, the same int16 samples and the same

@@ -1,4 +1,4 @@
-"""Adversarial tests of the audio input of ``POST /v1/tasks/run`` (base64 JSON) and
+"""The edges of the audio input of ``POST /v1/tasks/run`` (base64 JSON) and
 ``POST /v1/audio/transcriptions`` (multipart), on a real ``serve --parallel-jobs`` stack.
 
 One stack: Silero VAD at 1 slot with a 500 ms busy timeout, Whisper tiny.en at 1 slot,
@@ -8,7 +8,7 @@ the probe a 503 ``decode_budget``). Every scenario ends with :func:`drained`: no
 left (``GET /v1/models`` and the lease/queue hashes in Redis), no input key, every run queue empty,
 then the budget probe is served.
 
-Findings of the adversary of 2026-12-02 evening (each failed on ``38a897a``; fixed since in
+Findings of an adversarial review (each once failed; fixed in
 ``inference/audio.py``):
 - ``test_a_streamed_flac_of_unknown_length_is_served_like_the_same_samples_as_wav``: a FLAC whose
   STREAMINFO gives no length (total samples 0, legal, what a streaming encoder writes, e.g. the

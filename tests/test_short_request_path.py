@@ -1,4 +1,4 @@
-"""Adversarial tests of the short request path (eager decode, run offered with its enqueue, inline samples,
+"""The short request path (eager decode, run offered with its enqueue, inline samples,
 int16 transport, EarlyProbe, leader/follower run popping) on a real ``serve --parallel-jobs`` stack.
 
 Fixture family (barriers, sleeps) at 1 and 3 slots, Silero VAD at 1 slot, a small decode budget so that a
