@@ -161,6 +161,25 @@ def test_voices_are_listed_and_presets_map_openai_names_to_joe(tts):
     assert default == same and as_object == same
 
 
+def test_the_sdk_speaks_through_openai_model_names_and_the_default_voices_are_listed(tts):
+    """``tts-1``, ``tts-1-hd`` and ``gpt-4o-mini-tts`` stand for the default speech model (the config's first
+    ``tts`` entry, ``piper``): the SDK's call with one of them and a seed is byte for byte the call naming
+    ``piper``; ``GET /v1/audio/voices`` without a model lists that model's voices."""
+    client = openai_client(tts)
+    own = client.audio.speech.create(model="piper", voice="alloy", input=SENTENCES[1], response_format="pcm",
+                                     extra_body={"seed": 5}).content
+    for alias in ("tts-1", "tts-1-hd", "gpt-4o-mini-tts"):
+        spoken = client.audio.speech.create(model=alias, voice="alloy", input=SENTENCES[1], response_format="pcm",
+                                            extra_body={"seed": 5}).content
+        assert spoken == own, alias
+    with tts.client() as http:
+        default = http.get("/v1/audio/voices").json()
+        named = http.get("/v1/audio/voices", params={"model": "piper"}).json()
+        via_alias = http.get("/v1/audio/voices", params={"model": "tts-1"}).json()
+    assert default["model"] == "piper" and default == named == via_alias
+    assert {"alloy", "nova"} <= {v["id"] for v in default["voices"]}
+
+
 def test_tasks_run_synthesises_text_for_a_tts_model(tts):
     with tts.client() as client:
         answer = client.post("/v1/tasks/run", json={"model": "piper",
