@@ -386,6 +386,7 @@ class DrainingServer(Server):
         if self._drain_signals:
             reactor.callWhenRunning(self._install_signal_handlers)
         reactor.callWhenRunning(heartbeat.start)  # serve's liveness check of this loop (audiosite.heartbeat)
+        reactor.callWhenRunning(metrics.process_publish_start)  # this process's CPU and memory for /metrics
         super().run()
 
     def _install_signal_handlers(self) -> None:

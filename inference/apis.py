@@ -32,6 +32,7 @@ from audiosite.errors import ApplicationError, InvalidRequest, NotFound, Payload
 from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
 from audiosite.validation import check_length, validated
 from inference import audio, services, specs, voices
+from inference.runtime import metrics
 from inference.runtime.context import AsyncContext, async_context
 from inference.scheduler import AdmissionProbe
 
@@ -291,6 +292,7 @@ class TranscriptionApi(APIView):
             response["Cache-Control"] = "no-cache"
             return response
         outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, probe)
+        metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
         result = outcome.result
         timing = _timing(started, outcome)
         if response_format == "text":
@@ -344,6 +346,8 @@ class TranscriptionDetailsApi(APIView):
         raw = _read_local(source, param) if isinstance(source, str) else source.read()
         outcome = await services.transcribe_with_speakers(ctx, meta, pipeline, services.AudioInput(raw, param),
                                                           options, timeout_ms)
+        metrics.record_soon(*(metrics.audio(m["id"], m["task"], outcome.audio_ms / 1000)
+                              for m in (meta, pipeline) if m))  # the pipeline processed the same audio
         return Response({"model": meta["id"], "diarization_model": pipeline["id"] if pipeline else None,
                          **outcome.result, "timing": _timing(started, outcome)})
 
@@ -380,6 +384,7 @@ class TaskRunApi(APIView):
             outcome = await services.diarize(ctx, meta, audio_input, options, timeout_ms)
         else:
             outcome = await services.run(ctx, meta, audio_input, options, timeout_ms, probe)
+        metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)
 
@@ -414,7 +419,7 @@ async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text:
     short; the worker stops after its current sentence either way."""
     try:
         encoder = audio.SpeechEncoder(fmt, stream.sample_rate_hz)
-        async for pcm in DRAIN.until_expired(stream.pcm()):
+        async for pcm in DRAIN.until_expired(_speech_pcm(stream)):
             chunk = encoder.encode(pcm)
             if chunk:
                 yield _sse_delta(chunk) if sse else chunk
@@ -449,13 +454,26 @@ async def _speech_file(stream: services.SpeechStream, fmt: str) -> bytes:
     """
     try:
         encoder = audio.SpeechEncoder(fmt, stream.sample_rate_hz, whole=True)
-        async for pcm in DRAIN.until_expired(stream.pcm()):
+        async for pcm in DRAIN.until_expired(_speech_pcm(stream)):
             encoder.encode(pcm)
         return encoder.finish()
     except DrainExpired:
         raise refusal("this speech") from None
     finally:
         await stream.aclose()
+
+
+async def _speech_pcm(stream: services.SpeechStream):
+    """``stream.pcm()`` (s16le mono blocks), adding the seconds it synthesised to
+    ``audiosite_audio_seconds_total`` once it ends, also when it is cut short (a drain, a client gone)."""
+    samples = 0
+    try:
+        async for pcm in stream.pcm():
+            samples += len(pcm) // 2
+            yield pcm
+    finally:
+        if samples:
+            metrics.record_soon(metrics.audio(stream.model_id, "tts", samples / stream.sample_rate_hz))
 
 
 def sse_event(event: dict) -> bytes:
@@ -471,6 +489,7 @@ async def _transcription_events(stream: services.TranscriptionStream):
         async for delta in DRAIN.until_expired(stream.deltas()):
             yield sse_event({"type": "transcript.text.delta", "delta": delta})
         final = stream.final or {}
+        metrics.record_soon(metrics.audio(stream.model_id, "asr", stream.audio_ms / 1000))
         yield sse_event({"type": "transcript.text.done", "text": final.get("text", ""),
                          "usage": {"type": "duration", "seconds": round(stream.audio_ms / 1000, 3)}})
     except (ApplicationError, DrainExpired) as exc:
@@ -588,7 +607,7 @@ async def _task_speech(meta: dict, ctx: AsyncContext, data: dict, started: float
     stream = await services.speech_open(ctx, meta, req["text"], options, data["busy_timeout_ms"])
     parts = []
     try:
-        async for pcm in stream.pcm():
+        async for pcm in _speech_pcm(stream):
             parts.append(pcm)
         final = stream.final or {}
     finally:

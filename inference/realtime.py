@@ -75,7 +75,7 @@ from audiosite.serverconfig import LiveIngest
 from audiosite.validation import b64decode_strict
 from inference import services, specs
 from inference.adapters import silero_vad
-from inference.runtime import leases, published
+from inference.runtime import leases, metrics, published
 from inference.runtime.context import AsyncContext
 from inference.scheduler import effective_timeout_ms
 
@@ -255,6 +255,7 @@ class Turn:
         self.pausing = False  # server VAD hears silence now: the turn may be about to end
         self.task: asyncio.Task | None = None
         self.ended = False  # its completed (or failed) event is out: nothing more is sent for it
+        self.model = ""  # the registered model transcribing it, once known (its /metrics label)
 
 
 _VAD_SHARED: list[silero_vad.Shared] = []
@@ -742,12 +743,15 @@ class LiveSession:
                 "input_audio_noise_reduction": None, "include": []}
 
     # -- one turn --------------------------------------------------------------------------------
-    async def _final(self, turn: Turn, event: dict) -> None:
-        """Send the turn's last event (``completed`` or ``failed``), once: a turn a drain failed at its
-        deadline sends nothing after that."""
+    async def _final(self, turn: Turn, event: dict, error: ApplicationError | None = None) -> None:
+        """Send the turn's last event (``completed``, or ``failed`` with ``error``), once: a turn a drain
+        failed at its deadline sends nothing after that. The turn counts as one request in /metrics."""
         if turn.ended:
             return
         turn.ended = True
+        seconds = turn.audio.size / MODEL_RATE_HZ if error is None and turn.audio is not None else 0.0
+        metrics.record_soon(*metrics.realtime_turn(turn.model, error.status if error else 200,
+                                                   error.code if error else None, seconds))
         await self.emit(event)
 
     async def _failed(self, turn: Turn, exc: ApplicationError) -> None:
@@ -755,7 +759,7 @@ class LiveSession:
         await self._final(turn, {"type": "conversation.item.input_audio_transcription.failed",
                                  "item_id": turn.item_id, "content_index": 0,
                                  "error": {"type": body["type"], "code": body["code"], "message": body["message"],
-                                           "param": body["param"]}})
+                                           "param": body["param"]}}, exc)
 
     async def _delta(self, turn: Turn, text: str) -> None:
         if turn.ended:
@@ -772,6 +776,7 @@ class LiveSession:
             return
         try:
             meta = await services.model_for_request(self.ctx, settings.model, None)
+            turn.model = meta["id"]
             if meta["task"] != "asr":
                 raise InvalidRequest(f"model {settings.model!r} no longer serves transcription", param="model")
             timeout_ms = effective_timeout_ms(None, published.ceiling_ms(meta))
@@ -833,6 +838,7 @@ class LiveSession:
                 t0 = time.monotonic()
                 result = await services.decode_held(self.ctx, settings.model or "", lease, audio, MODEL_RATE_HZ,
                                                     {**options, "beam_size": 1}, timeout_ms)
+                metrics.record_soon(metrics.realtime_partial(turn.model))
                 log.debug("partial decode of %d ms of audio took %.0f ms: %r", length * 1000 // MODEL_RATE_HZ,
                           (time.monotonic() - t0) * 1000, result["text"])
                 current = result["text"].split()

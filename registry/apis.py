@@ -33,6 +33,14 @@ from .serializers import (ManagementBodySerializer, ModelLoadInputSerializer, Mo
 _backend: str | None = None
 
 
+async def _backend_name() -> str:
+    """The inference backend this process resolved (``inference.backend.resolve_backend``), probed once."""
+    global _backend
+    if _backend is None:  # probing may load onnxruntime: once, off the event loop
+        _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
+    return _backend
+
+
 class HealthApi(APIView):
     """``GET /health``: ``{"status", "runtime", "backend", "models", "workers", "ui", "ui_management"}``.
 
@@ -48,10 +56,7 @@ class HealthApi(APIView):
     async def get(self, request):
         ctx = await async_context()
         census = await deployment_census(ctx)
-        global _backend
-        if _backend is None:  # probing may load onnxruntime: once, off the event loop
-            _backend = await asyncio.to_thread(resolve_backend, get_config().backend)
-        backend = _backend
+        backend = await _backend_name()
         status = "draining" if DRAIN.draining else "degraded" if census.live_workers == 0 else "ok"
         return Response({"status": status, "runtime": get_config().runtime,
                          "backend": backend, "models": census.models, "workers": census.live_workers,
@@ -70,12 +75,14 @@ class AnyAccept(BaseContentNegotiation):
 
 
 class MetricsApi(APIView):
-    """``GET /metrics``: Prometheus text (``inference.runtime.metrics``; names in API.md "Metrics").
+    """``GET /metrics``: Prometheus text (``inference.runtime.metrics``; names in docs/operations.md "Metrics").
 
     Per-model gauges from one atomic scheduler snapshot, the deployment's
-    counters and histograms (kept in Redis by every web and worker process),
+    counters and histograms (kept in Redis by every web and worker process;
+    every registered model's series from the first scrape, at 0), the CPU and
+    memory each live web process and worker published, ``audiosite_build_info``
     and ``audiosite_draining`` of this process. Open like ``/health``; read
-    also while draining. Two Redis round trips plus the registry read.
+    also while draining. Four Redis round trips plus the registry read.
     """
 
     content_negotiation_class = AnyAccept
@@ -84,7 +91,11 @@ class MetricsApi(APIView):
         ctx = await async_context()
         gauges = await model_gauges(ctx)
         stored = await metrics.read_stored(ctx.redis)
-        return HttpResponse(metrics.exposition(gauges, stored, DRAIN.draining), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+        processes = await metrics.read_processes(ctx.redis)
+        build = metrics.BuildInfo(await asyncio.to_thread(metrics.version), get_config().runtime,
+                                  await _backend_name())
+        return HttpResponse(metrics.exposition(gauges, stored, DRAIN.draining, processes, build),
+                            content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 
 # -- management routes (gated: ui_management on AND registry.manage_models) ---------------------------

@@ -20,7 +20,7 @@ from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, 
 from audiosite.serverconfig import get_config, slot_count
 from inference import services as inference_services
 from inference.backend import resolve_backend
-from inference.runtime import leases
+from inference.runtime import leases, metrics
 from inference.runtime.context import AsyncContext
 from inference.runtime.published import ceiling_ms, is_lazy
 from inference.scheduler import Lease, ModelState
@@ -205,6 +205,7 @@ async def model_unregister(ctx: AsyncContext, model_id: str, actor: str) -> dict
         await inference_services.model_teardown(ctx, lease, f"unregister by {actor}")
         await ctx.scheduler.unregister(model_id, lease.lease_id)
         await sync_to_async(services.registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
+        await metrics.forget_model(ctx.redis, model_id)  # its /metrics series go with it
         return {"id": model_id, "deleted": True}
 
     return await leases.run_as_manager(ctx, model_id, ceiling_ms(meta), transition)

@@ -231,7 +231,8 @@ async def model_gauges(ctx: AsyncContext) -> list[ModelGauges]:
     metas = await model_meta_all(ctx)
     snapshot = await ctx.scheduler.snapshot(list(metas))
     return [ModelGauges(mid, int(snapshot[mid]["queued"]), int(snapshot[mid]["active_leases"]),
-                        int(meta.get("slots") or 1), snapshot[mid]["state"] == ModelState.READY)
+                        int(meta.get("slots") or 1), snapshot[mid]["state"] == ModelState.READY,
+                        str(meta.get("task") or ""))
             for mid, meta in metas.items()]
 
 

@@ -8,7 +8,9 @@ deterministically at fixture barriers (``inference/adapters/fixture_barrier.py``
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import platform
 import shutil
 import signal
 import subprocess
@@ -23,8 +25,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, mclient, need_program, post, run, run_cluster,
-                      run_stack, until, wav_bytes, within)
+from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, mclient, need_program, openai_client, post, run,
+                      run_cluster, run_stack, until, wav_bytes, within)
 
 pytestmark = pytest.mark.stack
 
@@ -161,6 +163,194 @@ def test_metrics_count_known_traffic_exactly_and_gauges_equal_v1_models(mstack):
     assert value(after, "audiosite_queued_requests", model="m") == 0
     assert value(after, "audiosite_active_slots", model="m") == 0
     assert value(after, "audiosite_model_loaded", model="idle") == 0
+
+
+# -- series from the first scrape, processes, build, unregistration -------------------------------
+FIRST_MODELS = [{"id": "fx", "family": "fixture", "slots": 1, "lazy": True},
+                {"id": "gone", "family": "fixture", "slots": 1, "lazy": True},
+                {"id": "asr", "family": "whisper", "task": "asr", "lazy": True}]
+ZERO_COUNTERS = (
+    [("audiosite_requests_total", {"outcome": o}) for o in ("ok", "client_error", "rejected", "error")]
+    + [("audiosite_rejections_total", {"code": c}) for c in ("queue_timeout", "overdue", "shutting_down",
+                                                              "worker_lost", "no_worker", "load_failed")]
+    + [("audiosite_model_loads_total", {"outcome": o}) for o in ("ok", "failed")]
+    + [("audiosite_evictions_total", {})]
+    + [(f"{h}_{part}", {}) for h in HISTOGRAMS for part in ("count", "sum")]
+    + [(f"{h}_bucket", {"le": "+Inf"}) for h in HISTOGRAMS])
+MB = 1024 * 1024
+
+
+def series_of(samples: dict[Sample, float], model: str) -> list[Sample]:
+    return [key for key in samples if ("model", model) in key[1]]
+
+
+def exposed(samples: dict[Sample, float], name: str, **labels: str) -> float | None:
+    """A sample's value, None when the series is not exposed at all."""
+    return samples.get((name, frozenset(labels.items())))
+
+
+def test_the_first_scrape_has_every_model_at_zero_each_process_and_the_build_and_unregistering_drops_a_model(
+        tmp_path):
+    """From the first scrape after start, every registered model has its series at 0 (requests by
+    outcome, rejections by code, loads, evictions, audio seconds with its task, histograms; realtime
+    partial decodes for the ASR model only), so ``rate()`` sees the first event; each live web process
+    and worker has its CPU seconds and resident memory; ``audiosite_build_info`` names the version,
+    python, runtime and backend. Requests add their inputs' durations to ``audio_seconds_total``.
+    ``DELETE /v1/models/{id}`` removes that model's series from the exposition and its fields from
+    Redis. ``promtool check metrics`` accepts every scrape."""
+    stacks = run_stack(tmp_path, FIRST_MODELS, redis_db=8, name="mfirst", parallel=True, extra_env=FIXTURE_ENV,
+                       extra_config={"ui_management": True})
+    stack = next(stacks)
+    try:
+        text, first, types = scrape(stack.url)
+        promtool_check(text)
+        for model_id in ("fx", "gone", "asr"):
+            for name, labels in ZERO_COUNTERS:
+                assert exposed(first, name, model=model_id, **labels) == 0, (model_id, name, labels)
+        for model_id, task in (("fx", "fixture"), ("gone", "fixture"), ("asr", "asr")):
+            assert exposed(first, "audiosite_audio_seconds_total", model=model_id, task=task) == 0, model_id
+        assert exposed(first, "audiosite_realtime_partial_decodes_total", model="asr") == 0
+        assert exposed(first, "audiosite_realtime_partial_decodes_total", model="fx") is None
+        assert types["audiosite_audio_seconds"] == types["audiosite_realtime_partial_decodes"] == "counter"
+
+        builds = [dict(labels) for (name, labels), v in first.items() if name == "audiosite_build_info" and v == 1]
+        health = httpx.get(stack.url + "/health", timeout=QUICK_S).json()
+        assert len(builds) == 1, builds
+        assert builds[0]["python"] == platform.python_version()
+        assert (builds[0]["runtime"], builds[0]["backend"]) == (health["runtime"], health["backend"])
+        assert builds[0]["version"] and builds[0]["version"] != "unknown", builds  # git describe of the checkout
+
+        def processes(samples) -> dict[str, dict[str, float]]:
+            found: dict[str, dict[str, float]] = {}
+            for (name, labels), v in samples.items():
+                if name in ("audiosite_process_cpu_seconds_total", "audiosite_process_resident_memory_bytes"):
+                    found.setdefault(dict(labels)["role"], {})[name] = v
+            return found
+
+        text, now = scrape_when(stack.url, lambda samples: {"web", "worker"} <= set(processes(samples)))
+        promtool_check(text)
+        assert types["audiosite_process_cpu_seconds"] == "counter"
+        assert types["audiosite_process_resident_memory_bytes"] == "gauge"
+        web_pids = {p.pid for p in psutil.Process(stack.proc.pid).children(recursive=True)}
+        instances = {dict(labels)["instance"] for (name, labels) in now if name.startswith("audiosite_process_")}
+        assert all(int(i.rsplit(":", 1)[1]) in web_pids for i in instances), (instances, web_pids)
+        for role, values in processes(now).items():
+            assert values["audiosite_process_resident_memory_bytes"] > 10 * MB, (role, values)
+            assert values["audiosite_process_cpu_seconds_total"] > 0, (role, values)
+
+        async def traffic():
+            async with mclient(stack, None) as c:
+                for model_id, n in (("fx", 3), ("gone", 1)):
+                    for _ in range(n):
+                        resp, _, _ = await post(c, model_id)  # TINY: 0.1 s of audio
+                        assert resp.status_code == 200, resp.text
+
+        run(traffic())
+        _, after = scrape_when(stack.url, lambda samples: (
+            value(samples, "audiosite_requests_total", model="fx", outcome="ok"),
+            value(samples, "audiosite_requests_total", model="gone", outcome="ok")) == (3, 1))
+        assert value(after, "audiosite_audio_seconds_total", model="fx", task="fixture") == pytest.approx(0.3, abs=1e-6)
+        assert value(after, "audiosite_audio_seconds_total", model="gone", task="fixture") == pytest.approx(0.1,
+                                                                                                            abs=1e-6)
+        stored = [f for key in stack.redis.keys("as:metric:*") if stack.redis.type(key) == "hash"
+                  for f in stack.redis.hkeys(key)]
+        assert any(f.startswith('["gone"') for f in stored), stored
+
+        token = stack.manage("issue_token", "operator").stdout.strip()
+        with stack.client(headers={"Authorization": f"Token {token}"}) as c:
+            resp = c.delete("/v1/models/gone")
+            assert resp.status_code == 200, resp.text
+        text, gone = scrape(stack.url)[:2]
+        promtool_check(text)
+        assert series_of(gone, "gone") == [], series_of(gone, "gone")
+        assert series_of(gone, "fx") and value(gone, "audiosite_requests_total", model="fx", outcome="ok") == 3
+        stored = [f for key in stack.redis.keys("as:metric:*") if stack.redis.type(key) == "hash"
+                  for f in stack.redis.hkeys(key)]
+        assert not any(f.startswith('["gone"') for f in stored), stored
+    finally:
+        next(stacks, None)
+
+
+# -- audio seconds and realtime turns on real models ---------------------------------------------
+AUDIO_MODELS = [{"id": "whisper", "family": "whisper", "task": "asr", "slots": 1},
+                {"id": "tts", "family": "piper", "task": "tts", "slots": 1}]
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+
+
+def test_audio_seconds_count_inputs_and_speech_and_a_realtime_turn_is_one_request(tmp_path, speech):
+    """``audiosite_audio_seconds_total{model,task}`` adds a transcription's input duration (official SDK,
+    a speech fixture), a ``/v1/tasks/run`` synthesis's duration and the seconds of PCM a streamed
+    ``/v1/audio/speech`` sent (official SDK). A sentence spoken through the official SDK's realtime
+    client at real-time pace (server VAD): each completed turn counts as one ``requests_total{outcome="ok"}``
+    of its model, its partial decodes in ``realtime_partial_decodes_total`` (not as requests), and
+    its audio seconds (the ``usage.seconds`` of its ``completed`` event)."""
+    stacks = run_stack(tmp_path, AUDIO_MODELS, redis_db=8, name="maudio", parallel=True)
+    stack = next(stacks)
+    try:
+        _, before, _ = scrape(stack.url)
+        client = openai_client(stack)
+        utt = speech[0]
+        client.audio.transcriptions.create(model="whisper", file=("a.wav", utt.wav), language="en")
+        asr_s = len(utt.samples) / utt.rate
+        _, now = scrape_when(stack.url, lambda samples: value(samples, "audiosite_audio_seconds_total",
+                                                              model="whisper", task="asr") > 0)
+        assert value(now, "audiosite_audio_seconds_total", model="whisper", task="asr") == pytest.approx(asr_s,
+                                                                                                         abs=1e-3)
+
+        with stack.client() as c:
+            resp = c.post("/v1/tasks/run", json={"model": "tts", "request": {"text": "Metrics count seconds."}})
+            assert resp.status_code == 200, resp.text
+            task_s = resp.json()["duration"]
+        raw = client.audio.speech.with_raw_response.create(model="tts", voice="joe", input="And this too.",
+                                                           response_format="pcm")
+        speech_s = len(raw.content) / 2 / int(raw.headers["x-sample-rate"])
+        _, now = scrape_when(stack.url, lambda samples: value(samples, "audiosite_requests_total", model="tts",
+                                                              outcome="ok") == 2)
+        assert task_s > 0.5 and speech_s > 0.5
+        # the PCM response is resampled from the voice's 22.05 kHz: its length agrees to a few samples
+        assert value(now, "audiosite_audio_seconds_total", model="tts", task="tts") == pytest.approx(
+            task_s + speech_s, abs=2e-3)
+        promtool_check(scrape(stack.url)[0])
+
+        _, before, _ = scrape(stack.url)
+        spoken = np.concatenate([np.zeros(8000, np.float32), utt.samples, np.zeros(24000, np.float32)])
+        pcm = (np.clip(spoken, -1, 1) * 32767).astype("<i2").tobytes()
+        step = 16000 * 20 // 1000 * 2  # 20 ms of 16 kHz s16le
+        turns: list[float] = []
+        with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            assert conn.recv().type == "session.created"
+            conn.session.update(session={"type": "transcription", "audio": {"input": {  # OpenAI's server VAD
+                "format": {"type": "audio/pcm", "rate": 16000},
+                "transcription": {"model": "whisper", "language": "en"}}}})
+            assert conn.recv().type == "session.updated"
+            started = time.monotonic()
+            for index in range(0, len(pcm), step):  # real-time pace: the open turn gets partial decodes
+                conn.input_audio_buffer.append(audio=base64.b64encode(pcm[index:index + step]).decode())
+                time.sleep(max(0.0, started + (index // step + 1) * 0.02 - time.monotonic()))
+            opened = 0
+            for event in conn:
+                opened += event.type == "input_audio_buffer.speech_started"
+                assert event.type != "conversation.item.input_audio_transcription.failed", event
+                if event.type == COMPLETED:
+                    turns.append(event.usage.seconds)
+                    if len(turns) == opened:
+                        break
+        assert turns and len(utt.samples) / utt.rate <= sum(turns) <= len(spoken) / 16000, turns
+
+        def moved(samples, name: str, **labels: str) -> float:
+            return value(samples, name, **labels) - value(before, name, **labels)
+
+        text, after = scrape_when(stack.url, lambda samples: moved(samples, "audiosite_requests_total",
+                                                                   model="whisper", outcome="ok") >= len(turns))
+        promtool_check(text)
+        assert moved(after, "audiosite_requests_total", model="whisper", outcome="ok") == len(turns)  # usually 1
+        assert moved(after, "audiosite_realtime_partial_decodes_total", model="whisper") >= 1
+        assert moved(after, "audiosite_audio_seconds_total", model="whisper", task="asr") == pytest.approx(
+            sum(turns), abs=1e-3 * len(turns))
+        for outcome in ("client_error", "rejected", "error"):
+            assert moved(after, "audiosite_requests_total", model="whisper", outcome=outcome) == 0
+    finally:
+        next(stacks, None)
 
 
 # -- metrics summed over two web processes (and the worker) -------------------------------------

@@ -22,6 +22,18 @@ their own (:func:`record_soon`), workers after the reply is sent; a Redis
 error is logged and the event lost.
 Gauges are not stored: the ``/metrics`` view reads them from one atomic
 scheduler snapshot (``snapshot.lua``) when it is scraped.
+
+Every registered model's series are exposed from the first scrape, at 0 for
+the label values known in advance (:attr:`Stored.known`), so ``rate()`` and
+``increase()`` see a model's first event; the series of a model that is no
+longer registered are not exposed, and its fields are deleted when it is
+unregistered (:func:`forget_model`).
+
+Process CPU and memory: each web process and worker publishes its own
+(``prometheus_client``'s ``ProcessCollector`` reads ``/proc/self``) in a key
+with a TTL (:func:`process_publish`), so a dead process's series disappear
+once its key expires; ``/metrics`` shows every live process of the
+deployment (:func:`read_processes`).
 """
 from __future__ import annotations
 
@@ -29,14 +41,19 @@ import asyncio
 import bisect
 import json
 import logging
+import os
+import platform
+import socket
+import subprocess
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field as dataclass_field
+from pathlib import Path
 from enum import StrEnum
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .context import KEYS, async_context
@@ -56,26 +73,52 @@ class Kind(StrEnum):
     HISTOGRAM = "histogram"
 
 
+def _model_only(model_id: str, task: str) -> list[tuple[str, ...]]:
+    return [(model_id,)]
+
+
 @dataclass(frozen=True)
 class Stored:
-    """One stored metric: ``name`` without the ``audiosite_`` prefix (and, for a counter, with its ``_total``)."""
+    """One stored metric: ``name`` without the ``audiosite_`` prefix (and, for a counter, with its ``_total``).
+
+    ``labels`` always start with ``model``. ``known(model_id, task)`` gives the label values a
+    registered model's series are exposed with, at 0, before any event (:func:`exposition`)."""
 
     name: str
     kind: Kind
     labels: tuple[str, ...]
     help: str
+    known: Callable[[str, str], list[tuple[str, ...]]] = dataclass_field(default=_model_only)
 
+
+OUTCOMES = ("ok", "client_error", "rejected", "error")
+"""The ``outcome`` values of ``audiosite_requests_total`` (``audiosite.apiview.request_outcome``)."""
+REJECTION_CODES = ("queue_timeout", "overdue", "shutting_down", "worker_lost", "no_worker", "load_failed",
+                   "residency_full", "decode_budget", "insufficient_memory")
+"""The 503 codes a registered model's ``audiosite_rejections_total`` series start at 0 with (the codes of
+``audiosite.errors.ServerBusy`` raised for requests; another code appears at its first event)."""
 
 REQUESTS = Stored("requests_total", Kind.COUNTER, ("model", "outcome"),
                   "Inference requests answered, by outcome: ok (2xx), client_error (4xx), rejected (503), "
-                  "error (other 5xx). model is empty when the request named no registered model.")
+                  "error (other 5xx); a realtime transcription turn counts as one request. model is empty when "
+                  "the request named no registered model.",
+                  lambda model_id, task: [(model_id, outcome) for outcome in OUTCOMES])
 REJECTIONS = Stored("rejections_total", Kind.COUNTER, ("model", "code"),
                     "Inference requests answered 503, by error code (queue_timeout, overdue, shutting_down, "
-                    "worker_lost, no_worker, load_failed, residency_full, decode_budget, insufficient_memory, ...).")
+                    "worker_lost, no_worker, load_failed, residency_full, decode_budget, insufficient_memory, ...).",
+                    lambda model_id, task: [(model_id, code) for code in REJECTION_CODES])
 MODEL_LOADS = Stored("model_loads_total", Kind.COUNTER, ("model", "outcome"),
-                     "Model loads finished by a worker, by outcome (ok, failed).")
+                     "Model loads finished by a worker, by outcome (ok, failed).",
+                     lambda model_id, task: [(model_id, "ok"), (model_id, "failed")])
 EVICTIONS = Stored("evictions_total", Kind.COUNTER, ("model",),
                    "Models unloaded to make room under max_loaded_models (least recently used first).")
+AUDIO_SECONDS = Stored("audio_seconds_total", Kind.COUNTER, ("model", "task"),
+                       "Seconds of audio processed: the decoded input of answered requests (asr, vad, embedding, "
+                       "diarization, music) and of completed realtime turns; for tts the speech synthesised.",
+                       lambda model_id, task: [(model_id, task)])
+REALTIME_PARTIALS = Stored("realtime_partial_decodes_total", Kind.COUNTER, ("model",),
+                           "Partial decodes of open realtime transcription turns (their deltas; not requests).",
+                           lambda model_id, task: [(model_id,)] if task == "asr" else [])
 QUEUE_WAIT = Stored("queue_wait_seconds", Kind.HISTOGRAM, ("model",),
                     "Time a granted inference request waited for its slot (enqueue to grant).")
 INFERENCE = Stored("inference_seconds", Kind.HISTOGRAM, ("model",),
@@ -83,7 +126,8 @@ INFERENCE = Stored("inference_seconds", Kind.HISTOGRAM, ("model",),
 MODEL_LOAD = Stored("model_load_seconds", Kind.HISTOGRAM, ("model",),
                     "Time a worker spent loading a model (successful and failed loads).")
 
-STORED = (REQUESTS, REJECTIONS, MODEL_LOADS, EVICTIONS, QUEUE_WAIT, INFERENCE, MODEL_LOAD)
+STORED = (REQUESTS, REJECTIONS, MODEL_LOADS, EVICTIONS, AUDIO_SECONDS, REALTIME_PARTIALS, QUEUE_WAIT, INFERENCE,
+          MODEL_LOAD)
 
 
 def _field(labels: Iterable[str]) -> str:
@@ -104,7 +148,10 @@ def _increments(events: Iterable[Event]) -> tuple[dict[tuple[str, str], int], di
         assert len(labels) == len(metric.labels), (metric.name, labels)
         key, field = KEYS.metric(metric.name), _field(labels)
         if metric.kind is Kind.COUNTER:
-            ints[key, field] = ints.get((key, field), 0) + 1
+            if value is None:
+                ints[key, field] = ints.get((key, field), 0) + 1
+            else:  # an amount (audio seconds): always HINCRBYFLOAT on that field
+                floats[key, field] = floats.get((key, field), 0.0) + max(0.0, float(value))
             continue
         assert value is not None
         seconds = max(0.0, float(value))
@@ -123,12 +170,38 @@ def _queue(pipe: Any, events: Iterable[Event]) -> None:
 
 
 Event = tuple[Stored, tuple[str, ...], float | None]
-"""One event: ``(metric, label values, seconds)``; seconds only for a histogram (None for a counter)."""
+"""One event: ``(metric, label values, value)``: seconds for a histogram; for a counter None (add 1) or the
+amount to add (:func:`audio`)."""
 
 
 def count(metric: Stored, *labels: str) -> Event:
     """A counter increment by 1, to pass to :func:`record` / :func:`record_sync`."""
     return metric, tuple(labels), None
+
+
+def audio(model_id: str, task: str, seconds: float) -> Event:
+    """``seconds`` of audio processed by ``model_id`` (of ``task``) added to ``audiosite_audio_seconds_total``."""
+    return AUDIO_SECONDS, (model_id, task), seconds
+
+
+def realtime_turn(model_id: str, status: int, code: str | None = None, seconds: float = 0.0) -> tuple[Event, ...]:
+    """The events of a realtime transcription turn that ended, counted as one request of ``model_id``:
+    ``requests_total`` with the outcome of HTTP ``status`` (200 for a ``completed`` turn, the error's
+    status for a ``failed`` one, as ``audiosite.apiview.request_outcome``), ``rejections_total`` with
+    ``code`` for a 503, and ``seconds`` of audio (the turn's, when it was transcribed). ``model_id`` is ""
+    when the turn named no registered model."""
+    outcome = "ok" if status < 400 else "client_error" if status < 500 else "rejected" if status == 503 else "error"
+    events = [count(REQUESTS, model_id, outcome)]
+    if status == 503:
+        events.append(count(REJECTIONS, model_id, code or "unknown"))
+    if seconds > 0:
+        events.append(audio(model_id, "asr", seconds))
+    return tuple(events)
+
+
+def realtime_partial(model_id: str) -> Event:
+    """One partial decode of an open realtime turn of ``model_id`` (``audiosite_realtime_partial_decodes_total``)."""
+    return count(REALTIME_PARTIALS, model_id)
 
 
 def observe(metric: Stored, seconds: float, *labels: str) -> Event:
@@ -264,30 +337,76 @@ async def read_stored(redis_client: Any) -> dict[str, dict[str, str]]:
     return {metric.name: row or {} for metric, row in zip(STORED, rows, strict=True)}
 
 
+async def forget_model(redis_client: Any, model_id: str) -> int:
+    """Delete every stored series of ``model_id`` (an unregistered model: its fields in every metric's
+    hash), so a later registration under the same id starts from 0. Returns the number of fields deleted.
+
+    Two round trips (``HKEYS`` of every hash, then one ``HDEL`` per hash). An event of the model written
+    after this (an answer in flight at the unregistration) is kept but not exposed while the id is
+    unregistered (:func:`exposition` shows registered models only). A Redis error is logged, not raised
+    (the unregistration it follows is done): 0 is returned.
+    """
+    keys = [KEYS.metric(metric.name) for metric in STORED]
+    try:
+        async with redis_client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hkeys(key)
+            rows = await pipe.execute()
+        doomed = {key: [f for f in fields if _model_of(f) == model_id] for key, fields in zip(keys, rows, strict=True)}
+        doomed = {key: fields for key, fields in doomed.items() if fields}
+        if doomed:
+            async with redis_client.pipeline(transaction=True) as pipe:
+                for key, fields in doomed.items():
+                    pipe.hdel(key, *fields)
+                await pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("metrics: the series of %s were not deleted: %s", model_id, exc)
+        return 0
+    return sum(len(fields) for fields in doomed.values())
+
+
+def _model_of(field: str) -> str | None:
+    """The ``model`` label (the first) of a stored field, None when the field is not ours."""
+    try:
+        labels = json.loads(field.partition("\t")[0])
+    except ValueError:
+        return None
+    return labels[0] if isinstance(labels, list) and labels and isinstance(labels[0], str) else None
+
+
 @dataclass(frozen=True)
 class ModelGauges:
     """The gauges of one model from one snapshot: ``queued`` requests (managers not counted),
-    ``active`` request leases, configured ``slots``, ``loaded`` (state ready)."""
+    ``active`` request leases, configured ``slots``, ``loaded`` (state ready); ``task`` its
+    registration's task (the ``task`` label of its zero ``audio_seconds_total`` series)."""
 
     model_id: str
     queued: int
     active: int
     slots: int
     loaded: bool
+    task: str = ""
 
 
-def _stored_family(metric: Stored, rows: dict[str, str]) -> Metric:
+def _stored_family(metric: Stored, rows: dict[str, str], models: dict[str, str]) -> Metric:
+    """One stored metric's family: its stored series whose model is registered (``models``: id -> task)
+    or "" (a request that named none), plus each registered model's known series at 0."""
     name = PREFIX + metric.name
-    if metric.kind is Kind.COUNTER:
-        counter = CounterMetricFamily(name, metric.help, labels=list(metric.labels))
-        for field, value in sorted(rows.items()):
-            counter.add_metric(json.loads(field), int(value))
-        return counter
-    histogram = HistogramMetricFamily(name, metric.help, labels=list(metric.labels))
     series: dict[str, dict[str, str]] = {}
     for field, value in rows.items():
         labels, _, part = field.partition("\t")
         series.setdefault(labels, {})[part] = value
+    series = {labels: parts for labels, parts in series.items()
+              if (model := _model_of(labels)) == "" or model in models}
+    for model_id, task in models.items():
+        for known in metric.known(model_id, task):
+            series.setdefault(_field(known), {})
+    if metric.kind is Kind.COUNTER:
+        counter = CounterMetricFamily(name, metric.help, labels=list(metric.labels))
+        for labels, parts in sorted(series.items()):
+            counter.add_metric(json.loads(labels), float(parts.get("", 0)))
+        return counter
+    histogram = HistogramMetricFamily(name, metric.help, labels=list(metric.labels))
     for labels, parts in sorted(series.items()):
         cumulative, buckets = 0, []
         for index, bound in enumerate(BUCKETS_S):
@@ -317,6 +436,175 @@ def _gauge_families(models: list[ModelGauges], draining: bool) -> list[Metric]:
     return out
 
 
+# -- process CPU and memory of every web process and worker ---------------------------------------
+PROCESS_TTL_MS = 15000
+"""Life of a process's published sample (ms): a process that stops publishing (dead, frozen) leaves
+``/metrics`` this long after its last sample. Three web samples (``PROCESS_EVERY_S``) or seven worker
+liveness beats (``inference.scheduler.LIVENESS_EVERY_S``, 2 s) fit in it."""
+PROCESS_EVERY_S = 5.0
+"""How often a web process publishes its sample (s); a worker publishes at each liveness beat."""
+
+_PROCESS_SAMPLES = {"process_cpu_seconds_total": "cpu_seconds", "process_resident_memory_bytes": "resident_bytes"}
+
+
+def _processes_key() -> str:
+    """SET of ``"<role>\\t<instance>"`` of every process that has published (some may have expired)."""
+    return KEYS.metric("processes")
+
+
+def _process_key(member: str) -> str:
+    return KEYS.metric("process:" + member)
+
+
+def process_instance() -> str:
+    """This process's ``instance`` label: ``<host name>:<pid>`` (a container's host name is its id)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def process_sample() -> dict[str, float]:
+    """This process's ``{"cpu_seconds": user + system CPU seconds, "resident_bytes": RSS in bytes}``, read
+    by ``prometheus_client``'s ``ProcessCollector`` from ``/proc/self`` (empty where there is no ``/proc``)."""
+    sample: dict[str, float] = {}
+    for family in ProcessCollector(registry=None).collect():
+        for point in family.samples:
+            if point.name in _PROCESS_SAMPLES:
+                sample[_PROCESS_SAMPLES[point.name]] = float(point.value)
+    return sample
+
+
+def process_queue(pipe: Any, role: str) -> None:
+    """Queue on ``pipe`` (sync or asyncio) the publication of this process's sample under ``role``
+    (``web`` or ``worker``): ``SET`` of its key with ``PROCESS_TTL_MS`` and ``SADD`` to the index."""
+    sample = process_sample()
+    if not sample:
+        return
+    member = f"{role}\t{process_instance()}"
+    pipe.set(_process_key(member), json.dumps(sample), px=PROCESS_TTL_MS)
+    pipe.sadd(_processes_key(), member)
+
+
+async def _publish_web_forever() -> None:
+    from .context import async_context as context  # the context needs Django's settings: loaded by now
+
+    while True:
+        try:
+            ctx = await context()
+            async with ctx.redis.pipeline(transaction=False) as pipe:
+                process_queue(pipe, "web")
+                await pipe.execute()
+        except Exception as exc:  # Redis down: the sample expires, the next one comes back
+            log.warning("metrics: publishing this process's CPU and memory failed: %s", exc)
+        await asyncio.sleep(PROCESS_EVERY_S)
+
+
+_PUBLISHERS: list[asyncio.Task] = []
+
+
+def process_publish_start() -> asyncio.Task:
+    """Start publishing this web process's sample every ``PROCESS_EVERY_S`` on the running event loop
+    (daphne's reactor calls it once it runs; the worker publishes from its liveness beat instead)."""
+    task = asyncio.ensure_future(_publish_web_forever())
+    _PUBLISHERS.append(task)  # the loop keeps only weak references to tasks
+    return task
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One live process's published sample: ``role`` (web, worker), ``instance`` (host:pid), its CPU
+    seconds and resident memory in bytes."""
+
+    role: str
+    instance: str
+    cpu_seconds: float
+    resident_bytes: float
+
+
+async def read_processes(redis_client: Any) -> list[ProcessSample]:
+    """Every live process's sample (two round trips; a third drops the index entries whose key expired).
+
+    Raises:
+        redis.RedisError: Redis could not be reached.
+    """
+    members = sorted(await redis_client.smembers(_processes_key()))
+    if not members:
+        return []
+    values = await redis_client.mget([_process_key(m) for m in members])
+    out, gone = [], []
+    for member, value in zip(members, values, strict=True):
+        if value is None:
+            gone.append(member)
+            continue
+        role, _, instance = member.partition("\t")
+        sample = json.loads(value)
+        out.append(ProcessSample(role, instance, float(sample.get("cpu_seconds", 0.0)),
+                                 float(sample.get("resident_bytes", 0.0))))
+    if gone:
+        await redis_client.srem(_processes_key(), *gone)
+    return out
+
+
+def _process_families(processes: list[ProcessSample]) -> list[Metric]:
+    cpu = CounterMetricFamily(PREFIX + "process_cpu_seconds", "User and system CPU time of each live web "
+                              "process and worker of the deployment, in seconds.", labels=["role", "instance"])
+    rss = GaugeMetricFamily(PREFIX + "process_resident_memory_bytes", "Resident memory of each live web process "
+                            "and worker of the deployment, in bytes.", labels=["role", "instance"])
+    for process in processes:
+        cpu.add_metric([process.role, process.instance], process.cpu_seconds)
+        rss.add_metric([process.role, process.instance], process.resident_bytes)
+    return [cpu, rss]
+
+
+# -- build information ---------------------------------------------------------------------------
+VERSION_ENV = "AUDIOSITE_VERSION"
+"""Environment variable naming the deployed version (an image build sets it: ``.git`` is not in images)."""
+
+_version: str | None = None
+
+
+def version() -> str:
+    """The ``version`` label of ``audiosite_build_info``: ``$AUDIOSITE_VERSION`` when set, else ``git
+    describe --always --dirty`` of the checkout (a short commit id, ``-dirty`` with local changes),
+    else "unknown". Computed once per process (the first call runs git: call it off the event loop)."""
+    global _version
+    if _version is None:
+        _version = os.environ.get(VERSION_ENV, "").strip() or _git_describe() or "unknown"
+    return _version
+
+
+def _git_describe() -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
+                              text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """The labels of ``audiosite_build_info``: ``version`` (:func:`version`), ``python`` (e.g. 3.11.2),
+    ``runtime`` (``parallel`` or ``legacy``, the config's) and ``backend`` (the inference backend resolved,
+    as ``/health``)."""
+
+    version: str
+    runtime: str
+    backend: str
+    python: str = platform.python_version()
+
+
+def _build_family(build: BuildInfo) -> Metric:
+    info = GaugeMetricFamily(PREFIX + "build_info", "Always 1; its labels name what is running: version (git "
+                             "describe or AUDIOSITE_VERSION), python, runtime and backend.",
+                             labels=["version", "python", "runtime", "backend"])
+    info.add_metric([build.version, build.python, build.runtime, build.backend], 1.0)
+    return info
+
+
 class _Families:
     """A prometheus_client collector that hands out families built beforehand (for one scrape)."""
 
@@ -327,16 +615,25 @@ class _Families:
         return iter(self._families)
 
 
-def exposition(models: list[ModelGauges], stored: dict[str, dict[str, str]], draining: bool) -> bytes:
+def exposition(models: list[ModelGauges], stored: dict[str, dict[str, str]], draining: bool,
+               processes: list[ProcessSample] | None = None, build: BuildInfo | None = None) -> bytes:
     """The Prometheus text exposition of one scrape (served as format 0.0.4, which every Prometheus reads:
     our metric and label names are all legacy-valid, so it is byte for byte the same as 1.0.0).
 
     Args:
-        models: every registered model's gauges, from one atomic snapshot.
+        models: every registered model's gauges, from one atomic snapshot. Only these models' stored
+            series are exposed (and those of model ""), each with its known series at 0 when it has none.
         stored: :func:`read_stored`'s answer.
         draining: this web process drains (``audiosite_draining``).
+        processes: :func:`read_processes`' answer.
+        build: ``audiosite_build_info``'s labels (the family is left out when None).
     """
-    families = _gauge_families(models, draining) + [_stored_family(m, stored.get(m.name, {})) for m in STORED]
+    registered = {model.model_id: model.task for model in models}
+    families = _gauge_families(models, draining)
+    families += [_stored_family(m, stored.get(m.name, {}), registered) for m in STORED]
+    families += _process_families(processes or [])
+    if build is not None:
+        families.append(_build_family(build))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     return generate_latest(registry)

@@ -5,7 +5,8 @@ stops beating for ``LIVENESS_TTL_MS`` is considered dead and its pools lost.
 Each beat also publishes the host's available memory in MB (psutil's
 ``available``: memory usable without swapping, MemAvailable on Linux) for the
 memory guard (R6.5), and the process id in ``Keys.worker_pid``, so ``serve``
-can tell a dead local worker from a live one. That hash is also the registry
+can tell a dead local worker from a live one, and this process's CPU seconds and
+resident memory for ``/metrics`` (``inference.runtime.metrics.process_queue``). That hash is also the registry
 of workers that ``census.lua`` counts (``/health``, the no-worker fail-fast):
 each beat re-adds this worker (a worker whose key expired while it was frozen
 reappears at its next beat), and a starting worker removes the entries whose
@@ -20,6 +21,7 @@ import threading
 
 import psutil
 
+from inference.runtime import metrics
 from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, Keys, Scheduler
 
 from .state import WorkerState
@@ -35,6 +37,7 @@ def _beat(redis_client, keys: Keys, worker: WorkerState, hostname: str) -> None:
     pipe.set(keys.worker_live(hostname), worker.boot, px=LIVENESS_TTL_MS)
     pipe.hset(keys.worker_memory, hostname, available_mb)
     pipe.hset(keys.worker_pid, hostname, os.getpid())
+    metrics.process_queue(pipe, "worker")  # this process's CPU and memory for /metrics
     pipe.execute()
 
 
