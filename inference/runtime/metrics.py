@@ -448,7 +448,7 @@ _PROCESS_SAMPLES = {"process_cpu_seconds_total": "cpu_seconds", "process_residen
 
 
 def _processes_key() -> str:
-    """SET of ``"<role>\\t<instance>"`` of every process that has published (some may have expired)."""
+    """SET of ``"<role>\\t<process>"`` of every process that has published (some may have expired)."""
     return KEYS.metric("processes")
 
 
@@ -456,8 +456,9 @@ def _process_key(member: str) -> str:
     return KEYS.metric("process:" + member)
 
 
-def process_instance() -> str:
-    """This process's ``instance`` label: ``<host name>:<pid>`` (a container's host name is its id)."""
+def process_label() -> str:
+    """This process's ``process`` label: ``<host name>:<pid>`` (a container's host name is its id). Not
+    ``instance``: Prometheus sets that label on every series to the scraped target."""
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -478,7 +479,7 @@ def process_queue(pipe: Any, role: str) -> None:
     sample = process_sample()
     if not sample:
         return
-    member = f"{role}\t{process_instance()}"
+    member = f"{role}\t{process_label()}"
     pipe.set(_process_key(member), json.dumps(sample), px=PROCESS_TTL_MS)
     pipe.sadd(_processes_key(), member)
 
@@ -510,11 +511,11 @@ def process_publish_start() -> asyncio.Task:
 
 @dataclass(frozen=True)
 class ProcessSample:
-    """One live process's published sample: ``role`` (web, worker), ``instance`` (host:pid), its CPU
+    """One live process's published sample: ``role`` (web, worker), ``process`` (host:pid), its CPU
     seconds and resident memory in bytes."""
 
     role: str
-    instance: str
+    process: str
     cpu_seconds: float
     resident_bytes: float
 
@@ -534,9 +535,9 @@ async def read_processes(redis_client: Any) -> list[ProcessSample]:
         if value is None:
             gone.append(member)
             continue
-        role, _, instance = member.partition("\t")
+        role, _, label = member.partition("\t")
         sample = json.loads(value)
-        out.append(ProcessSample(role, instance, float(sample.get("cpu_seconds", 0.0)),
+        out.append(ProcessSample(role, label, float(sample.get("cpu_seconds", 0.0)),
                                  float(sample.get("resident_bytes", 0.0))))
     if gone:
         await redis_client.srem(_processes_key(), *gone)
@@ -545,12 +546,12 @@ async def read_processes(redis_client: Any) -> list[ProcessSample]:
 
 def _process_families(processes: list[ProcessSample]) -> list[Metric]:
     cpu = CounterMetricFamily(PREFIX + "process_cpu_seconds", "User and system CPU time of each live web "
-                              "process and worker of the deployment, in seconds.", labels=["role", "instance"])
+                              "process and worker of the deployment, in seconds.", labels=["role", "process"])
     rss = GaugeMetricFamily(PREFIX + "process_resident_memory_bytes", "Resident memory of each live web process "
-                            "and worker of the deployment, in bytes.", labels=["role", "instance"])
+                            "and worker of the deployment, in bytes.", labels=["role", "process"])
     for process in processes:
-        cpu.add_metric([process.role, process.instance], process.cpu_seconds)
-        rss.add_metric([process.role, process.instance], process.resident_bytes)
+        cpu.add_metric([process.role, process.process], process.cpu_seconds)
+        rss.add_metric([process.role, process.process], process.resident_bytes)
     return [cpu, rss]
 
 
