@@ -180,16 +180,22 @@ class ServerConfig(_Strict):
     or ``none`` (every UI page sends them to the login page, the status stream refuses them)."""
     ui_management: bool = False
     allowed_hosts: list[str] = Field(default_factory=list)
-    max_loaded_models: int = Field(default=0, ge=0)
-    idle_unload_ms: int = Field(default=0, ge=0)
-    min_free_memory_mb: int = Field(default=0, ge=0)
     allowed_origins: list[str] = Field(default_factory=list)
     """Browser origins (``scheme://host[:port]``, ``scheme://.domain`` for a domain and its subdomains,
     or ``*``) whose pages may open the WebSockets (``/v1/realtime``, ``/ui/ws/status``) besides the
     server's own origin; a handshake with any other ``Origin`` gets 403 (one without ``Origin``, from a
     program rather than a browser, is accepted). Default: same origin only."""
+    max_loaded_models: int = Field(default=0, ge=0)
+    idle_unload_ms: int = Field(default=0, ge=0)
+    min_free_memory_mb: int = Field(default=0, ge=0)
     live_ingest: LiveIngest = Field(default_factory=LiveIngest)
     models: list[ModelConfig] = Field(default_factory=list)
+    default_models: dict[str, str] = Field(default_factory=dict)
+    """The model a task's OpenAI names stand for, by task (``{"asr": "whisper-tiny.en", "tts": "piper-joe"}``);
+    a task not named here: the first entry of ``models`` with that task (:meth:`default_model`)."""
+    model_aliases: dict[str, str | None] = Field(default_factory=dict)
+    """Other names of models, ``{alias: model id}``, on top of :data:`OPENAI_MODEL_ALIASES` (an alias set to
+    null here is removed). A registered model of the same id always wins over an alias."""
     runtime: Literal["legacy", "parallel"] = "legacy"
     """Not a key of the file: chosen by ``--parallel-jobs`` / ``AUDIOSITE_PARALLEL_JOBS`` and
     resolved once by :func:`parse_config` (R1.3, R1.4)."""
@@ -276,9 +282,6 @@ def _allowed_hosts_problems(config: ServerConfig) -> list[str]:
     return problems
 
 
-def slot_count(slots: int | None, runtime: str) -> int:
-    """Slots the scheduler admits for a model configured with ``slots``: ``slots`` (1 when unset)
-    on the parallel runtime, always 1 on the legacy runtime (R1.1, R1.3)."""
 def _allowed_origins_problems(config: ServerConfig) -> list[str]:
     problems = []
     for origin in config.allowed_origins:
@@ -296,6 +299,9 @@ def _allowed_origins_problems(config: ServerConfig) -> list[str]:
     return problems
 
 
+def slot_count(slots: int | None, runtime: str) -> int:
+    """Slots the scheduler admits for a model configured with ``slots``: ``slots`` (1 when unset)
+    on the parallel runtime, always 1 on the legacy runtime (R1.1, R1.3)."""
     return (slots or 1) if runtime == "parallel" else 1
 
 
@@ -398,10 +404,10 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
             problems.append("key 'models': the list may be empty only with ui_management on (models are then "
                             "registered through POST /v1/models/load)")
         problems.extend(_allowed_hosts_problems(config))
+        problems.extend(_allowed_origins_problems(config))
         if config.worker_restart_max_delay_ms < config.worker_restart_delay_ms:
             problems.append(f"key 'worker_restart_max_delay_ms': {config.worker_restart_max_delay_ms} is below "
                             f"worker_restart_delay_ms={config.worker_restart_delay_ms}")
-        problems.extend(_allowed_origins_problems(config))
         for root in config.media_roots:
             if not os.path.isabs(root):
                 problems.append(f"key 'media_roots': {root!r} is not an absolute path")

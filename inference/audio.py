@@ -606,7 +606,7 @@ def plain_pcm16_wav(data: bytes, target_rate_hz: int, max_frames: int) -> bool:
     Any other chunk (``LIST``, ``fact``, ``PEAK``, ``acid``, ...) sends the file to libsndfile: libsndfile
     parses some of them and may then refuse the file or read it otherwise (an adversary's test found
     ``PEAK`` before ``fmt `` refused, short ``fact``/``smpl`` chunks refused, an ``acid`` chunk shifting
-    the samples: ``tests/test_adv2_wav_as_is.py``), and only libsndfile's answer counts. A constant-time
+    the samples: ``tests/test_wav_read_as_is.py``), and only libsndfile's answer counts. A constant-time
     check of two chunk headers, whatever ``data`` holds. Layout source: the RIFF WAVE format
     (Microsoft/IBM, 1991).
     """
