@@ -66,7 +66,7 @@ from inference.scheduler import (
     ProbeVerdict,
     effective_timeout_ms,
 )
-from registry import services as records
+from registry import records
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ unload_model`` call these. Each transition runs under the model's manager
 lease (a barrier, R2.2): older requests drain first, later ones bind the
 configuration it leaves (R2.3). Teardowns go through
 ``inference.services.model_teardown``; database writes through
-``registry.services`` (in a thread); Redis holds the published metadata every
+``registry.records`` (in a thread); Redis holds the published metadata every
 process reads.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from inference.runtime.context import AsyncContext
 from inference.runtime.published import ceiling_ms, is_lazy
 from inference.scheduler import Lease, ModelState
 
-from . import services
+from . import records
 from .models import LifecycleState, ModelRegistration
 from .selectors import model_meta_all, model_meta_get, registration_first_load_published
 
@@ -63,7 +63,7 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
         exc.committed = True  # the entry is registered; only its load failed
         exc.message += "; the entry is registered and stays unloaded (the next request retries the load)"
         if not isinstance(exc, ModelLoadFailed):  # a worker's failed load writes its own event
-            await sync_to_async(services.lifecycle_event_create)(model_id, "load", False, detail=exc.message)
+            await sync_to_async(records.lifecycle_event_create)(model_id, "load", False, detail=exc.message)
         raise
     return True
 
@@ -102,7 +102,7 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
     backend = await asyncio.to_thread(resolve_backend, config.backend)
     named = body.get("id") if isinstance(body, dict) else None
     existing = await model_meta_get(ctx, named) if isinstance(named, str) and named else None
-    valid = await asyncio.to_thread(services.registration_validate, body, config.runtime, backend, existing)
+    valid = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, existing)
     entry, model_id = valid.entry, valid.entry.id
     if existing is not None and valid.count_problem:
         raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
@@ -112,30 +112,30 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
         started = time.monotonic()
         current = await model_meta_get(ctx, model_id)  # may have changed while we queued
         if current != existing:  # apply the keys sent to the entry as it is now
-            valid = await asyncio.to_thread(services.registration_validate, body, config.runtime, backend, current)
+            valid = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, current)
             entry = valid.entry
         if current is None:
-            meta = services.registration_meta_of(entry, ModelRegistration.Source.API)
+            meta = records.registration_meta_of(entry, ModelRegistration.Source.API)
             meta["created"] = int(time.time())
-            await sync_to_async(services.registration_save)(entry, actor, "register", LifecycleState.UNLOADED)
+            await sync_to_async(records.registration_save)(entry, actor, "register", LifecycleState.UNLOADED)
             await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), config.runtime), lease.lease_id,
                                               reset=True)
             if valid.count_problem:
-                await sync_to_async(services.registration_record_state)(model_id, LifecycleState.UNLOADED,
+                await sync_to_async(records.registration_record_state)(model_id, LifecycleState.UNLOADED,
                                                                         valid.count_problem)
                 raise InvalidRequest(valid.count_problem + f"; model {model_id!r} is registered but stays "
                                      "unloaded until it is reconfigured with a supported count", param="slots")
             return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
         if valid.count_problem:
             raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
-        meta = services.registration_meta_of(entry, current.get("source") or ModelRegistration.Source.API)
+        meta = records.registration_meta_of(entry, current.get("source") or ModelRegistration.Source.API)
         meta["created"] = current.get("created")
         if _same_configuration(meta, current):
             return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
         # The row is written first (state reconfiguring): a value the database refuses is a
         # 400 while the old pool still serves. Then the commit point: retire the old pool and
         # publish the complete new metadata (R4.4); traffic reads only the published entry.
-        await sync_to_async(services.registration_save)(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
+        await sync_to_async(records.registration_save)(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
         await inference_services.model_teardown(ctx, lease, f"reconfigure by {actor}",
                                                 state=ModelState.RECONFIGURING)
         await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), config.runtime), lease.lease_id,
@@ -154,7 +154,7 @@ async def _unload_recorded(ctx: AsyncContext, lease: Lease, actor: str, via: str
         The teardown's outcome ('destroyed', 'not_loaded' or 'worker_lost').
     """
     result = await inference_services.model_teardown(ctx, lease, f"{via} by {actor}" if via else actor)
-    await sync_to_async(services.lifecycle_event_create)(lease.model_id, "unload", True, actor=actor,
+    await sync_to_async(records.lifecycle_event_create)(lease.model_id, "unload", True, actor=actor,
                                                         detail=f"{via}: {result.outcome}" if via else
                                                         str(result.outcome), duration_ms=result.duration_ms)
     return str(result.outcome)
@@ -204,7 +204,7 @@ async def model_unregister(ctx: AsyncContext, model_id: str, actor: str) -> dict
         await _registered_meta(ctx, model_id)  # an earlier manager may have removed it
         await inference_services.model_teardown(ctx, lease, f"unregister by {actor}")
         await ctx.scheduler.unregister(model_id, lease.lease_id)
-        await sync_to_async(services.registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
+        await sync_to_async(records.registration_remove)(model_id, actor, int((time.monotonic() - started) * 1000))
         await metrics.forget_model(ctx.redis, model_id)  # its /metrics series go with it
         return {"id": model_id, "deleted": True}
 

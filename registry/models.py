@@ -2,7 +2,7 @@
 
 Live coordination (queues, leases, who holds the loaded pool) is in Redis;
 these rows record what is registered, its last known lifecycle state and
-error, and every lifecycle event. Only ``registry.services`` writes them.
+error, and every lifecycle event. Only ``registry.records`` writes them.
 """
 import hashlib
 

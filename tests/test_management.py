@@ -43,7 +43,7 @@ def test_gate_needs_credentials_and_the_permission(mstack, token):
     """API.md gate: no/invalid credentials → 401; a user without registry.manage_models → 403;
     a permitted token passes; unknown ids → 404 on unload and DELETE; status stays open."""
     shell = mstack.manage("shell", "--no-imports", "-c", (
-        "from django.contrib.auth.models import User; from registry.services import api_token_issue;"
+        "from django.contrib.auth.models import User; from registry.records import api_token_issue;"
         "u, _ = User.objects.get_or_create(username='viewer'); print(api_token_issue(u))"))
     assert shell.returncode == 0, shell.stderr
     viewer = shell.stdout.strip().splitlines()[-1]
@@ -132,7 +132,7 @@ def test_path_is_shown_only_to_callers_passing_the_management_gate(mstack, token
     """Issue 9: ``/v1/models`` showed every model's filesystem path to anyone. ``path`` is in an entry
     only for a caller passing the management gate; with management off, for nobody."""
     shell = mstack.manage("shell", "--no-imports", "-c", (
-        "from django.contrib.auth.models import User; from registry.services import api_token_issue;"
+        "from django.contrib.auth.models import User; from registry.records import api_token_issue;"
         "u, _ = User.objects.get_or_create(username='reader'); print(api_token_issue(u))"))
     assert shell.returncode == 0, shell.stderr
     reader = shell.stdout.strip().splitlines()[-1]

@@ -1,4 +1,4 @@
-"""Registry services on the real database: config sync, publication to Redis, audit log, admin."""
+"""Registry records on the real database: config sync, publication to Redis, audit log, admin."""
 from __future__ import annotations
 
 import hashlib
@@ -18,7 +18,7 @@ from rest_framework.test import APIRequestFactory
 
 from audiosite.serverconfig import parse_config
 from inference.scheduler import Keys, Scheduler
-from registry import services
+from registry import records
 from registry.authentication import AsyncTokenAuthentication
 from registry.models import ApiToken, LifecycleEvent, ModelRegistration
 
@@ -32,18 +32,18 @@ def config_with(*models):
 
 
 def test_sync_creates_updates_and_removes_config_models():
-    report = services.registration_sync_config(config_with({"id": "a", "family": "silero_vad"},
+    report = records.registration_sync_config(config_with({"id": "a", "family": "silero_vad"},
                                                            {"id": "b", "family": "whisper", "busy_timeout_ms": 50}))
     assert report["created"] == ["a", "b"]
     b = ModelRegistration.objects.get(model_id="b")
     assert (b.task, b.mode, b.busy_timeout_ms, b.source, b.state) == ("asr", "offline", 50, "config", "unloaded")
 
-    report = services.registration_sync_config(config_with({"id": "a", "family": "silero_vad"},
+    report = records.registration_sync_config(config_with({"id": "a", "family": "silero_vad"},
                                                            {"id": "b", "family": "whisper", "busy_timeout_ms": 70}))
     assert report == {"created": [], "updated": ["b"], "unchanged": ["a"], "removed": []}
     assert ModelRegistration.objects.get(model_id="b").busy_timeout_ms == 70
 
-    report = services.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
+    report = records.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
     assert report["removed"] == ["b"]
     assert list(ModelRegistration.objects.values_list("model_id", flat=True)) == ["a"]
     events = list(LifecycleEvent.objects.order_by("id").values_list("model_id", "event", "outcome"))
@@ -53,36 +53,36 @@ def test_sync_creates_updates_and_removes_config_models():
 
 def test_sync_leaves_api_registrations_alone():
     ModelRegistration.objects.create(model_id="dyn", family="silero_vad", task="vad", source="api")
-    services.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
+    records.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
     assert set(ModelRegistration.objects.values_list("model_id", flat=True)) == {"a", "dyn"}
 
 
 def test_publish_writes_metadata_and_marks_changed_models_unloaded(redis_client):
     keys = Keys(unique_prefix())
     scheduler = Scheduler(redis_client, keys, 30000)
-    services.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
-    assert services.registry_publish(scheduler) == ["a"]
+    records.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
+    assert records.registry_publish(scheduler) == ["a"]
     meta = json.loads(redis_client.hget(keys.models_meta, "a"))
     assert meta["family"] == "silero_vad" and meta["task"] == "vad" and meta["path"] is None
     assert redis_client.get(keys.model("a") + ":cap") == "1"
     assert redis_client.get(keys.runtime) == "legacy"
     redis_client.hset(keys.model("a") + ":load", mapping={"state": "ready", "owner": "w", "boot": "b"})
-    services.registry_publish(scheduler)  # unchanged: state kept
+    records.registry_publish(scheduler)  # unchanged: state kept
     assert redis_client.hget(keys.model("a") + ":load", "state") == "ready"
-    services.registration_sync_config(config_with({"id": "a", "family": "silero_vad",
+    records.registration_sync_config(config_with({"id": "a", "family": "silero_vad",
                                                    "default_request_options": {"threshold": 0.6}}))
-    services.registry_publish(scheduler)
+    records.registry_publish(scheduler)
     assert redis_client.hget(keys.model("a") + ":load", "state") == "unloaded"
 
 
 def test_load_outcomes_are_recorded():
-    services.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
-    services.registration_record_loading("a")
+    records.registration_sync_config(config_with({"id": "a", "family": "silero_vad"}))
+    records.registration_record_loading("a")
     assert ModelRegistration.objects.get(model_id="a").state == "loading"
-    services.registration_record_load("a", False, error="bad file", duration_ms=5)
+    records.registration_record_load("a", False, error="bad file", duration_ms=5)
     row = ModelRegistration.objects.get(model_id="a")
     assert (row.state, row.last_error) == ("unloaded", "bad file")
-    services.registration_record_load("a", True, duration_ms=7)
+    records.registration_record_load("a", True, duration_ms=7)
     row = ModelRegistration.objects.get(model_id="a")
     assert (row.state, row.last_error) == ("ready", "") and row.loaded_at is not None
     load_events = LifecycleEvent.objects.filter(event="load").order_by("id")
@@ -90,7 +90,7 @@ def test_load_outcomes_are_recorded():
 
 
 def test_admin_lists_registrations_and_events(client):
-    services.registration_sync_config(config_with({"id": "vad-admin", "family": "silero_vad"}))
+    records.registration_sync_config(config_with({"id": "vad-admin", "family": "silero_vad"}))
     admin = User.objects.create_superuser("root", "root@example.com", "pw")
     client.force_login(admin)
     page = client.get("/admin/registry/modelregistration/")
@@ -103,7 +103,7 @@ def test_admin_lists_registrations_and_events(client):
 
 def test_the_audit_log_is_view_only_in_the_admin_even_for_a_superuser(client):
     """Issue 9: audit rows could be deleted (and bulk-deleted) in the admin; now view only."""
-    services.registration_sync_config(config_with({"id": "vad-audit", "family": "silero_vad"}))
+    records.registration_sync_config(config_with({"id": "vad-audit", "family": "silero_vad"}))
     row = LifecycleEvent.objects.get(model_id="vad-audit")
     client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
     base = "/admin/registry/lifecycleevent/"
@@ -126,7 +126,7 @@ def _token_request(header: str):
 def test_api_tokens_are_stored_as_sha256_digests_and_found_by_digest():
     """Issue 9: tokens were stored in plain text. Only the SHA-256 is kept; both lookups hash first."""
     user = User.objects.create_user("op")
-    token = services.api_token_issue(user)
+    token = records.api_token_issue(user)
     assert len(token) >= 43  # 256 random bits
     (stored,) = ApiToken.objects.values_list("digest", flat=True)
     assert stored == hashlib.sha256(token.encode()).hexdigest() != token
@@ -167,7 +167,7 @@ def test_issue_token_prints_a_new_token_once_and_rotate_revokes_the_others():
 
 
 def test_the_admin_lists_tokens_without_showing_them_and_can_revoke(client):
-    token = services.api_token_issue(User.objects.create_user("op"))
+    token = records.api_token_issue(User.objects.create_user("op"))
     row = ApiToken.objects.get()
     client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
     pages = [client.get("/admin/registry/apitoken/"), client.get(f"/admin/registry/apitoken/{row.pk}/change/")]

@@ -36,7 +36,7 @@ from inference.scheduler import (
 )
 from inference.worker import work
 from inference.worker.state import WorkerState
-from registry import services
+from registry import records
 from registry.models import LifecycleEvent, ModelRegistration
 
 from . import helpers
@@ -49,7 +49,7 @@ pytestmark = [
 
 
 def _register(model_id: str) -> dict:
-    services.registration_sync_config(parse_config({"models": [{"id": model_id, "family": "silero_vad"}]}))
+    records.registration_sync_config(parse_config({"models": [{"id": model_id, "family": "silero_vad"}]}))
     return ModelRegistration.objects.get(model_id=model_id).as_meta()
 
 
@@ -260,7 +260,7 @@ def test_a_load_ended_as_lost_is_recorded_once_though_its_frozen_worker_finishes
     over a newer load that was ready). The worker is ``inference.worker.work.load_pool`` itself, run in a
     thread and held in the fixture family's load barrier while the claim is ended."""
     monkeypatch.setenv("AUDIOSITE_ENABLE_FIXTURE_FAMILY", "1")
-    services.registration_sync_config(parse_config(
+    records.registration_sync_config(parse_config(
         {"models": [helpers.fx("stalled", load_barrier="stalled-load")]}))
     meta = ModelRegistration.objects.get(model_id="stalled").as_meta()
     host = "gpu0@frozen"
@@ -286,7 +286,7 @@ def test_a_load_ended_as_lost_is_recorded_once_though_its_frozen_worker_finishes
         await helpers.until(lambda: redis_client.get(KEYS.fixture_arrived("stalled-load")) == "1", 10)
         # What the web process does when the claim lapses (rpc.load_single_flight, services._record_lost_load).
         assert await ctx.scheduler.finish_load("stalled", token, LoadEnd.WORKER_LOST, error=lost) is LoadOutcome.OK
-        await sync_to_async(services.registration_record_load)("stalled", False, error=lost, actor=host)
+        await sync_to_async(records.registration_record_load)("stalled", False, error=lost, actor=host)
         redis_client.lpush(KEYS.fixture_release("stalled-load"), "go")
         await asyncio.to_thread(thread.join, 10)
         return (await ctx.scheduler.snapshot(["stalled"]))["stalled"]

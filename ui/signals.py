@@ -1,6 +1,6 @@
 """Announce each new lifecycle audit row on Redis, so open log pages show it at once.
 
-Rows are written by ``registry.services`` in web processes, workers and management
+Rows are written by ``registry.records`` in web processes, workers and management
 commands; after the row's transaction commits, its JSON (:func:`event_json`) is
 published on ``Keys.audit_events``. The database stays the truth: a notice lost
 because Redis is unreachable (or not configured, as in ``manage.py migrate`` on

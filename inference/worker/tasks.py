@@ -20,7 +20,7 @@ from kombu.asynchronous import get_event_loop
 from audiosite.serverconfig import get_config
 from inference.runtime.context import KEYS, sync_scheduler
 from inference.runtime.startup import check_runtime
-from registry import services as records
+from registry import records
 
 from . import liveness, memory, retirement, work
 from .runs import RunDispatcher

@@ -22,7 +22,7 @@ from inference.runtime import metrics
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
 from inference.runtime.rpc import RunFailure
 from inference.scheduler import Keys, LoadEnd, LoadOutcome
-from registry import services as records
+from registry import records
 
 from .state import Pool, WorkerState
 

@@ -76,7 +76,7 @@ from inference.runtime.context import KEYS, async_context, sync_scheduler
 from inference.services import PreloadResult, models_preload
 from inference.scheduler import ForgottenWorker, RuntimeMismatch, Scheduler
 from inference.worker.memory import arenas_bounded
-from registry import services as records
+from registry import records
 
 STARTUP_TIMEOUT_S = 120
 REDIS_STARTUP_TIMEOUT_S = 10

@@ -11,7 +11,7 @@ from django.contrib.auth.models import Permission
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from registry.services import api_token_issue
+from registry.records import api_token_issue
 
 
 class Command(BaseCommand):

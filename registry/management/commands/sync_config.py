@@ -18,7 +18,7 @@ from audiosite.serverconfig import ConfigError, get_config
 from inference.runtime.context import redis_url, sync_scheduler
 from inference.scheduler import RuntimeMismatch
 from registry.selectors import models_in_use
-from registry.services import registration_sync_plan, registry_start, start_summary
+from registry.records import registration_sync_plan, registry_start, start_summary
 
 
 class Command(BaseCommand):

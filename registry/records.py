@@ -1,5 +1,5 @@
 """Writes to the database: the only module that changes a ``ModelRegistration``, adds a ``LifecycleEvent``
-or issues an ``ApiToken``.
+or issues an ``ApiToken``; and the private check of a management entry before it is written.
 
 Names follow ``<entity>_<action>``. Functions here are synchronous (Django
 ORM); async callers wrap them in ``sync_to_async``. Who calls what: the
