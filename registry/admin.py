@@ -1,7 +1,7 @@
 """Django admin: registrations, the lifecycle log (read-only) and API tokens (listed, revocable, never shown).
 
 Rows are never edited directly: the admin's actions (load, unload) and its
-reconfigure page call the same ``registry.lifecycle`` transitions as the
+reconfigure page call the same ``registry.services`` transitions as the
 management routes, under the same gate (``ui_management`` on and the
 ``registry.manage_models`` permission). They run outside any admin
 transaction, because a transition waits for older requests and for the
@@ -21,7 +21,7 @@ from audiosite.errors import ApplicationError
 from audiosite.validation import MAX_JSON_DEPTH, bad_text_path, json_depth_exceeds
 from inference.runtime.context import async_context
 
-from . import lifecycle
+from . import services
 from .models import ApiToken, LifecycleEvent, ModelRegistration
 from .selectors import registration_body_of
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
@@ -142,11 +142,11 @@ class ModelRegistrationAdmin(admin.ModelAdmin):
 
     @staticmethod
     async def _load(body: dict, actor: str) -> dict:
-        return await lifecycle.model_register_or_reconfigure(await async_context(), body, actor)
+        return await services.model_register_or_reconfigure(await async_context(), body, actor)
 
     @staticmethod
     async def _bulk_unload(ids: list[str], actor: str) -> dict:
-        return await lifecycle.models_bulk_unload(await async_context(), ids, actor)
+        return await services.models_bulk_unload(await async_context(), ids, actor)
 
 
 def _body_of(row: ModelRegistration) -> dict:

@@ -22,7 +22,7 @@ from inference.backend import resolve_backend
 from inference.runtime import metrics
 from inference.runtime.context import async_context
 
-from . import lifecycle
+from . import services
 from .authentication import AsyncSessionAuthentication, AsyncTokenAuthentication
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
 from .selectors import deployment_census, model_gauges, model_status_list
@@ -187,7 +187,7 @@ class ModelDetailApi(ManagementApi):
 
     async def delete(self, request, model_id: str):
         ctx = await async_context()
-        return Response(await lifecycle.model_unregister(ctx, model_id, self.actor(request)))
+        return Response(await services.model_unregister(ctx, model_id, self.actor(request)))
 
     def get_authenticators(self):  # credentials matter for DELETE, and for GET's private fields
         return super().get_authenticators() if self.request.method == "DELETE" or management_enabled() else []
@@ -223,7 +223,7 @@ class ModelLoadApi(ManagementApi):
 
     async def post(self, request):
         ctx = await async_context()
-        return Response(await lifecycle.model_register_or_reconfigure(ctx, _json_body(request, None),
+        return Response(await services.model_register_or_reconfigure(ctx, _json_body(request, None),
                                                                       self.actor(request)))
 
 
@@ -233,7 +233,7 @@ class ModelUnloadApi(ManagementApi):
     async def post(self, request):
         model_id = _json_body(request, ModelUnloadInputSerializer)["id"]
         ctx = await async_context()
-        outcome = await lifecycle.model_unload(ctx, model_id, self.actor(request))
+        outcome = await services.model_unload(ctx, model_id, self.actor(request))
         return Response({"id": outcome["id"], "loaded": outcome["loaded"]})
 
 
@@ -243,7 +243,7 @@ class UnloadModelsApi(ManagementApi):
     async def post(self, request):
         ids = _json_body(request, UnloadModelsInputSerializer)["model_ids"]
         ctx = await async_context()
-        return Response(await lifecycle.models_bulk_unload(ctx, ids, self.actor(request)))
+        return Response(await services.models_bulk_unload(ctx, ids, self.actor(request)))
 
 
 class UnloadAllModelsApi(ManagementApi):
@@ -252,4 +252,4 @@ class UnloadAllModelsApi(ManagementApi):
     async def post(self, request):
         _json_body(request, UnloadAllInputSerializer)  # no keys: an empty body or {}
         ctx = await async_context()
-        return Response(await lifecycle.models_bulk_unload(ctx, None, self.actor(request)))
+        return Response(await services.models_bulk_unload(ctx, None, self.actor(request)))

@@ -3,7 +3,7 @@ or issues an ``ApiToken``; and the private check of a management entry before it
 
 Names follow ``<entity>_<action>``. Functions here are synchronous (Django
 ORM); async callers wrap them in ``sync_to_async``. Who calls what: the
-management transitions (``registry.lifecycle``) save and remove entries; the
+management transitions (``registry.services``) save and remove entries; the
 manager of a teardown (``inference.services.model_teardown``) records its
 steps; the worker records its loads and the pools it loses when it stops.
 Each step is recorded by exactly one process. Registrations are also
@@ -233,7 +233,7 @@ def registration_record_teardown(model_id: str, *, ok: bool, detail: str, durati
         lifecycle_event_create(model_id, event, ok, actor=actor, detail=detail, duration_ms=duration_ms)
 
 
-# -- management entries (validated here, written here; the transitions are in registry.lifecycle) ----
+# -- management entries (validated here, written here; the transitions are in registry.services) ----
 
 def registration_merge(body: Any, meta: dict | None) -> Any:
     """A ``POST /v1/models/load`` body applied to the registered entry ``meta`` (None: a new id).

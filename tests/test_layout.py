@@ -123,9 +123,9 @@ def _reach(start: str) -> set[str]:
 def test_the_graph_sees_the_project():
     """The checks below are only as good as the graph: it must know the layers and their edges."""
     assert {"inference.services", "inference.scheduler.slots", "inference.runtime.rpc", "inference.worker.tasks",
-            "registry.records", "registry.lifecycle", "audiosite.asgi"} <= set(MODULES)
+            "registry.records", "registry.services", "audiosite.asgi"} <= set(MODULES)
     assert any(t == "inference.scheduler" for t, _, _ in GRAPH["inference.runtime.rpc"])
-    assert any(t == "inference.services" for t, _, _ in GRAPH["registry.lifecycle"])
+    assert any(t == "inference.services" for t, _, _ in GRAPH["registry.services"])
 
 
 def test_no_import_cycle_among_the_project_modules():
@@ -145,7 +145,7 @@ def test_no_function_local_import_of_project_code():
                            "rest_framework", "adrf")),
     ("inference.adapters", ("django", "audiosite", "registry", "inference.runtime", "inference.services",
                             "inference.worker", "rest_framework", "celery")),
-    ("registry.records", ("inference.services", "inference.runtime", "registry.lifecycle", "rest_framework")),
+    ("registry.records", ("inference.services", "inference.runtime", "registry.services", "rest_framework")),
 ])
 def test_imports_run_one_way(layer, forbidden):
     """views → services → runtime → scheduler; worker → adapters; the scheduler knows no Django;

@@ -12,7 +12,7 @@ lifecycle log and the playground. Who sees what (README, "The browser UI"):
 - ``ui_management`` on and the permission: the management controls too.
 
 Form actions (POST, CSRF-protected by Django's middleware) call the same
-services as the management API (``registry.lifecycle``) and answer JSON: the
+services as the management API (``registry.services``) and answer JSON: the
 service's result, or the API's error body with the API's status (400 with
 ``capacity=N``, 404, 503 …), shown by the page next to the control. Without
 ``ui_management`` or the permission they answer 403 whatever the form says.
@@ -38,7 +38,7 @@ from audiosite.serverconfig import get_config
 from audiosite.validation import MAX_JSON_DEPTH, check_json_depth, validated
 from inference import specs
 from inference.runtime.context import async_context
-from registry import lifecycle
+from registry import services
 from registry.permissions import MANAGEMENT_DISABLED, may_manage
 from registry.selectors import (
     lifecycle_event_facets,
@@ -302,7 +302,7 @@ async def register(request: HttpRequest) -> JsonResponse:
     _ui_on()
 
     async def action(ctx, actor):
-        return await lifecycle.model_register_or_reconfigure(ctx, _register_body(request), actor)
+        return await services.model_register_or_reconfigure(ctx, _register_body(request), actor)
     return await _act(request, action)
 
 
@@ -316,7 +316,7 @@ async def resize(request: HttpRequest, model_id: str) -> JsonResponse:
         slots = _int_field(request, "slots")
         if slots is None:
             raise InvalidRequest("key 'slots': a slot count is required", param="slots")
-        return await lifecycle.model_register_or_reconfigure(ctx, {"id": model_id, "slots": slots}, actor)
+        return await services.model_register_or_reconfigure(ctx, {"id": model_id, "slots": slots}, actor)
     return await _act(request, action)
 
 
@@ -327,7 +327,7 @@ async def load(request: HttpRequest, model_id: str) -> JsonResponse:
 
     async def action(ctx, actor):
         await _registered(ctx, model_id)
-        return await lifecycle.model_register_or_reconfigure(ctx, {"id": model_id}, actor)
+        return await services.model_register_or_reconfigure(ctx, {"id": model_id}, actor)
     return await _act(request, action)
 
 
@@ -348,7 +348,7 @@ async def configure(request: HttpRequest, model_id: str) -> JsonResponse:
 
     async def action(ctx, actor):
         await _registered(ctx, model_id)
-        return await lifecycle.model_register_or_reconfigure(ctx, _configure_body(request, model_id), actor)
+        return await services.model_register_or_reconfigure(ctx, _configure_body(request, model_id), actor)
     return await _act(request, action)
 
 
@@ -358,7 +358,7 @@ async def unload(request: HttpRequest, model_id: str) -> JsonResponse:
     _ui_on()
 
     async def action(ctx, actor):
-        outcome = await lifecycle.model_unload(ctx, model_id, actor)
+        outcome = await services.model_unload(ctx, model_id, actor)
         return {"id": outcome["id"], "loaded": outcome["loaded"]}
     return await _act(request, action)
 
@@ -369,7 +369,7 @@ async def unregister(request: HttpRequest, model_id: str) -> JsonResponse:
     _ui_on()
 
     async def action(ctx, actor):
-        return await lifecycle.model_unregister(ctx, model_id, actor)
+        return await services.model_unregister(ctx, model_id, actor)
     return await _act(request, action)
 
 
@@ -380,10 +380,10 @@ async def bulk_unload(request: HttpRequest) -> JsonResponse:
 
     async def action(ctx, actor):
         if request.POST.get("all"):
-            return await lifecycle.models_bulk_unload(ctx, None, actor)
+            return await services.models_bulk_unload(ctx, None, actor)
         ids = [i for i in request.POST.getlist("model_ids") if i]
         if not ids:
             raise InvalidRequest("tick at least one model", param="model_ids")
-        return await lifecycle.models_bulk_unload(ctx, ids, actor)
+        return await services.models_bulk_unload(ctx, ids, actor)
     return await _act(request, action)
 

@@ -1,6 +1,6 @@
 """``python manage.py unload_model ID [--timeout-ms N]``: unload a model as a manager.
 
-The same transition as ``POST /v1/models/unload`` (``registry.lifecycle.model_unload``):
+The same transition as ``POST /v1/models/unload`` (``registry.services.model_unload``):
 the manager queues behind older requests, is a barrier for later ones
 (R2.2), and destroys the pool through the one teardown path (R4.5).
 """
@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.errors import ApplicationError
 from inference.runtime.context import async_context, redis_url
-from registry.lifecycle import model_unload
+from registry.services import model_unload
 
 OUTCOME_WORDS = {"destroyed": "pool destroyed", "not_loaded": "was not loaded",
                  "worker_lost": "its worker had stopped responding; its pool goes with it"}

@@ -1,12 +1,14 @@
-"""Management transitions (CONTRACT R4–R5): register, reconfigure, unload, unregister, bulk unload.
+"""The registry's services: the management transitions (CONTRACT R4–R5) register, reconfigure, unload,
+unregister, bulk unload.
 
-The routes of ``registry.apis``, the Django admin and ``manage.py
-unload_model`` call these. Each transition runs under the model's manager
-lease (a barrier, R2.2): older requests drain first, later ones bind the
-configuration it leaves (R2.3). Teardowns go through
+The routes of ``registry.apis``, the Django admin, the UI's actions
+(``ui.views``) and ``manage.py unload_model`` call these. Each transition runs
+under the model's manager lease (a barrier, R2.2): older requests drain first,
+later ones bind the configuration it leaves (R2.3). Teardowns go through
 ``inference.services.model_teardown``; database writes through
 ``registry.records`` (in a thread); Redis holds the published metadata every
-process reads.
+process reads. Names follow ``<entity>_<action>`` (``model_register``,
+``models_bulk_unload``).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 from asgiref.sync import sync_to_async
 
 from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, NotFound
-from audiosite.serverconfig import get_config, slot_count
+from audiosite.serverconfig import ServerConfig, get_config, slot_count
 from inference import services as inference_services
 from inference.backend import resolve_backend
 from inference.runtime import leases, metrics
@@ -69,26 +71,66 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
 
 
 async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> dict:
-    """``POST /v1/models/load``: register a new id (R4.6) or reconfigure an existing one (R4.4).
+    """``POST /v1/models/load`` (and the admin's and the UI's forms): look the body's ``id`` up, then
+    :func:`model_register` (not registered, R4.6) or :func:`model_reconfigure` (registered, R4.4).
 
-    For an existing id the body holds the keys to change: it is applied to the entry as it is when
-    the manager lease is granted (``registration_merge``), so ``{"id": ...}`` alone loads the
+    Either one applies the body to the entry as it is when its manager lease is granted: an id
+    registered by another caller while this one queued is reconfigured, one unregistered while it
+    queued is registered anew.
+
+    Returns / Raises: as :func:`model_register` and :func:`model_reconfigure`.
+    """
+    named = body.get("id") if isinstance(body, dict) else None
+    existing = await model_meta_get(ctx, named) if isinstance(named, str) and named else None
+    if existing is None:
+        return await model_register(ctx, body, actor)
+    return await model_reconfigure(ctx, body, actor, existing)
+
+
+async def model_register(ctx: AsyncContext, body, actor: str) -> dict:
+    """Register a new id (R4.6): ``body`` is a whole entry (at least ``id`` and ``family``).
+
+    Validate privately, take the id's manager lease (a second registration of
+    the same id queues on it), publish one complete entry (visible as
+    ``loading``/``unloaded`` while its first load runs), then load unless
+    lazy. A count the model cannot run registers the entry unloaded and
+    answers 400 with ``capacity=``; a failed first load leaves the entry
+    registered and unloaded. If the id was registered by the time the lease
+    is granted, the body reconfigures that entry (:func:`model_reconfigure`'s
+    transition).
+
+    Returns:
+        ``{"id", "loaded": bool, "reconfigured": bool}``.
+
+    Raises:
+        InvalidRequest: invalid body, or a count the model cannot run (the entry is then registered
+            and unloaded) (R4.6, R1.2).
+        ServerBusy: manager admission timeout or fail-fast (R3.4).
+        ModelLoadFailed / InsufficientMemory / ServerBusy: the first load failed (the entry stays
+            registered and unloaded).
+    """
+    config = get_config()
+    backend = await asyncio.to_thread(resolve_backend, config.backend)
+    valid = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, None)
+    return await _entry_transition(ctx, body, actor, None, valid, config, backend)
+
+
+async def model_reconfigure(ctx: AsyncContext, body, actor: str, existing: dict) -> dict:
+    """Reconfigure the registered entry ``existing`` (its published metadata) with ``body`` (R4.4).
+
+    ``body`` holds ``id`` and the keys to change: it is applied to the entry as it is when the
+    manager lease is granted (``registration_merge``), so ``{"id": ...}`` alone loads the
     registration unchanged, and a key no caller sent (voice presets, say) is never lost.
 
-    New id: validate privately, take the id's manager lease (a second
-    registration of the same id queues on it), publish one complete entry
-    (visible as ``loading``/``unloaded`` while its first load runs), then load
-    unless lazy. A count the model cannot run registers the entry unloaded
-    and answers 400 with ``capacity=``; a failed first load leaves the entry
-    registered and unloaded.
-
-    Existing id: validate privately (an unsupported count is refused with
-    400 and nothing changes), take the manager lease under the model's busy
-    timeout (older requests drain), then: same configuration → just make
-    sure it is loaded (``reconfigured: false``); otherwise retire the old
-    pool (state ``reconfiguring``), commit the new metadata, load the
-    replacement. A post-commit load failure leaves the new metadata
-    registered and unloaded; the next request retries.
+    Validate privately (an unsupported count is refused with 400 and nothing
+    changes), take the manager lease under the model's busy timeout (older
+    requests drain), then: same configuration → just make sure it is loaded
+    (``reconfigured: false``); otherwise retire the old pool (state
+    ``reconfiguring``), commit the new metadata, load the replacement. A
+    post-commit load failure leaves the new metadata registered and
+    unloaded; the next request retries. If the id was unregistered by the
+    time the lease is granted, the body registers it anew
+    (:func:`model_register`'s transition).
 
     Returns:
         ``{"id", "loaded": bool, "reconfigured": bool}``.
@@ -100,51 +142,71 @@ async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> 
     """
     config = get_config()
     backend = await asyncio.to_thread(resolve_backend, config.backend)
-    named = body.get("id") if isinstance(body, dict) else None
-    existing = await model_meta_get(ctx, named) if isinstance(named, str) and named else None
     valid = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, existing)
-    entry, model_id = valid.entry, valid.entry.id
-    if existing is not None and valid.count_problem:
+    if valid.count_problem:
         raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
+    return await _entry_transition(ctx, body, actor, existing, valid, config, backend)
+
+
+async def _entry_transition(ctx: AsyncContext, body, actor: str, existing: dict | None,
+                            valid: records.ValidatedEntry, config: ServerConfig, backend: str) -> dict:
+    """Run the register or reconfigure transition of ``valid.entry.id`` under its manager lease.
+
+    ``existing`` is the entry ``valid`` was checked against (None: not registered). Once the lease is
+    granted the entry is read again: when it changed while we queued, ``body`` is checked again against
+    the entry as it is now, and that entry (None or not) chooses the transition.
+    """
+    model_id = valid.entry.id
 
     async def transition(lease: Lease) -> dict:
-        nonlocal valid, entry
         started = time.monotonic()
         current = await model_meta_get(ctx, model_id)  # may have changed while we queued
+        checked = valid
         if current != existing:  # apply the keys sent to the entry as it is now
-            valid = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, current)
-            entry = valid.entry
+            checked = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, current)
         if current is None:
-            meta = records.registration_meta_of(entry, ModelRegistration.Source.API)
-            meta["created"] = int(time.time())
-            await sync_to_async(records.registration_save)(entry, actor, "register", LifecycleState.UNLOADED)
-            await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), config.runtime), lease.lease_id,
-                                              reset=True)
-            if valid.count_problem:
-                await sync_to_async(records.registration_record_state)(model_id, LifecycleState.UNLOADED,
-                                                                        valid.count_problem)
-                raise InvalidRequest(valid.count_problem + f"; model {model_id!r} is registered but stays "
-                                     "unloaded until it is reconfigured with a supported count", param="slots")
-            return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
-        if valid.count_problem:
-            raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
-        meta = records.registration_meta_of(entry, current.get("source") or ModelRegistration.Source.API)
-        meta["created"] = current.get("created")
-        if _same_configuration(meta, current):
-            return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
-        # The row is written first (state reconfiguring): a value the database refuses is a
-        # 400 while the old pool still serves. Then the commit point: retire the old pool and
-        # publish the complete new metadata (R4.4); traffic reads only the published entry.
-        await sync_to_async(records.registration_save)(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
-        await inference_services.model_teardown(ctx, lease, f"reconfigure by {actor}",
-                                                state=ModelState.RECONFIGURING)
-        await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), config.runtime), lease.lease_id,
-                                          reset=True)
-        loaded = await _load_now(ctx, model_id, meta)
-        log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
-        return {"id": model_id, "loaded": loaded, "reconfigured": True}
+            return await _register_granted(ctx, lease, checked, actor, config.runtime)
+        outcome = await _reconfigure_granted(ctx, lease, checked, current, actor, config.runtime)
+        if outcome["reconfigured"]:
+            log.info("reconfigured %s in %.0f ms", model_id, (time.monotonic() - started) * 1000)
+        return outcome
 
     return await leases.run_as_manager(ctx, model_id, ceiling_ms(existing), transition)
+
+
+async def _register_granted(ctx: AsyncContext, lease: Lease, valid: records.ValidatedEntry, actor: str,
+                            runtime: str) -> dict:
+    """Register ``valid.entry`` (not registered) under the granted manager ``lease``, then load it unless lazy."""
+    entry, model_id = valid.entry, valid.entry.id
+    meta = records.registration_meta_of(entry, ModelRegistration.Source.API)
+    meta["created"] = int(time.time())
+    await sync_to_async(records.registration_save)(entry, actor, "register", LifecycleState.UNLOADED)
+    await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), runtime), lease.lease_id, reset=True)
+    if valid.count_problem:
+        await sync_to_async(records.registration_record_state)(model_id, LifecycleState.UNLOADED,
+                                                                valid.count_problem)
+        raise InvalidRequest(valid.count_problem + f"; model {model_id!r} is registered but stays "
+                             "unloaded until it is reconfigured with a supported count", param="slots")
+    return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+
+
+async def _reconfigure_granted(ctx: AsyncContext, lease: Lease, valid: records.ValidatedEntry, current: dict,
+                               actor: str, runtime: str) -> dict:
+    """Apply ``valid.entry`` over the registered ``current`` under the granted manager ``lease`` (R4.4)."""
+    entry, model_id = valid.entry, valid.entry.id
+    if valid.count_problem:
+        raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
+    meta = records.registration_meta_of(entry, current.get("source") or ModelRegistration.Source.API)
+    meta["created"] = current.get("created")
+    if _same_configuration(meta, current):
+        return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+    # The row is written first (state reconfiguring): a value the database refuses is a
+    # 400 while the old pool still serves. Then the commit point: retire the old pool and
+    # publish the complete new metadata (R4.4); traffic reads only the published entry.
+    await sync_to_async(records.registration_save)(entry, actor, "reconfigure", LifecycleState.RECONFIGURING)
+    await inference_services.model_teardown(ctx, lease, f"reconfigure by {actor}", state=ModelState.RECONFIGURING)
+    await ctx.scheduler.publish_entry(meta, slot_count(meta.get("slots"), runtime), lease.lease_id, reset=True)
+    return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": True}
 
 
 async def _unload_recorded(ctx: AsyncContext, lease: Lease, actor: str, via: str = "") -> str:
