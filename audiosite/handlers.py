@@ -47,7 +47,7 @@ from django.utils.module_loading import import_string
 from audiosite.drain import DRAIN, SAFE_METHODS, send_refusal
 from audiosite.errors import PayloadTooLarge
 from audiosite.serverconfig import get_config
-from audiosite.validation import content_length_error
+from audiosite.input_checks import content_length_error
 
 
 def _used_a_thread() -> bool:

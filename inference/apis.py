@@ -30,7 +30,7 @@ from rest_framework.response import Response
 from audiosite.drain import DRAIN, DrainExpired, refusal
 from audiosite.errors import ApplicationError, InvalidRequest, NotFound, PayloadTooLarge, ServerBusy
 from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
-from audiosite.validation import check_length, validated
+from audiosite.input_checks import check_length, validated
 from inference import audio, services, specs, voices
 from inference.runtime import metrics
 from inference.runtime.context import AsyncContext, async_context

@@ -72,7 +72,7 @@ import soxr
 from audiosite.drain import refusal as drain_refusal
 from audiosite.errors import ApplicationError, InvalidRequest, NotFound
 from audiosite.serverconfig import LiveIngest
-from audiosite.validation import b64decode_strict
+from audiosite.input_checks import b64decode_strict
 from inference import services, specs
 from inference.adapters import silero_vad
 from inference.runtime import leases, metrics, published

@@ -4,7 +4,7 @@ They check what a request says without knowing the model: types, ranges,
 plain text, base64, and which audio source was sent. What depends on the
 model (its task and mode, the family's option schema) and reading a
 server-local file (``media_roots``) are checked by the views once the
-model is known. Errors name the field path (``audiosite.validation``).
+model is known. Errors name the field path (``audiosite.input_checks``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from django.core.files.uploadedfile import UploadedFile
 from rest_framework import serializers
 from rest_framework.fields import empty
 
-from audiosite.validation import (BooleanField, ChoiceField, InputField, InputSerializer, IntegerField,
+from audiosite.input_checks import (BooleanField, ChoiceField, InputField, InputSerializer, IntegerField,
                                   NumberField, ObjectField, TextField, b64decode_strict, text_problem)
 from audiosite.serverconfig import get_config
 
@@ -48,7 +48,7 @@ class AudioFileField(LocalPathField):
 
 class Base64Field(InputField):
     """Base64 text (standard alphabet, padded; no whitespace) → the decoded bytes
-    (:func:`audiosite.validation.b64decode_strict`)."""
+    (:func:`audiosite.input_checks.b64decode_strict`)."""
 
     default_error_messages = {"type": "{name} must be a string", "base64": "{name} is not valid base64"}
 

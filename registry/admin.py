@@ -18,7 +18,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
 from audiosite.errors import ApplicationError
-from audiosite.validation import MAX_JSON_DEPTH, bad_text_path, json_depth_exceeds
+from audiosite.input_checks import MAX_JSON_DEPTH, bad_text_path, json_depth_exceeds
 from inference.runtime.context import async_context
 
 from . import services

@@ -17,7 +17,7 @@ from audiosite.apiview import APIView, authenticate
 from audiosite.drain import DRAIN
 from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
-from audiosite.validation import JSONParser, check_length, validated
+from audiosite.input_checks import JSONParser, check_length, validated
 from inference.backend import resolve_backend
 from inference.runtime import metrics
 from inference.runtime.context import async_context

@@ -4,14 +4,14 @@ Every body is a JSON object of plain text (no NUL characters, no unpaired
 surrogates, in keys or values) with only the keys its route takes. The deep
 validation of a model entry (``POST /v1/models/load``) is the service's
 (``registration_validate``); its serializer checks only the outer shape.
-Errors name the field path (``audiosite.validation``).
+Errors name the field path (``audiosite.input_checks``).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from audiosite.serverconfig import ModelConfig
-from audiosite.validation import InputField, InputSerializer, TextField, bad_text_keys, nested_error
+from audiosite.input_checks import InputField, InputSerializer, TextField, bad_text_keys, nested_error
 
 BAD_TEXT = "text in the body may not contain NUL characters or unpaired UTF-16 surrogates"
 

@@ -17,7 +17,7 @@ from django.core.management import call_command
 from django.test import Client, RequestFactory
 
 from audiosite.errors import InvalidRequest
-from audiosite.validation import MAX_JSON_DEPTH
+from audiosite.input_checks import MAX_JSON_DEPTH
 from ui import views as ui_views
 
 pytestmark = pytest.mark.django_db

@@ -12,7 +12,7 @@ import pytest
 from django.http import QueryDict
 
 from audiosite.errors import ERROR_TEXT_MAX_CHARS, ApplicationError, InvalidRequest, clip_text
-from audiosite.validation import JSONParser, validated
+from audiosite.input_checks import JSONParser, validated
 from inference.apis import EarlyProbe
 from inference.serializers import SpeechInputSerializer, TaskRunInputSerializer, TranscriptionInputSerializer
 from registry.serializers import ModelLoadInputSerializer, ModelUnloadInputSerializer, UnloadModelsInputSerializer

@@ -35,7 +35,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from audiosite.errors import ApplicationError, Forbidden, InvalidRequest
 from audiosite.serverconfig import get_config
-from audiosite.validation import MAX_JSON_DEPTH, check_json_depth, validated
+from audiosite.input_checks import MAX_JSON_DEPTH, check_json_depth, validated
 from inference import specs
 from inference.runtime.context import async_context
 from registry import services
