@@ -20,6 +20,8 @@ import asyncio
 import logging
 import os
 
+from inference.runtime.context import async_context
+
 log = logging.getLogger("audiosite.web")
 
 HEARTBEAT_FD_ENV = "AUDIOSITE_WEB_HEARTBEAT_FD"
@@ -47,8 +49,6 @@ async def _beat(fd: int) -> None:
 
 
 async def _announce_channel(fd: int) -> None:
-    from inference.runtime.context import async_context  # Django settings are loaded by now
-
     while True:
         try:
             ctx = await async_context()

@@ -112,20 +112,35 @@ class WriteGate:
     def __init__(self) -> None:
         self._open = asyncio.Event()
         self._open.set()
+        self._stopped = False
 
     def pauseProducing(self) -> None:  # noqa: N802 (Twisted's interface)
-        self._open.clear()
+        if not self._stopped:  # a write after the connection was lost must not close the gate again
+            self._open.clear()
 
     def resumeProducing(self) -> None:  # noqa: N802 (Twisted's interface)
         self._open.set()
 
     def stopProducing(self) -> None:  # noqa: N802 (Twisted's interface: the connection is going away)
+        """Open for good: nothing is sent any more, so no later write may close the gate and make the
+        application's ``send`` wait for a buffer that will never drain."""
+        self._stopped = True
         self._open.set()
 
     async def wait_open(self, timeout_s: float) -> bool:
-        """True once the send buffer has room (at once if it has); False after ``timeout_s`` (s)."""
+        """True once the send buffer has room (at once, without suspending, if it has); False after
+        ``timeout_s`` (s).
+
+        ``asyncio.timeout`` rather than ``asyncio.wait_for``: on Python 3.11 ``wait_for`` can swallow a
+        cancellation that arrives as its inner wait completes, and the handler cancels a streamed
+        response's send task when its client leaves: a swallowed cancel left the stream running (and
+        its lease held) until daphne killed it 10 s later.
+        """
+        if self._open.is_set():
+            return True
         try:
-            await asyncio.wait_for(self._open.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._open.wait()
         except TimeoutError:
             return False
         return True

@@ -485,11 +485,9 @@ def process_queue(pipe: Any, role: str) -> None:
 
 
 async def _publish_web_forever() -> None:
-    from .context import async_context as context  # the context needs Django's settings: loaded by now
-
     while True:
         try:
-            ctx = await context()
+            ctx = await async_context()
             async with ctx.redis.pipeline(transaction=False) as pipe:
                 process_queue(pipe, "web")
                 await pipe.execute()
