@@ -156,7 +156,7 @@ def registry_start(config: ServerConfig, scheduler: Scheduler) -> tuple[dict[str
     return report, registry_publish(scheduler, config.runtime)
 
 
-def start_summary(report: dict[str, list[str]], published: list[str]) -> str:
+def registry_start_summary(report: dict[str, list[str]], published: list[str]) -> str:
     """The line a start prints about the registry (:func:`registry_start`'s result)."""
     return (f"registry: created {report['created']}, updated {report['updated']}, removed {report['removed']}; "
             f"published {len(published)} model(s)")

@@ -425,7 +425,7 @@ class Command(BaseCommand):
             report, published_ids = records.registry_start(config, sync_scheduler())
         except RuntimeMismatch as exc:
             raise CommandError(str(exc)) from None
-        self.stdout.write(records.start_summary(report, published_ids))
+        self.stdout.write(records.registry_start_summary(report, published_ids))
 
     def _wait_healthy(self, host: str, port: int) -> None:
         """Wait until ``/health`` answers 200: daphne is up and a worker is alive (a 503 is ``degraded``).

@@ -18,7 +18,7 @@ from audiosite.serverconfig import ConfigError, get_config
 from inference.runtime.context import redis_url, sync_scheduler
 from inference.scheduler import RuntimeMismatch
 from registry.selectors import models_in_use
-from registry.records import registration_sync_plan, registry_start, start_summary
+from registry.records import registration_sync_plan, registry_start, registry_start_summary
 
 
 class Command(BaseCommand):
@@ -58,5 +58,5 @@ class Command(BaseCommand):
             report, published = registry_start(config, scheduler)
         except RuntimeMismatch as exc:
             raise CommandError(str(exc)) from None
-        self.stdout.write(start_summary(report, published))
+        self.stdout.write(registry_start_summary(report, published))
 
