@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import jsonschema
 
-from audiosite.settings import env_bool, env_str
+from audiosite.env import env_bool, env_str
 
 SPEC_DIR = Path(__file__).resolve().parent.parent / "model_specs"
 ADMISSION_DIR = SPEC_DIR / "admission"

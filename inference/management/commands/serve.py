@@ -66,7 +66,7 @@ from django.core.management.base import BaseCommand, CommandError
 from audiosite.celery import app as celery_app
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, kombu_broker_url, redacted
 from audiosite.serverconfig import ConfigError, ServerConfig, install_config, load_config, slot_count
-from audiosite.settings import env_json, env_str
+from audiosite.env import env_json, env_str
 from audiosite.heartbeat import HEARTBEAT_FD_ENV
 from audiosite.supervision import TICK_S, WebSupervisor, WorkerSupervisor, describe_exit
 from inference.consumers import close_live_sessions

@@ -11,7 +11,7 @@ import logging
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from audiosite.settings import env_str
+from audiosite.env import env_str
 from audiosite.serverconfig import ConfigError, install_config, load_config
 from inference import wyoming_server
 from inference.runtime.context import redis_url
