@@ -53,7 +53,7 @@ from inference.adapters.base import LoadContext
 from inference.runtime.context import KEYS as RUNTIME_KEYS
 from inference.runtime.context import async_context
 from inference.scheduler import Keys, Listener, LoadEnd, Scheduler
-from inference.validation import evidence
+from gate import evidence
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "samples"

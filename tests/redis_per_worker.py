@@ -30,7 +30,7 @@ import time
 
 import redis
 
-from inference.validation.servers import free_port  # settings untouched: imports no settings value
+from gate.servers import free_port  # settings untouched: imports no settings value
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 START_TIMEOUT_S = 20.0
@@ -78,7 +78,7 @@ def _start() -> str:
 
 
 MARK = "AUDIOSITE_TEST_PRIVATE_REDIS"
-"""Set once a worker's Redis runs: a pytest started by a test (``inference.validation``) inherits the
+"""Set once a worker's Redis runs: a pytest started by a test (``gate.framework``) inherits the
 worker's environment, ``REDIS_URL`` included, and keeps it instead of starting another server."""
 
 if (os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1

@@ -13,7 +13,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from inference.validation import evidence
+from gate import evidence
 
 from .helpers import admission, framework_record, record, rows
 

@@ -27,7 +27,7 @@ from django.conf import settings
 
 import onnxruntime
 
-from inference.validation.servers import kill_process_tree
+from gate.servers import kill_process_tree
 
 from .helpers import admission, framework_record, rows
 

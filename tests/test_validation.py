@@ -12,9 +12,9 @@ import json
 import pytest
 from django.core.management import call_command
 
-from inference.validation import evidence
-from inference.validation.model_checks import Plan, run_model_validation, stabilisation
-from inference.validation.workloads import get_workload
+from gate import evidence
+from gate.model_checks import Plan, run_model_validation, stabilisation
+from gate.workloads import get_workload
 
 pytestmark = pytest.mark.stack
 

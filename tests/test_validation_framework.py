@@ -1,4 +1,4 @@
-"""The framework record of the validation gate (inference/validation/framework.py, stress.py).
+"""The framework record of the validation gate (gate/framework.py, stress.py).
 
 - the F1–F5 map names only tests the suite really collects (``pytest --collect-only``), so a
   renamed or deleted test fails here instead of silently leaving a check unproven;
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from inference.validation import evidence, framework
-from inference.validation.stress import answer_problem, run_stress
+from gate import evidence, framework
+from gate.stress import answer_problem, run_stress
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -40,7 +40,7 @@ from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
 
-from inference.validation.servers import Server
+from gate.servers import Server
 
 from .bench_slots import _task_body
 

@@ -46,7 +46,7 @@ import psutil
 import soundfile
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.validation.servers import Server
+from gate.servers import Server
 
 HELD = "bench-held"
 WIDE = [f"bench-wide-{i}" for i in (1, 2, 3)]

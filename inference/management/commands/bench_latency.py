@@ -57,7 +57,7 @@ from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
-from inference.validation.servers import kill_process_tree
+from gate.servers import kill_process_tree
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 VAD, ASR = "silero-vad", "whisper-tiny.en"

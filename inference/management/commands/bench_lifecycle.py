@@ -35,7 +35,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference.runtime.context import KEYS
 
-from inference.validation.servers import Server
+from gate.servers import Server
 
 from .bench_slots import SAMPLE, _q, _task_body
 

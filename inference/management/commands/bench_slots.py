@@ -21,7 +21,7 @@ fixture family enabled for the scheduler measurements) and prints:
 The report is also written as JSON (``--out``, default ``var/bench_slots.json``).
 
 ``--family F [--counts 2 4]``: instead, the performance report of VALIDATION.md for one family with
-the validation gate's workload (``inference/validation/performance.py``), written beside the evidence
+the validation gate's workload (``gate/performance.py``), written beside the evidence
 records (``--out``, default ``var/evidence``) and separate from admission.
 """
 from __future__ import annotations
@@ -51,10 +51,10 @@ from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
 from inference.runtime.context import KEYS
 from inference.scheduler import Keys, Listener, Scheduler
-from inference.validation.servers import Server
-from inference.validation import evidence
-from inference.validation.performance import family_report
-from inference.validation.workloads import get_workload
+from gate.servers import Server
+from gate import evidence
+from gate.performance import family_report
+from gate.workloads import get_workload
 
 SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 REPEATS = 3
@@ -80,7 +80,7 @@ class Command(BaseCommand):
         parser.add_argument("--out", help="report file (default var/bench_slots.json); with --family the evidence "
                                           "root the report goes under (default var/evidence)")
         parser.add_argument("--family", help="the performance report of one family with the validation gate's "
-                                             "workload (inference/validation/workloads.py)")
+                                             "workload (gate/workloads.py)")
         parser.add_argument("--counts", type=int, nargs="+", default=[2, 4], help="with --family: N of the N-slot runs")
         parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
         parser.add_argument("--repeats", type=int, default=REPEATS, help="warm repeats (at least 3)")
@@ -92,7 +92,7 @@ class Command(BaseCommand):
         self._all(opts)
 
     def _family(self, opts) -> None:
-        """``--family``: the per-family report of ``inference/validation/performance.py``, written as
+        """``--family``: the per-family report of ``gate/performance.py``, written as
         ``<out>/<backend>/<family>/<task>-<mode>/performance-<stamp>/performance.json`` (beside the
         evidence records, never read by admission)."""
 

@@ -2,7 +2,7 @@
 
 Each cycle starts ``manage.py serve`` on the embedded default (private Redis, a fresh SQLite
 file, one eager ``silero_vad`` model on the CPU) in a temporary folder, as an operator starts it
-(``inference.validation.servers.Server``, as the validation gate does),
+(``gate.servers.Server``, as the validation gate does),
 waits for its "listening on" line, answers one ``/health``, then sends Ctrl-C (SIGINT) and waits
 for it to exit. Printed per cycle, then as medians:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.validation.servers import Server
+from gate.servers import Server
 
 POLL_S = 0.01
 STOP_TIMEOUT_S = 60.0

@@ -2,7 +2,7 @@
 
 Starts its own ``manage.py serve --parallel-jobs --ui-management`` (embedded
 Redis, a temporary SQLite database, lazy loading, no configured model; see
-``inference.validation.servers.Server``) and runs ``--cycles`` cycles of, through the HTTP API:
+``gate.servers.Server``) and runs ``--cycles`` cycles of, through the HTTP API:
 
 1. ``POST /v1/models/load`` of one model of ``--family`` with ``--slots``
    slots (a management token from ``manage.py issue_token``);
@@ -41,7 +41,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference.runtime.context import KEYS
 
-from inference.validation.servers import Server
+from gate.servers import Server
 
 from .bench_slots import SAMPLE, _task_body
 

@@ -1,7 +1,7 @@
 """``python manage.py admission``: the admission table of a backend, generated from evidence records.
 
 Reads every record under ``--evidence`` (default ``model_specs/evidence``), builds the table
-(``inference/validation/admission.py`` states the rule) and prints the counts it adds or removes
+(``gate/admission.py`` states the rule) and prints the counts it adds or removes
 against the current table, each with the record that decides it. ``--write`` writes the table;
 ``--check`` exits nonzero when the table on disk differs from what the records give (for CI).
 A malformed or unbackable record is an error naming its path, and nothing is written.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.validation import admission, evidence
+from gate import admission, evidence
 
 
 class Command(BaseCommand):

@@ -4,8 +4,8 @@
         [--starts 3] [--backend cpu|cuda] [--out model_specs/evidence] [--memory-cycles 20]
 
 Starts real ``manage.py serve`` processes (embedded Redis, a temporary SQLite file; fresh servers
-per count and start; see ``inference/validation/model_checks.py`` for the procedure and
-``inference/validation/workloads.py`` for each family's requests and comparison rule), writes one
+per count and start; see ``gate/model_checks.py`` for the procedure and
+``gate/workloads.py`` for each family's requests and comparison rule), writes one
 evidence record (``record.json``, the shape of ``../shared/spec/VALIDATION.md``) with the raw request
 log, references and mismatching answers beside it, and prints a table of every check per count and
 the record's path. The record's ``counts[n].admission_ready`` is what ``manage.py admission`` reads.
@@ -24,9 +24,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from inference import specs
 from inference.backend import resolve_backend
-from inference.validation import evidence
-from inference.validation.model_checks import MEMORY_WINDOW, Plan, run_model_validation
-from inference.validation.workloads import get_workload
+from gate import evidence
+from gate.model_checks import MEMORY_WINDOW, Plan, run_model_validation
+from gate.workloads import get_workload
 
 MODEL_ROWS = ("M1", "M2", "M3", "M4", "M5", "M6")
 

@@ -1,7 +1,7 @@
 """``python manage.py validate_framework``: the framework record of the validation gate (F1–F6).
 
 Runs the named tests of F1–F5 (and for F6 the whole suite plus a seeded stress run against a real
-server) and writes one framework evidence record; see ``inference/validation/framework.py`` for the
+server) and writes one framework evidence record; see ``gate/framework.py`` for the
 map and the status rules, and docs/validation.md for the operator's guide. ``--stress-only`` runs
 just the stress run and prints its report (no record). Exits nonzero unless every check passed
 (with ``--quick``: F1-F5; its F6 is PENDING by design).
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from inference.validation import evidence, framework
-from inference.validation.stress import run_stress
+from gate import evidence, framework
+from gate.stress import run_stress
 
 
 class Command(BaseCommand):

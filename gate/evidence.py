@@ -50,7 +50,8 @@ EVIDENCE_DIR = Path(settings.BASE_DIR) / "model_specs" / "evidence"
 RECORD_NAME = "record.json"
 # What "the code" is for a record: the tracked files that decide behaviour. Records, the
 # generated admission tables and docs are left out so committing evidence does not change it.
-CODE_PATHS = ("audiosite", "inference", "registry", "ui", "manage.py", "requirements.txt", "model_specs")
+CODE_PATHS = ("audiosite", "inference", "registry", "ui", "gate", "bench", "manage.py", "requirements.txt",
+              "model_specs")
 CODE_EXCLUDE = ("model_specs/evidence/", "model_specs/admission/")
 
 
