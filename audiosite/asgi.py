@@ -3,7 +3,7 @@
 WebSocket upgrades go to the Channels consumers: ``/v1/realtime`` (``inference.consumers``) and
 ``/ui/ws/status`` (``ui.routing``); any other path is closed cleanly with code 4404.
 HTTP goes to Django (DRF async views): the API through
-``audiosite.handlers.ApiHandler`` (async-only middleware, no per-request
+``audiosite.http.handler.ApiHandler`` (async-only middleware, no per-request
 thread), the admin through Django's own handler with the full
 ``MIDDLEWARE``. ``get_asgi_application()`` runs before anything that imports
 models, as Channels requires.
@@ -23,7 +23,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import re_path  # noqa: E402
 
-from audiosite.handlers import http_application  # noqa: E402
+from audiosite.http.handler import http_application  # noqa: E402
 from audiosite.serverconfig import get_config  # noqa: E402
 from inference.consumers import HostOriginValidator, NoRouteConsumer, RealtimeConsumer  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402

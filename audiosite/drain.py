@@ -1,7 +1,7 @@
 """The graceful drain of one web process (CONTRACT R8.4): readiness off, new work refused, admitted work bounded.
 
 One :class:`Drain` per process (:data:`DRAIN`), driven by the ASGI server
-(``audiosite.web`` calls :meth:`Drain.begin` on the first SIGTERM or SIGINT
+(``audiosite.http.daphne_server`` calls :meth:`Drain.begin` on the first SIGTERM or SIGINT
 and :meth:`Drain.wait` before it stops daphne). While it drains:
 
 1. ``/health`` answers 503 ``"status": "draining"`` (readiness first: a load

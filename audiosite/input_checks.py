@@ -53,7 +53,7 @@ def check_length(request, body_optional: bool = False) -> int:
     empty): a body without Content-Length is refused with 411, unless
     ``body_optional`` and no body was sent at all (then 0). (The API's
     handler has refused an oversize body already, before reading it:
-    ``audiosite.handlers.ApiHandler``.)
+    ``audiosite.http.handler.ApiHandler``.)
     """
     limit = get_config().max_request_body_bytes
     raw = request.META.get("CONTENT_LENGTH")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from audiosite.apiview import APIView
+from audiosite.http.apiview import APIView
 from django.http import HttpResponse, StreamingHttpResponse
 from rest_framework.exceptions import ParseError
 from rest_framework.negotiation import BaseContentNegotiation, DefaultContentNegotiation

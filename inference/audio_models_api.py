@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rest_framework.response import Response
 
-from audiosite.apiview import APIView
+from audiosite.http.apiview import APIView
 from audiosite.serverconfig import get_config
 from inference.runtime import published
 from inference.runtime.context import async_context

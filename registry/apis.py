@@ -13,7 +13,7 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
-from audiosite.apiview import APIView, authenticate
+from audiosite.http.apiview import APIView, authenticate
 from audiosite.drain import DRAIN
 from audiosite.errors import Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
@@ -107,7 +107,7 @@ class ManagementGate(BasePermission):
     credential check); no or invalid credentials → 401
     ``authentication_error``; an authenticated caller without
     ``registry.manage_models`` → 403 ``forbidden``. Async: the credentials are
-    looked up only after the first check (``audiosite.apiview``).
+    looked up only after the first check (``audiosite.http.apiview``).
     """
 
     async def has_permission(self, request, view) -> bool:

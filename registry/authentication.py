@@ -2,13 +2,13 @@
 
 DRF's ``TokenAuthentication`` and ``SessionAuthentication`` are synchronous
 (a database read in the view), so ``adrf`` runs them in a thread. These
-subclasses add ``aauthenticate`` coroutines, which ``audiosite.apiview``
+subclasses add ``aauthenticate`` coroutines, which ``audiosite.http.apiview``
 awaits on the event loop: the database reads go through Django's async ORM,
 and only a request that carries credentials reads anything. The sync
 ``authenticate`` methods stay as DRF wrote them (other callers, tests).
 
 The session is read from its cookie here (the API has no session middleware,
-see ``audiosite.handlers``); a session-authenticated request must pass DRF's
+see ``audiosite.http.handler``); a session-authenticated request must pass DRF's
 CSRF check exactly as with ``SessionAuthentication``.
 
 Tokens are ``registry.models.ApiToken`` rows, which hold only the SHA-256 of

@@ -3,7 +3,7 @@
 A ``Content-Length`` over ``max_request_body_bytes`` gets its 413 as soon as
 the headers are in, and a body without one (chunked) gets its 413 as soon as
 it passes the limit, without the web process buffering it. In a real server
-this is daphne's request class (``audiosite.web``), because Twisted receives a
+this is daphne's request class (``audiosite.http.daphne_server``), because Twisted receives a
 whole body before the application is called; ``ApiHandler`` does the same for
 any ASGI server, checked here by driving it with ASGI messages.
 """
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from audiosite.handlers import ApiHandler
+from audiosite.http.handler import ApiHandler
 from audiosite.serverconfig import get_config
 
 from .helpers import QUICK_S, STACK_MAX_BODY_BYTES, peak_rss_bytes, raw_exchange, run, web_pid, within

@@ -168,6 +168,29 @@ def test_imports_run_one_way(layer, forbidden):
     assert offending == []
 
 
+# Framework internals are overridden in one place (audiosite.http, whose module doc lists them); the
+# command that runs daphne (audiosite.web) may name daphne.
+FRAMEWORK_INTERNALS = ("daphne", "twisted", "autobahn", "zope", "adrf", "django.core.handlers")
+MAY_IMPORT_FRAMEWORK_INTERNALS = ("audiosite.http", "audiosite.web")
+
+
+def test_framework_internals_are_imported_only_under_audiosite_http():
+    offending = []
+    for module, path in MODULES.items():
+        if any(module == m or module.startswith(m + ".") for m in MAY_IMPORT_FRAMEWORK_INTERNALS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            offending += [f"{module}:{node.lineno} imports {n}" for n in names
+                          if any(n == f or n.startswith(f + ".") for f in FRAMEWORK_INTERNALS)]
+    assert offending == []
+    assert "audiosite.http.handler" in MODULES and "audiosite.http.daphne_server" in MODULES
+
+
 # The one model adapter the web process runs itself: Silero VAD finds the turns of a live transcription
 # (inference/realtime.py, docs/operations.md "Streamed transcription"); every model that serves requests
 # runs on a worker.

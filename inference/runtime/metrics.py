@@ -92,7 +92,7 @@ class Stored:
 
 
 OUTCOMES = ("ok", "client_error", "rejected", "error")
-"""The ``outcome`` values of ``audiosite_requests_total`` (``audiosite.apiview.request_outcome``)."""
+"""The ``outcome`` values of ``audiosite_requests_total`` (``audiosite.http.apiview.request_outcome``)."""
 REJECTION_CODES = ("queue_timeout", "overdue", "shutting_down", "worker_lost", "no_worker", "load_failed",
                    "residency_full", "decode_budget", "insufficient_memory")
 """The 503 codes a registered model's ``audiosite_rejections_total`` series start at 0 with (the codes of
@@ -187,7 +187,7 @@ def audio(model_id: str, task: str, seconds: float) -> Event:
 def realtime_turn(model_id: str, status: int, code: str | None = None, seconds: float = 0.0) -> tuple[Event, ...]:
     """The events of a realtime transcription turn that ended, counted as one request of ``model_id``:
     ``requests_total`` with the outcome of HTTP ``status`` (200 for a ``completed`` turn, the error's
-    status for a ``failed`` one, as ``audiosite.apiview.request_outcome``), ``rejections_total`` with
+    status for a ``failed`` one, as ``audiosite.http.apiview.request_outcome``), ``rejections_total`` with
     ``code`` for a 503, and ``seconds`` of audio (the turn's, when it was transcribed). ``model_id`` is ""
     when the turn named no registered model."""
     outcome = "ok" if status < 400 else "client_error" if status < 500 else "rejected" if status == 503 else "error"

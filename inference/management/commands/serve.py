@@ -85,7 +85,8 @@ LIVE_CLOSE_TIMEOUT_S = 2.0  # at shutdown, how long serve tries to reach the rea
 PRELOAD_CANCEL_S = 2.0  # at a signal during the start-up loads, how long serve waits for them to give up
 WEB_STOP_MARGIN_S = 10.0
 """How long serve waits for daphne beyond ``shutdown_timeout_ms`` (its answers to cut work, closing the
-connections: ``audiosite.web.EXPIRY_GRACE_S`` + ``CLOSE_GRACE_S``, plus slack) before killing it, in seconds."""
+connections: ``audiosite.http.daphne_server.EXPIRY_GRACE_S``
++ ``CLOSE_GRACE_S``, plus slack) before killing it, in seconds."""
 FORCED_STOP_S = 5.0
 """After a second signal, how long a child may take to stop before it is killed, in seconds."""
 # Files created by serve and its children: owner only (folders 0700, files 0600).

@@ -11,7 +11,7 @@ sends the same response headers as the admin (``X-Content-Type-Options``,
 ``Content-Length``). :class:`AllowedHostOnLoop` refuses a foreign ``Host``
 header (``settings.ALLOWED_HOSTS``) with a 400 in the API's error shape.
 Sessions, CSRF, authentication and messages stay in ``settings.MIDDLEWARE``,
-which serves the admin (see ``audiosite.handlers``).
+which serves the admin (see ``audiosite.http.handler``).
 """
 from __future__ import annotations
 

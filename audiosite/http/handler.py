@@ -13,7 +13,7 @@ a fresh executor thread that is joined when the request ends.
   unchanged ``ASGIHandler`` with ``settings.MIDDLEWARE`` (sessions, CSRF,
   authentication, messages);
 - everything else (the API, and its JSON 404) goes to :class:`ApiHandler`:
-  ``settings.API_MIDDLEWARE`` (async only, see ``audiosite.middleware``) and
+  ``settings.API_MIDDLEWARE`` (async only, see ``audiosite.http.middleware``) and
   the request signals sent on the event loop. A request that does no
   thread-sensitive sync work starts no thread and makes no hop. One that does
   (a database write during an eviction, say) gets Django's per-request
@@ -24,7 +24,7 @@ a fresh executor thread that is joined when the request ends.
 :class:`ApiHandler` also bounds the body it reads: a ``Content-Length`` over
 ``max_request_body_bytes`` is answered 413 before a single body message is
 received, and a body without one is read only up to that limit (then 413)
-instead of being buffered whole. (Under daphne, ``audiosite.web`` refuses the
+instead of being buffered whole. (Under daphne, ``audiosite.http.daphne_server`` refuses the
 same bodies earlier still, while Twisted receives them; this guard keeps the
 handler safe under any ASGI server.)
 """
@@ -248,7 +248,7 @@ def http_application(django_handler: ASGIHandler):
     """The ASGI ``http`` app: admin-like paths → ``django_handler``; the rest → :class:`ApiHandler`.
 
     While the process drains (``audiosite.drain``), a write to an admin-like path is answered 503
-    ``shutting_down`` here (the API views refuse their own, see ``audiosite.apiview``).
+    ``shutting_down`` here (the API views refuse their own, see ``audiosite.http.apiview``).
     """
     api_handler = ApiHandler()
     prefixes = _full_stack_prefixes()
