@@ -1,5 +1,5 @@
 """Writes to the database: the only module that changes a ``ModelRegistration``, adds a ``LifecycleEvent``
-or issues an ``ApiToken``; and the private check of a management entry before it is written.
+or issues an ``ApiToken``.
 
 Names follow ``<entity>_<action>``. Functions here are synchronous (Django
 ORM); async callers wrap them in ``sync_to_async``. Who calls what: the
@@ -15,12 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from dataclasses import dataclass
 from typing import Any
 
 from django.db import DataError, transaction
 from django.utils import timezone
-from pydantic import ValidationError
 
 from audiosite.errors import InvalidRequest
 from audiosite.serverconfig import ModelConfig, ServerConfig, slot_count
@@ -28,7 +26,6 @@ from inference import specs
 from inference.scheduler import Scheduler
 
 from .models import ApiToken, LifecycleEvent, LifecycleState, ModelRegistration
-from .selectors import ENTRY_KEYS, registration_body_of
 
 log = logging.getLogger(__name__)
 
@@ -231,92 +228,6 @@ def registration_record_teardown(model_id: str, *, ok: bool, detail: str, durati
         state=LifecycleState.UNLOADED, last_error="" if ok else detail, updated_at=timezone.now())
     if audit:
         lifecycle_event_create(model_id, event, ok, actor=actor, detail=detail, duration_ms=duration_ms)
-
-
-# -- management entries (validated here, written here; the transitions are in registry.services) ----
-
-def registration_merge(body: Any, meta: dict | None) -> Any:
-    """A ``POST /v1/models/load`` body applied to the registered entry ``meta`` (None: a new id).
-
-    Only the keys the caller sends change (each replaces that key as a whole: an options block sent
-    replaces the old block); ``{"id": ...}`` alone gives the entry as it is. A body that names another
-    family is a new entry of that family (the old options belong to the old family), so it replaces
-    the entry instead. A body that is not an object is returned as it is (validation refuses it).
-    """
-    if meta is None or not isinstance(body, dict):
-        return body
-    if "family" in body and body["family"] != meta.get("family"):
-        return body
-    return {**registration_body_of(meta), **body}
-
-
-@dataclass(frozen=True)
-class ValidatedEntry:
-    """A management body that passed private validation (R4.4, R4.6).
-
-    ``entry`` is the parsed model entry; ``count_problem`` is set when the count is a valid
-    integer the model cannot run (above the advertised ``capacity=N`` or the
-    admitted counts): refused for an existing id, registered-but-unloaded
-    for a new one.
-    """
-
-    entry: ModelConfig
-    count_problem: str | None
-
-
-def registration_validate(body, runtime: str, backend: str, current: dict | None = None) -> ValidatedEntry:
-    """Check a ``POST /v1/models/load`` body privately: nothing live is touched (R4.4, R7.1).
-
-    Checks the shape and types (strict), the family, task and mode, the
-    option blocks against the family schema, that ``path`` (or the packaged
-    default checkpoint) exists, and the slot count (R1.2, R1.3, R9).
-
-    Args:
-        body: the decoded JSON object.
-        runtime: 'legacy' or 'parallel'.
-        backend: the resolved backend ('cpu' or 'cuda') for the capacity probe.
-        current: the published entry of ``body``'s id when it is registered: the body is applied to
-            it (:func:`registration_merge`: only the keys sent change) and the result is checked.
-            The legacy runtime's refusal of ``slots`` and the count check concern the keys sent.
-
-    Text with NUL characters or unpaired surrogates is refused at the edges
-    (``registry.apis``, the admin form) before it gets here.
-
-    Raises:
-        InvalidRequest: the first problem found, with ``param`` naming the key.
-    """
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object with at least 'id' and 'family'")
-    unknown = sorted(set(body) - set(ENTRY_KEYS))
-    if unknown:
-        raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}", param=unknown[0])
-    if "slots" in body and runtime != "parallel":
-        raise InvalidRequest("slots requires --parallel-jobs: the legacy runtime serves one session per model and "
-                             "refuses any explicit slots, including 1 and null (R1.2)", param="slots")
-    sent = body
-    body = registration_merge(body, current)
-    try:
-        entry = ModelConfig.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or None
-        message = "required" if err["type"] == "missing" else err["msg"]
-        raise InvalidRequest(f"key {key!r}: {message}", param=key) from None
-    problems = specs.check_model_entry(entry.model_dump())
-    if problems:
-        raise InvalidRequest(str(problems[0]), param=problems[0].param)
-    try:
-        specs.resolve_checkpoint(entry.family, entry.path)
-    except FileNotFoundError as exc:
-        raise InvalidRequest(f"key 'path': {exc}", param="path") from None
-    count_problem = None
-    if "slots" in sent:
-        problem = specs.slots_value_problem(body["slots"])
-        if problem:
-            raise InvalidRequest(problem, param="slots")
-        task = entry.task or specs.default_task(entry.family)
-        count_problem = specs.slots_count_problem(entry.family, task, entry.mode, body["slots"], backend)
-    return ValidatedEntry(entry, count_problem)
 
 
 def registration_meta_of(entry: ModelConfig, source: Any) -> dict:

@@ -1,5 +1,5 @@
 """The registry's services: the management transitions (CONTRACT R4–R5) register, reconfigure, unload,
-unregister, bulk unload.
+unregister, bulk unload; and the private check of a management entry before its transition.
 
 The routes of ``registry.apis``, the Django admin, the UI's actions
 (``ui.views``) and ``manage.py unload_model`` call these. Each transition runs
@@ -15,12 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from asgiref.sync import sync_to_async
+from pydantic import ValidationError
 
 from audiosite.errors import ApplicationError, InvalidRequest, ModelLoadFailed, NotFound
-from audiosite.serverconfig import ServerConfig, get_config, slot_count
+from audiosite.serverconfig import ModelConfig, ServerConfig, get_config, slot_count
 from inference import services as inference_services
+from inference import specs
 from inference.backend import resolve_backend
 from inference.runtime import leases, metrics
 from inference.runtime.context import AsyncContext
@@ -29,7 +33,8 @@ from inference.scheduler import Lease, ModelState
 
 from . import records
 from .models import LifecycleState, ModelRegistration
-from .selectors import model_meta_all, model_meta_get, registration_first_load_published
+from .selectors import (ENTRY_KEYS, model_meta_all, model_meta_get, registration_body_of,
+                        registration_first_load_published)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,95 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
         raise
     return True
 
+
+# -- management entries: checked privately before any transition (R4.4, R4.6, R7.1) ------------------
+
+def registration_merge(body: Any, meta: dict | None) -> Any:
+    """A ``POST /v1/models/load`` body applied to the registered entry ``meta`` (None: a new id).
+
+    Only the keys the caller sends change (each replaces that key as a whole: an options block sent
+    replaces the old block); ``{"id": ...}`` alone gives the entry as it is. A body that names another
+    family is a new entry of that family (the old options belong to the old family), so it replaces
+    the entry instead. A body that is not an object is returned as it is (validation refuses it).
+    """
+    if meta is None or not isinstance(body, dict):
+        return body
+    if "family" in body and body["family"] != meta.get("family"):
+        return body
+    return {**registration_body_of(meta), **body}
+
+
+@dataclass(frozen=True)
+class ValidatedEntry:
+    """A management body that passed private validation (R4.4, R4.6).
+
+    ``entry`` is the parsed model entry; ``count_problem`` is set when the count is a valid
+    integer the model cannot run (above the advertised ``capacity=N`` or the
+    admitted counts): refused for an existing id, registered-but-unloaded
+    for a new one.
+    """
+
+    entry: ModelConfig
+    count_problem: str | None
+
+
+def registration_validate(body, runtime: str, backend: str, current: dict | None = None) -> ValidatedEntry:
+    """Check a ``POST /v1/models/load`` body privately: nothing live is touched (R4.4, R7.1).
+
+    Checks the shape and types (strict), the family, task and mode, the
+    option blocks against the family schema, that ``path`` (or the packaged
+    default checkpoint) exists, and the slot count (R1.2, R1.3, R9).
+
+    Args:
+        body: the decoded JSON object.
+        runtime: 'legacy' or 'parallel'.
+        backend: the resolved backend ('cpu' or 'cuda') for the capacity probe.
+        current: the published entry of ``body``'s id when it is registered: the body is applied to
+            it (:func:`registration_merge`: only the keys sent change) and the result is checked.
+            The legacy runtime's refusal of ``slots`` and the count check concern the keys sent.
+
+    Text with NUL characters or unpaired surrogates is refused at the edges
+    (``registry.apis``, the admin form) before it gets here.
+
+    Raises:
+        InvalidRequest: the first problem found, with ``param`` naming the key.
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object with at least 'id' and 'family'")
+    unknown = sorted(set(body) - set(ENTRY_KEYS))
+    if unknown:
+        raise InvalidRequest(f"unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}", param=unknown[0])
+    if "slots" in body and runtime != "parallel":
+        raise InvalidRequest("slots requires --parallel-jobs: the legacy runtime serves one session per model and "
+                             "refuses any explicit slots, including 1 and null (R1.2)", param="slots")
+    sent = body
+    body = registration_merge(body, current)
+    try:
+        entry = ModelConfig.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or None
+        message = "required" if err["type"] == "missing" else err["msg"]
+        raise InvalidRequest(f"key {key!r}: {message}", param=key) from None
+    problems = specs.check_model_entry(entry.model_dump())
+    if problems:
+        raise InvalidRequest(str(problems[0]), param=problems[0].param)
+    try:
+        specs.resolve_checkpoint(entry.family, entry.path)
+    except FileNotFoundError as exc:
+        raise InvalidRequest(f"key 'path': {exc}", param="path") from None
+    count_problem = None
+    if "slots" in sent:
+        problem = specs.slots_value_problem(body["slots"])
+        if problem:
+            raise InvalidRequest(problem, param="slots")
+        task = entry.task or specs.default_task(entry.family)
+        count_problem = specs.slots_count_problem(entry.family, task, entry.mode, body["slots"], backend)
+    return ValidatedEntry(entry, count_problem)
+
+
+
+# -- transitions ---------------------------------------------------------------------------------------
 
 async def model_register_or_reconfigure(ctx: AsyncContext, body, actor: str) -> dict:
     """``POST /v1/models/load`` (and the admin's and the UI's forms): look the body's ``id`` up, then
@@ -111,7 +205,7 @@ async def model_register(ctx: AsyncContext, body, actor: str) -> dict:
     """
     config = get_config()
     backend = await asyncio.to_thread(resolve_backend, config.backend)
-    valid = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, None)
+    valid = await asyncio.to_thread(registration_validate, body, config.runtime, backend, None)
     return await _entry_transition(ctx, body, actor, None, valid, config, backend)
 
 
@@ -142,14 +236,14 @@ async def model_reconfigure(ctx: AsyncContext, body, actor: str, existing: dict)
     """
     config = get_config()
     backend = await asyncio.to_thread(resolve_backend, config.backend)
-    valid = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, existing)
+    valid = await asyncio.to_thread(registration_validate, body, config.runtime, backend, existing)
     if valid.count_problem:
         raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
     return await _entry_transition(ctx, body, actor, existing, valid, config, backend)
 
 
 async def _entry_transition(ctx: AsyncContext, body, actor: str, existing: dict | None,
-                            valid: records.ValidatedEntry, config: ServerConfig, backend: str) -> dict:
+                            valid: ValidatedEntry, config: ServerConfig, backend: str) -> dict:
     """Run the register or reconfigure transition of ``valid.entry.id`` under its manager lease.
 
     ``existing`` is the entry ``valid`` was checked against (None: not registered). Once the lease is
@@ -163,7 +257,7 @@ async def _entry_transition(ctx: AsyncContext, body, actor: str, existing: dict 
         current = await model_meta_get(ctx, model_id)  # may have changed while we queued
         checked = valid
         if current != existing:  # apply the keys sent to the entry as it is now
-            checked = await asyncio.to_thread(records.registration_validate, body, config.runtime, backend, current)
+            checked = await asyncio.to_thread(registration_validate, body, config.runtime, backend, current)
         if current is None:
             return await _register_granted(ctx, lease, checked, actor, config.runtime)
         outcome = await _reconfigure_granted(ctx, lease, checked, current, actor, config.runtime)
@@ -174,7 +268,7 @@ async def _entry_transition(ctx: AsyncContext, body, actor: str, existing: dict 
     return await leases.run_as_manager(ctx, model_id, ceiling_ms(existing), transition)
 
 
-async def _register_granted(ctx: AsyncContext, lease: Lease, valid: records.ValidatedEntry, actor: str,
+async def _register_granted(ctx: AsyncContext, lease: Lease, valid: ValidatedEntry, actor: str,
                             runtime: str) -> dict:
     """Register ``valid.entry`` (not registered) under the granted manager ``lease``, then load it unless lazy."""
     entry, model_id = valid.entry, valid.entry.id
@@ -190,7 +284,7 @@ async def _register_granted(ctx: AsyncContext, lease: Lease, valid: records.Vali
     return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
 
 
-async def _reconfigure_granted(ctx: AsyncContext, lease: Lease, valid: records.ValidatedEntry, current: dict,
+async def _reconfigure_granted(ctx: AsyncContext, lease: Lease, valid: ValidatedEntry, current: dict,
                                actor: str, runtime: str) -> dict:
     """Apply ``valid.entry`` over the registered ``current`` under the granted manager ``lease`` (R4.4)."""
     entry, model_id = valid.entry, valid.entry.id
