@@ -15,7 +15,11 @@ from inference.runtime.startup import UNTESTED_RULES
 
 from .helpers import ROOT
 
-PACKAGES = ("audiosite", "inference", "registry", "ui")
+# The product (what ``serve`` runs) and the tools (management commands only): the validation gate and
+# the benchmarks import the product, never the other way.
+SERVING_PACKAGES = ("audiosite", "inference", "registry", "ui")
+TOOL_PACKAGES = ("gate", "bench")
+PACKAGES = SERVING_PACKAGES + TOOL_PACKAGES
 
 
 def _modules() -> dict[str, Path]:
@@ -123,7 +127,8 @@ def _reach(start: str) -> set[str]:
 def test_the_graph_sees_the_project():
     """The checks below are only as good as the graph: it must know the layers and their edges."""
     assert {"inference.services", "inference.scheduler.slots", "inference.runtime.rpc", "inference.worker.tasks",
-            "registry.records", "registry.services", "audiosite.asgi"} <= set(MODULES)
+            "registry.records", "registry.services", "audiosite.asgi", "gate.model_checks",
+            "bench.reference.asgi"} <= set(MODULES)
     assert any(t == "inference.scheduler" for t, _, _ in GRAPH["inference.runtime.rpc"])
     assert any(t == "inference.services" for t, _, _ in GRAPH["registry.services"])
 
@@ -146,10 +151,13 @@ def test_no_function_local_import_of_project_code():
     ("inference.adapters", ("django", "audiosite", "registry", "inference.runtime", "inference.services",
                             "inference.worker", "rest_framework", "celery")),
     ("registry.records", ("inference.services", "inference.runtime", "registry.services", "rest_framework")),
+    *((package, TOOL_PACKAGES) for package in SERVING_PACKAGES),
+    ("gate", ("bench",)),
 ])
 def test_imports_run_one_way(layer, forbidden):
     """views → services → runtime → scheduler; worker → adapters; the scheduler knows no Django;
-    the runtime never imports ``registry``; adapters know nothing of HTTP or Django."""
+    the runtime never imports ``registry``; adapters know nothing of HTTP or Django; the serving code
+    never imports the tools (``gate``, ``bench``); the gate never imports the benchmarks."""
     offending = []
     for module, path in MODULES.items():
         if module != layer and not module.startswith(layer + "."):
@@ -169,9 +177,10 @@ def test_imports_run_one_way(layer, forbidden):
 
 
 # Framework internals are overridden in one place (audiosite.http, whose module doc lists them); the
-# command that runs daphne (audiosite.web) may name daphne.
+# command that runs daphne (audiosite.web) may name daphne; the benchmark's stock reference view
+# (bench.reference) is a plain adrf view.
 FRAMEWORK_INTERNALS = ("daphne", "twisted", "autobahn", "zope", "adrf", "django.core.handlers")
-MAY_IMPORT_FRAMEWORK_INTERNALS = ("audiosite.http", "audiosite.web")
+MAY_IMPORT_FRAMEWORK_INTERNALS = ("audiosite.http", "audiosite.web", "bench.reference")
 
 
 def test_framework_internals_are_imported_only_under_audiosite_http():

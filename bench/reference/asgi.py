@@ -3,5 +3,5 @@ import os
 
 from django.core.asgi import get_asgi_application
 
-os.environ["DJANGO_SETTINGS_MODULE"] = "audiosite.bench_reference.settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "bench.reference.settings"
 application = get_asgi_application()

@@ -3,9 +3,9 @@
 Starts, on free ports and with the same server software as audiosite
 (``python -m audiosite.web``, i.e. daphne):
 
-1. a bare ASGI app (``audiosite.bench_reference.bare``): what daphne costs;
+1. a bare ASGI app (``bench.reference.bare``): what daphne costs;
 2. a minimal ``adrf`` APIView with no middleware and no authentication
-   (``audiosite.bench_reference``): what Django + DRF + adrf cost;
+   (``bench.reference``): what Django + DRF + adrf cost;
 
 and, unless ``--url`` names a running server, audiosite itself
 (``manage.py serve`` with silero_vad + whisper on the CPU, ``--ui-management``,
@@ -363,8 +363,8 @@ class Command(BaseCommand):
         began = time.monotonic()
         try:
             env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-            bare = self._daphne("audiosite.bench_reference.bare:application", env, tmp / "bare.log")
-            minimal = self._daphne("audiosite.bench_reference.asgi:application", env, tmp / "minimal.log")
+            bare = self._daphne("bench.reference.bare:application", env, tmp / "bare.log")
+            minimal = self._daphne("bench.reference.asgi:application", env, tmp / "minimal.log")
             if opts["url"]:
                 url, token = opts["url"].rstrip("/"), opts["token"]
             else:
