@@ -166,19 +166,8 @@ class ApiHandler(ASGIHandler):
     async def handle(self, scope, receive, send):
         """Django's ``ASGIHandler.handle`` with the request signals sent without a hop, and the body
         bounded by ``max_request_body_bytes`` (413 before or while reading it; see the module doc)."""
-        limit_bytes = get_config().max_request_body_bytes
-        too_large = declared_too_large(scope, limit_bytes)
-        if too_large is None:
-            try:
-                body_file = await self.read_body(receive, limit_bytes)
-            except RequestAborted:
-                return
-            except BodyTooLarge as over:
-                too_large = over.error
-        if too_large is not None:
-            refusal = JsonResponse(too_large.body(), status=too_large.status,
-                                   json_dumps_params={"separators": (",", ":")})
-            await self.send_response(refusal, send)
+        body_file = await self._bounded_body(scope, receive, send)
+        if body_file is None:
             return
         set_script_prefix(get_script_prefix(scope))
         # Receivers are Django's close_old_connections / reset_queries: on the event loop thread
@@ -229,6 +218,22 @@ class ApiHandler(ASGIHandler):
         else:
             await self._close(response)
         body_file.close()
+
+    async def _bounded_body(self, scope, receive, send):
+        """The request body as a file (:meth:`read_body`), or None once the request needs no more: the
+        client left, or its body is over ``max_request_body_bytes`` and the 413 has been sent."""
+        limit_bytes = get_config().max_request_body_bytes
+        too_large = declared_too_large(scope, limit_bytes)
+        if too_large is None:
+            try:
+                return await self.read_body(receive, limit_bytes)
+            except RequestAborted:
+                return None
+            except BodyTooLarge as over:
+                too_large = over.error
+        refusal = JsonResponse(too_large.body(), status=too_large.status, json_dumps_params={"separators": (",", ":")})
+        await self.send_response(refusal, send)
+        return None
 
     @staticmethod
     async def _close(response) -> None:
