@@ -346,7 +346,7 @@ def run(backend: str, out_root: Path, seed: int | None = None, stress_steps: int
     else:
         seed = random.SystemRandom().randrange(1, 2**31) if seed is None else seed
         stress_report = run_stress(seed, stress_steps, stdout=stdout, workdir=folder / "stress")
-        checks["F6"] = _f6(outcomes, code, stress_report)
+        checks["F6"] = _whole_suite_and_stress_pass(outcomes, code, stress_report)
     record = {
         "procedure_version": evidence.PROCEDURE_VERSION, "kind": "framework", "run_id": rid,
         "started_at": started_at, "finished_at": evidence.now_iso(), "duration_s": round(time.monotonic() - began, 1),
@@ -368,8 +368,12 @@ def run(backend: str, out_root: Path, seed: int | None = None, stress_steps: int
     return path
 
 
-def _f6(outcomes: dict[str, dict], code: int, stress_report: dict) -> dict:
-    """F6 from the whole suite's outcomes and the stress report."""
+def _whole_suite_and_stress_pass(outcomes: dict[str, dict], code: int, stress_report: dict) -> dict:
+    """F6: the whole suite passed (no failure or error, at least one test ran) and the seeded stress run
+    found no violation; an unexpected skip (not in ``EXPECTED_SKIPS``) makes it PENDING, not PASS.
+
+    ``outcomes`` is :func:`parse_junit`'s node id -> ``{"outcome", ...}``; ``code`` pytest's exit code;
+    ``stress_report`` :func:`gate.stress.run_stress`'s report. Returns the F6 check."""
     suite = _summary(outcomes)
     bad = [n for n, r in outcomes.items() if r["outcome"] in ("failed", "error")]
     skips = [n for n, r in outcomes.items() if r["outcome"] == "skipped" and n not in EXPECTED_SKIPS]

@@ -220,6 +220,8 @@ def _pick(items: tuple[Item, ...], n: int, wave: int) -> list[Item]:
 
 
 async def _drained(client: Client, model_id: str = MODEL_ID) -> dict:
+    """Whether ``model_id``'s ``active_slots`` and ``queued_requests`` reach 0 within ``DRAIN_WAIT_S``:
+    ``{"active_slots", "queued_requests", "drained": bool}`` (the last values seen)."""
     deadline = time.monotonic() + DRAIN_WAIT_S
     entry: dict = {}
     while time.monotonic() < deadline:
@@ -234,6 +236,7 @@ async def _drained(client: Client, model_id: str = MODEL_ID) -> dict:
 # -- M1 ---------------------------------------------------------------------------------------------
 
 async def _serial(run: Run, client: Client, phase: str) -> dict[str, list[Outcome]]:
+    """Every workload item sent ``SERIAL_REPEATS`` times, one request at a time: item name -> outcomes."""
     out: dict[str, list[Outcome]] = {}
     for item in run.workload.items:
         for repeat in range(SERIAL_REPEATS):
@@ -243,10 +246,16 @@ async def _serial(run: Run, client: Client, phase: str) -> dict[str, list[Outcom
     return out
 
 
-def m1_serial(run: Run, workdir: Path, admission_dir: Path) -> dict:
-    """M1: serial repeat variation on the legacy runtime (measured first), then legacy vs parallel one-slot.
+def serial_answers_repeat_and_match_across_runtimes(run: Run, workdir: Path, admission_dir: Path) -> dict:
+    """M1: every workload item, sent serially ``SERIAL_REPEATS`` times, gets the same answer each time on the
+    legacy runtime (measured first) and on the parallel runtime at one slot, and the two runtimes agree.
 
-    Sets ``run.references`` (item -> hash of the legacy runtime's first answer). Returns the M1 check.
+    Starts one fresh server per runtime under ``workdir`` (the table under ``admission_dir``). Sets
+    ``run.references`` (item -> SHA-256 of the legacy runtime's first answer: the serial references the
+    later checks compare against). Returns the M1 check (FAIL names each varying or differing item).
+
+    Raises:
+        CommandError (from :class:`Server`): a server did not start.
     """
     wl = run.workload
     evidence_: dict = {"repeats_per_item": SERIAL_REPEATS, "items": [i.name for i in wl.items]}
@@ -303,12 +312,23 @@ def m1_serial(run: Run, workdir: Path, admission_dir: Path) -> dict:
 # -- per count ----------------------------------------------------------------------------------------
 
 def _problem_list(outcomes: list[Outcome], where: str) -> list[str]:
+    """One problem line per outcome that is not an exact 200 (``Outcome.match`` false), prefixed by ``where``."""
     bad = [o for o in outcomes if not o.match]
     return [f"{where}: {o.item} HTTP {o.status}{'' if o.status != 200 else ' answer differs from the serial reference'}"
             for o in bad]
 
 
-async def _m2_m3(run: Run, client: Client, n: int, start: int, largest: bool) -> tuple[dict, dict]:
+async def _concurrent_answers_match_serial(run: Run, client: Client, n: int, start: int,
+                                           largest: bool) -> tuple[dict, dict]:
+    """M2 and M3 on one fresh start at ``n`` slots: concurrent answers equal the serial references.
+
+    M2: a cold wave of ``n`` different requests on the lazily registered, unloaded model, ``WARM_WAVES``
+    warm waves, an unload, then a reload wave; ``active_slots`` is polled during every wave and must
+    reach ``n`` at least once and never exceed it, and the counters must drain to 0 afterwards.
+    M3: ``MIXED_WAVES`` (``MIXED_WAVES_LARGEST`` at the run's ``largest`` count) waves with every slot on a
+    different input, length or options, sent staggered with the admission order reversed every other
+    wave. Returns ``(m2, m3)`` evidence dicts, each with its ``problems`` list (empty = passed).
+    """
     wl = run.workload
     m2: dict = {"waves": []}
     problems: list[str] = []
@@ -452,7 +472,16 @@ async def _unload_during_first_load(run: Run, client: Client, n: int, base_id: s
     return {"overlapped_the_load": overlapped, "attempts": attempts}, problems
 
 
-async def _m4(run: Run, client: Client, n: int, workdir: Path) -> dict:
+async def _serving_recovers_from_failures(run: Run, client: Client, n: int, workdir: Path) -> dict:
+    """M4 at ``n`` slots: the model keeps serving exact answers through what goes wrong around it.
+
+    In order: an invalid request beside ``n - 1`` healthy ones (a 4xx for it, exact answers for them); a
+    registration whose checkpoint is broken (written under ``workdir``) fails to load without a 5xx other
+    than 503, a request to it is refused, and a good registration of the same id then serves exactly; a
+    targeted and a bulk unload sent while a first lazy load runs (each must really meet the load, see
+    :func:`_unload_during_first_load`); ``unload_all_models``, after which the main model serves exactly
+    again and the counters drain. Returns the M4 check (FAIL lists every problem).
+    """
     wl = run.workload
     problems: list[str] = []
     ev: dict = {}
@@ -603,7 +632,10 @@ def stabilisation(idle_mb: list[float]) -> dict:
                      f"{MEMORY_NOISE_FACTOR} x median step between consecutive idle samples)")}
 
 
-async def _m5(run: Run, client: Client, n: int, cycles: int) -> dict:
+async def _idle_memory_stabilises_over_load_cycles(run: Run, client: Client, n: int, cycles: int) -> dict:
+    """M5 at ``n`` slots: over ``cycles`` cycles of cold wave, warm wave and ``unload_all_models``, the
+    answers stay exact and the idle RSS after each unload (the worker's, and the whole serve tree's, in
+    MiB) stabilises by :func:`stabilisation`'s rule. Returns the M5 check with the per-cycle samples."""
     wl = run.workload
     await client.manage("/v1/tasks/unload_all_models")
     await asyncio.sleep(0.5)
@@ -654,6 +686,8 @@ async def _m5(run: Run, client: Client, n: int, cycles: int) -> dict:
 # -- the run ------------------------------------------------------------------------------------------
 
 def _checkpoint(workload: Workload) -> dict:
+    """The weights the run used, per family (the workload's and its components'): ``{"path", "sha256",
+    "kind"}`` (a directory's digest covers each file's name and SHA-256; no weights: path and digest None)."""
     families = [workload.family] + [c["family"] for c in workload.components]
     out = {}
     for family in families:
@@ -713,8 +747,10 @@ def framework_root(plan: Plan) -> Path:
     return evidence.EVIDENCE_DIR
 
 
-def m6_modes(plan: Plan, spec: dict) -> dict:
-    """M6: what the run's mode admits; modes the family does not serve are NOT_APPLICABLE."""
+def run_admits_only_its_mode(plan: Plan, spec: dict) -> dict:
+    """M6: a run admits only the mode it ran (offline evidence admits offline only); modes the family does
+    not serve (``spec["modes"]``) are NOT_APPLICABLE. UNSUPPORTED for a non-offline run (only offline
+    workloads are built)."""
     served = spec.get("modes", [])
     modes = {m: (f"validated by this run; admits {m} only" if m == plan.mode else
                  f"NOT_APPLICABLE: the family does not serve mode {m} (model_specs/{plan.family}.json modes {served})"
@@ -760,7 +796,7 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print) -> tu
         work = Path(tmp)
         admission = admission_table_for(plan, workload, work / "admission")
         print_line(f"M1: legacy runtime vs parallel one slot ({len(workload.items)} items x {SERIAL_REPEATS})")
-        m1 = m1_serial(run, work, admission)
+        m1 = serial_answers_repeat_and_match_across_runtimes(run, work, admission)
         record["model_checks"]["M1"] = m1
         print_line(f"  M1 {m1['status']} {m1['limits'][:300]}")
         perf: dict = {}
@@ -793,11 +829,12 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print) -> tu
                                         folder: Path = folder) -> tuple:
                         client = Client(server, workload)
                         try:
-                            m2, m3 = await _m2_m3(run, client, n, s, n == max(plan.counts))
+                            m2, m3 = await _concurrent_answers_match_serial(run, client, n, s, n == max(plan.counts))
                             got4 = got5 = None
                             if s == 1:
-                                got4 = await _m4(run, client, n, folder)
-                                got5 = await _m5(run, client, n, plan.memory_cycles)
+                                got4 = await _serving_recovers_from_failures(run, client, n, folder)
+                                got5 = await _idle_memory_stabilises_over_load_cycles(run, client, n,
+                                                                                      plan.memory_cycles)
                             return m2, m3, got4, got5
                         finally:
                             await client.aclose()
@@ -821,7 +858,7 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print) -> tu
             per_count["M4"] = m4 or check(FAIL, None, "not run")
             per_count["M5"] = m5 or check(FAIL, None, "not run")
             record["counts"][str(n)] = {"model_checks": per_count}
-        record["model_checks"]["M6"] = m6_modes(plan, spec)
+        record["model_checks"]["M6"] = run_admits_only_its_mode(plan, spec)
         for ident in ("M2", "M3", "M4", "M5"):
             failing = [n for n, e in record["counts"].items() if e["model_checks"][ident]["status"] != PASS]
             record["model_checks"][ident] = check(

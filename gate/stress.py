@@ -194,6 +194,9 @@ class Stress:
                 "tickets": r.zcard(KEYS.queue(model_id)), "queued_managers": r.hlen(KEYS.queued_managers(model_id))}
 
     async def check_idle(self) -> None:
+        """At rest, nothing is held: every model's counters and its Redis leases, tickets and queued managers
+        drain to 0 within ``IDLE_TIMEOUT_S``, the models listed are the ones registered, each at its
+        configured slots. Each difference is recorded with :meth:`violate`."""
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while True:
             entries = await self.entries()
