@@ -42,7 +42,7 @@ from inference.adapters.base import AudioRequest, LoadContext
 
 from gate.servers import Server
 
-from .bench_slots import _task_body
+from bench.common import task_body
 
 SAMPLES = Path(settings.BASE_DIR) / "samples"
 READERS = ("librispeech_test_clean_6930-75918-0000.wav", "librispeech_test_other_7902-96591-0000.wav")
@@ -131,7 +131,7 @@ class Command(BaseCommand):
 
     def _body(self, family: str, model: str) -> dict:
         samples, rate, options = self.inputs[family]
-        return _task_body(model, _wav(samples, rate), **options)
+        return task_body(model, _wav(samples, rate), **options)
 
     async def _memory(self, server: Server) -> dict:
         worker = server.worker()

@@ -57,9 +57,9 @@ from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
+from bench.common import SAMPLE
 from gate.servers import kill_process_tree
 
-SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 VAD, ASR = "silero-vad", "whisper-tiny.en"
 WAKE_GAPS_S = (0.03, 0.3)
 """Idle gaps before the wake-up probes of :meth:`Command._wake_cost` (s): about one silero_vad run, and longer."""

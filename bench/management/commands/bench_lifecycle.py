@@ -37,7 +37,7 @@ from inference.runtime.context import KEYS
 
 from gate.servers import Server
 
-from .bench_slots import SAMPLE, _q, _task_body
+from bench.common import SAMPLE, quantile, task_body
 
 REPEATS = 10
 
@@ -111,7 +111,7 @@ class Command(BaseCommand):
                 assert r.status_code == 200, r.text
                 unload.append(ms)
             for i in range(8):
-                await c.post("/v1/tasks/run", json=_task_body(f"m{i}", self.wav))
+                await c.post("/v1/tasks/run", json=task_body(f"m{i}", self.wav))
             ms, r = await self._timed(c.post("/v1/tasks/unload_models",
                                              json={"model_ids": [f"m{i}" for i in range(8)]}))
             assert len(r.json()["unloaded"]) == 8, r.text
@@ -130,10 +130,10 @@ class Command(BaseCommand):
             async def client():
                 while not stop.is_set():
                     t = time.perf_counter()
-                    r = await c.post("/v1/tasks/run", json=_task_body("vad", self.wav))
+                    r = await c.post("/v1/tasks/run", json=task_body("vad", self.wav))
                     latencies.append((t, (time.perf_counter() - t) * 1000, r.status_code))
 
-            await c.post("/v1/tasks/run", json=_task_body("vad", self.wav))
+            await c.post("/v1/tasks/run", json=task_body("vad", self.wav))
             tasks = [asyncio.create_task(client()) for _ in range(4)]
             await asyncio.sleep(3)
             began = time.perf_counter()
@@ -175,18 +175,18 @@ class Command(BaseCommand):
             for name in ("coldA",):
                 r = await c.post("/v1/models/load", json=_fx(name, load_barrier="bench-cold") | {"lazy": True})
                 assert r.status_code == 200, r.text
-            await c.post("/v1/tasks/run", json=_task_body("warm", self.wav))
+            await c.post("/v1/tasks/run", json=task_body("warm", self.wav))
 
             async def warm_p50() -> float:
                 times = []
                 for _ in range(20):
-                    ms, r = await self._timed(c.post("/v1/tasks/run", json=_task_body("warm", self.wav)))
+                    ms, r = await self._timed(c.post("/v1/tasks/run", json=task_body("warm", self.wav)))
                     assert r.status_code == 200, r.text
                     times.append(ms)
                 return statistics.median(times)
 
             baseline = await warm_p50()
-            cold = asyncio.create_task(c.post("/v1/tasks/run", json=_task_body("coldA", self.wav)))
+            cold = asyncio.create_task(c.post("/v1/tasks/run", json=task_body("coldA", self.wav)))
             while int(server.redis.get(KEYS.fixture_arrived("bench-cold")) or 0) < 1:
                 await asyncio.sleep(0.01)
             held = await warm_p50()
@@ -203,17 +203,17 @@ class Command(BaseCommand):
                 for name in ("e1", "e2", "e3"):
                     await c.post("/v1/models/load", json=_fx(name) | {"lazy": True})
                 await c.post("/v1/tasks/unload_all_models")
-                ms, r = await self._timed(c.post("/v1/tasks/run", json=_task_body("e1", self.wav)))
+                ms, r = await self._timed(c.post("/v1/tasks/run", json=task_body("e1", self.wav)))
                 assert r.status_code == 200, r.text
                 plain.append(ms)  # 1 loaded of 2: no eviction
-                await c.post("/v1/tasks/run", json=_task_body("e2", self.wav))
-                ms, r = await self._timed(c.post("/v1/tasks/run", json=_task_body("e3", self.wav)))
+                await c.post("/v1/tasks/run", json=task_body("e2", self.wav))
+                ms, r = await self._timed(c.post("/v1/tasks/run", json=task_body("e3", self.wav)))
                 assert r.status_code == 200, r.text
                 evicting.append(ms)  # 2 loaded of 2: evicts e1
         return {"cold_request_p50_ms": round(statistics.median(plain), 1),
                 "cold_request_with_eviction_p50_ms": round(statistics.median(evicting), 1),
                 "eviction_cost_p50_ms": round(statistics.median(evicting) - statistics.median(plain), 1),
-                "max_with_eviction_ms": round(_q(evicting, 1.0), 1)}
+                "max_with_eviction_ms": round(quantile(evicting, 1.0), 1)}
 
     def _print(self, report: dict) -> None:
         w = self.stdout.write

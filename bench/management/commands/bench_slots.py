@@ -27,7 +27,6 @@ records (``--out``, default ``var/evidence``) and separate from admission.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from bench.common import SAMPLE, quantile, task_body
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
@@ -56,21 +56,7 @@ from gate import evidence
 from gate.performance import family_report
 from gate.workloads import get_workload
 
-SAMPLE = Path(settings.BASE_DIR) / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
 REPEATS = 3
-
-
-def _q(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def _task_body(model: str, wav: bytes, **extra) -> dict:
-    timeout = extra.pop("busy_timeout_ms", None)
-    body = {"model": model, "request": {"audio_base64": base64.b64encode(wav).decode(), "options": extra}}
-    if timeout is not None:
-        body["busy_timeout_ms"] = timeout
-    return body
 
 
 class Command(BaseCommand):
@@ -181,11 +167,11 @@ class Command(BaseCommand):
         out = {}
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             for model in models:
-                (await c.post("/v1/tasks/run", json=_task_body(model, self.wavs[0]))).raise_for_status()
+                (await c.post("/v1/tasks/run", json=task_body(model, self.wavs[0]))).raise_for_status()
                 times = []
                 for _ in range(REPEATS):
                     t = time.perf_counter()
-                    (await c.post("/v1/tasks/run", json=_task_body(model, self.wavs[0]))).raise_for_status()
+                    (await c.post("/v1/tasks/run", json=task_body(model, self.wavs[0]))).raise_for_status()
                     times.append((time.perf_counter() - t) * 1000)
                 out[model.rstrip("1")] = round(statistics.median(times), 1)
         return out
@@ -204,7 +190,7 @@ class Command(BaseCommand):
             times.append((time.perf_counter() - t) * 1000)
         await listener.close()
         await client.aclose()
-        return {"p50": round(_q(times, 0.5), 3), "p99": round(_q(times, 0.99), 3), "n": len(times)}
+        return {"p50": round(quantile(times, 0.5), 3), "p99": round(quantile(times, 0.99), 3), "n": len(times)}
 
     async def _overhead(self, server: Server) -> dict:
 
@@ -214,7 +200,7 @@ class Command(BaseCommand):
                 http = []
                 for _ in range(10):
                     t = time.perf_counter()
-                    (await c.post("/v1/tasks/run", json=_task_body(model, self.wavs[0]))).raise_for_status()
+                    (await c.post("/v1/tasks/run", json=task_body(model, self.wavs[0]))).raise_for_status()
                     http.append((time.perf_counter() - t) * 1000)
                 ctx = LoadContext(specs.resolve_checkpoint(family, None), "cpu", 0, 1, {}, {})
                 adapter = get_adapter(family)
@@ -234,7 +220,7 @@ class Command(BaseCommand):
     async def _hold(self, server: Server, c: httpx.AsyncClient, barrier: str, count: int):
 
         r = redis.Redis.from_url(server.redis_url, decode_responses=True)
-        tasks = [asyncio.create_task(c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], barrier=barrier)))
+        tasks = [asyncio.create_task(c.post("/v1/tasks/run", json=task_body("fx", self.wavs[0], barrier=barrier)))
                  for _ in range(count)]
         while int(r.get(KEYS.fixture_arrived(barrier)) or 0) < count:
             await asyncio.sleep(0.01)
@@ -250,7 +236,7 @@ class Command(BaseCommand):
                 (await c.get("/health")).raise_for_status()
                 health.append((time.perf_counter() - t) * 1000)
                 t = time.perf_counter()
-                resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=50))
+                resp = await c.post("/v1/tasks/run", json=task_body("fx", self.wavs[0], busy_timeout_ms=50))
                 rejected.append((time.perf_counter() - t) * 1000)
                 assert resp.status_code == 503, resp.text
             manager = subprocess.Popen([sys.executable, "manage.py", "unload_model", "fx"], cwd=settings.BASE_DIR,
@@ -260,7 +246,7 @@ class Command(BaseCommand):
             with_manager = []
             for _ in range(30):
                 t = time.perf_counter()
-                resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=50))
+                resp = await c.post("/v1/tasks/run", json=task_body("fx", self.wavs[0], busy_timeout_ms=50))
                 with_manager.append((time.perf_counter() - t) * 1000)
                 assert resp.status_code == 503, resp.text
             r.lpush(KEYS.fixture_release("rej"), "go", "go")
@@ -280,7 +266,7 @@ class Command(BaseCommand):
             for i in range(10):
                 r, holders = await self._hold(server, c, f"late{i}", 2)
                 t = time.perf_counter()
-                resp = await c.post("/v1/tasks/run", json=_task_body("fx", self.wavs[0], busy_timeout_ms=timeout_ms))
+                resp = await c.post("/v1/tasks/run", json=task_body("fx", self.wavs[0], busy_timeout_ms=timeout_ms))
                 late.append((time.perf_counter() - t) * 1000 - timeout_ms)
                 assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_timeout", resp.text
                 r.lpush(KEYS.fixture_release(f"late{i}"), "go", "go")
@@ -293,7 +279,7 @@ class Command(BaseCommand):
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             for n in (1, 4):
                 before = worker.memory_info().rss
-                (await c.post("/v1/tasks/run", json=_task_body(f"whisper{n}", self.wavs[0]))).raise_for_status()
+                (await c.post("/v1/tasks/run", json=task_body(f"whisper{n}", self.wavs[0]))).raise_for_status()
                 out[f"whisper_{n}_slot_load_delta"] = round((worker.memory_info().rss - before) / 2**20, 1)
         return out
 
@@ -305,11 +291,11 @@ class Command(BaseCommand):
                     batch = [self.wavs[i % len(self.wavs)] for i in range(n)]
                     row = {}
                     for model in (f"{family}1", f"{family}{n}"):
-                        await asyncio.gather(*[c.post("/v1/tasks/run", json=_task_body(model, w)) for w in batch])
+                        await asyncio.gather(*[c.post("/v1/tasks/run", json=task_body(model, w)) for w in batch])
                         times = []
                         for _ in range(REPEATS):
                             t = time.perf_counter()
-                            resps = await asyncio.gather(*[c.post("/v1/tasks/run", json=_task_body(model, w))
+                            resps = await asyncio.gather(*[c.post("/v1/tasks/run", json=task_body(model, w))
                                                            for w in batch])
                             times.append((time.perf_counter() - t) * 1000)
                             assert all(r.status_code == 200 for r in resps)

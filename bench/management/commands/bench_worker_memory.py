@@ -43,7 +43,7 @@ from inference.runtime.context import KEYS
 
 from gate.servers import Server
 
-from .bench_slots import SAMPLE, _task_body
+from bench.common import SAMPLE, task_body
 
 BASELINE_CYCLE = 5  # the issue's reference point: the allocator has settled after a few cycles
 TOLERANCE_PCT = 15.0  # issue 9 item 9: last-cycle RSS within 15 % of the cycle-5 RSS
@@ -127,7 +127,7 @@ class Command(BaseCommand):
                 r = await c.post("/v1/models/load", json=entry)
                 if r.status_code != 200 or r.json().get("loaded") is not True:
                     raise CommandError(f"cycle {cycle}: load answered {r.status_code} {r.text}")
-                answers = await asyncio.gather(*[c.post("/v1/tasks/run", json=_task_body(MODEL_ID, self.wav))
+                answers = await asyncio.gather(*[c.post("/v1/tasks/run", json=task_body(MODEL_ID, self.wav))
                                                  for _ in range(opts["requests"])])
                 bad = [a for a in answers if a.status_code != 200]
                 if bad:
