@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from django.core.exceptions import ImproperlyConfigured
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from audiosite.settings import env_bool, env_json, env_str
+from audiosite.env import env_bool, env_json, env_str
 from inference import specs
 from inference.backend import resolve_backend
 
@@ -159,13 +159,13 @@ class ServerConfig(_Strict):
     max_request_body_bytes: int = Field(default=104857600, ge=1024)
     request_header_timeout_ms: int = Field(default=10000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
     """A request whose headers are not all in this long after its first byte (or the connection's
-    start) gets 408 ``request_timeout`` and its connection is closed (``audiosite.web``)."""
+    start) gets 408 ``request_timeout`` and its connection is closed (``audiosite.http.daphne_server``)."""
     request_body_timeout_ms: int = Field(default=120000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
     """A request whose body is not all in this long after its headers gets 408 ``request_timeout``
     and its connection is closed (the default admits a ``max_request_body_bytes`` body at 0.9 MB/s)."""
     stream_write_timeout_ms: int = Field(default=30000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
     """A streamed response (speech, SSE) whose client has read nothing for this long while the web
-    process's send buffer for it is full is dropped, and its lease released (``audiosite.web``)."""
+    process's send buffer for it is full is dropped, and its lease released (``audiosite.http.daphne_server``)."""
     max_audio_seconds: float = Field(default=1800.0, gt=0, le=86400)
     max_decoded_bytes_in_flight: int = Field(default=DEFAULT_DECODE_BUDGET_BYTES, ge=0)
     """Decoded audio one web process may hold at once (``inference.runtime.decoding``); 0 = no limit."""

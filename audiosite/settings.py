@@ -33,12 +33,11 @@ at start from ``server.json`` (``host`` and ``allowed_hosts``, see
 ``audiosite.serverconfig.ServerConfig.allowed_host_names``); the value below
 is the default bind's names, for processes that never serve HTTP.
 
-Every helper below fails loudly (``ImproperlyConfigured``) on a malformed value
-instead of falling back silently.
+The environment is read through ``audiosite.env`` (which fails loudly, ``ImproperlyConfigured``, on a
+malformed value instead of falling back silently).
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import warnings
@@ -49,69 +48,9 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from audiosite.embedded_redis import EmbeddedRedis, kombu_broker_url
+from audiosite.env import env_bool, env_path, env_str, env_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-
-
-def env_str(name: str, default: str | None = None) -> str | None:
-    """Return the environment variable ``name`` stripped, or ``default`` when unset or empty."""
-    value = os.environ.get(name, "").strip()
-    return value if value else default
-
-
-def env_bool(name: str, default: bool) -> bool:
-    """Parse ``name`` as a boolean (1/0, true/false, yes/no, on/off).
-
-    Raises:
-        ImproperlyConfigured: the value is set but is none of those words.
-    """
-    raw = env_str(name)
-    if raw is None:
-        return default
-    lowered = raw.lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off"}:
-        return False
-    raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
-
-
-def env_url(name: str, default: str | None, schemes: tuple[str, ...]) -> str | None:
-    """Return ``name`` as a URL whose scheme is one of ``schemes``.
-
-    Raises:
-        ImproperlyConfigured: the value is set but has another scheme.
-    """
-    raw = env_str(name, default)
-    if raw is None:
-        return None
-    scheme = raw.split("://", 1)[0] if "://" in raw else ""
-    if scheme not in schemes:
-        raise ImproperlyConfigured(f"{name}={raw!r}: scheme must be one of {', '.join(schemes)}")
-    return raw
-
-
-def env_json(name: str, default):
-    """Parse ``name`` as JSON, or return ``default`` when unset or empty.
-
-    Raises:
-        ImproperlyConfigured: the value is set but is not valid JSON.
-    """
-    raw = env_str(name)
-    if raw is None:
-        return default
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ImproperlyConfigured(f"{name} is not valid JSON: {exc.msg}") from None
-    except ValueError as exc:  # an integer literal over Python's 4300-digit conversion limit
-        raise ImproperlyConfigured(f"{name} is not valid JSON: {exc}") from None
-
-
-def env_path(name: str, default: Path) -> Path:
-    """Return ``name`` as a filesystem path, or ``default`` when unset or empty."""
-    raw = env_str(name)
-    return Path(raw) if raw else default
 
 
 # Values that ship in examples and must never sign a production session (compared lower-cased).
@@ -196,6 +135,10 @@ INSTALLED_APPS = [
     "registry",
     "inference",
     "ui",
+    # The tools (management commands only; the request path imports neither): the validation gate,
+    # the benchmarks.
+    "gate",
+    "bench",
 ]
 
 MIDDLEWARE = [
@@ -214,15 +157,15 @@ MIDDLEWARE = [
     "axes.middleware.AxesMiddleware",
 ]
 # MIDDLEWARE serves the paths below (the admin, the future /ui/, static files) through Django's own
-# ASGIHandler. Every other path (the API) goes through audiosite.handlers.ApiHandler with
+# ASGIHandler. Every other path (the API) goes through audiosite.http.handler.ApiHandler with
 # API_MIDDLEWARE: async-only middleware, so a status or inference request makes no thread hop. The
 # API authenticates sessions and tokens itself (registry.authentication), asynchronously.
 FULL_STACK_PATH_PREFIXES = ("/admin/", "/ui/")
 API_MIDDLEWARE = [
-    "audiosite.middleware.SecurityOnLoop",
-    "audiosite.middleware.FrameOptionsOnLoop",
-    "audiosite.middleware.AllowedHostOnLoop",
-    "audiosite.middleware.CommonOnLoop",
+    "audiosite.http.middleware.SecurityOnLoop",
+    "audiosite.http.middleware.FrameOptionsOnLoop",
+    "audiosite.http.middleware.AllowedHostOnLoop",
+    "audiosite.http.middleware.CommonOnLoop",
 ]
 
 # Security headers on every response, API and admin alike (SecurityMiddleware and
@@ -344,7 +287,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_PARSER_CLASSES": [
-        "audiosite.validation.JSONParser",
+        "audiosite.input_checks.JSONParser",
         "rest_framework.parsers.MultiPartParser",
         "rest_framework.parsers.FormParser",
     ],
@@ -377,7 +320,7 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": "INFO"},
     # django.request logs every 4xx/503 too; only real 500s (with their traceback) are
     # worth a line. 500s inside DRF views are logged by audiosite.errors.drf_exception_handler.
-    # A foreign Host header is the client's problem (400 in the API shape, see audiosite.middleware);
+    # A foreign Host header is the client's problem (400 in the API shape, see audiosite.http.middleware);
     # Django would log each one as an ERROR with a traceback.
     "loggers": {"django.request": {"level": "ERROR", "handlers": ["server_errors"], "propagate": False},
                 "django.security.DisallowedHost": {"handlers": [], "propagate": False},
