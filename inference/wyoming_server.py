@@ -56,6 +56,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize
 
 from audiosite.errors import ApplicationError, InvalidRequest, NotFound
+from audiosite.input_checks import TEXT_PROBLEMS, text_problem
 from audiosite.serverconfig import get_config
 from inference import services, voices
 from inference.runtime import published
@@ -112,8 +113,8 @@ async def read_event(reader: asyncio.StreamReader) -> Event | None:
         raise Refusal(f"an event header is longer than {MAX_HEADER_BYTES} bytes", "bad_event") from None
     try:
         header = json.loads(line)
-    except ValueError:
-        raise Refusal("an event header is not JSON", "bad_event") from None
+    except (ValueError, RecursionError):
+        raise Refusal("an event header is not JSON (or nested too deeply)", "bad_event") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise Refusal("an event header must be a JSON object with a string 'type'", "bad_event")
     data = header.get("data") or {}
@@ -133,8 +134,8 @@ async def read_event(reader: asyncio.StreamReader) -> Event | None:
         payload = await reader.readexactly(payload_length) if payload_length else None
     except asyncio.IncompleteReadError:
         raise Refusal("the connection ended inside an event", "bad_event") from None
-    except ValueError:
-        raise Refusal("an event's data block is not JSON", "bad_event") from None
+    except (ValueError, RecursionError):
+        raise Refusal("an event's data block is not JSON (or nested too deeply)", "bad_event") from None
     return Event(type=header["type"], data=data, payload=payload)
 
 
@@ -240,7 +241,17 @@ class Connection:
                 self.events.put_nowait(None)
 
     async def write(self, event: Event) -> None:
-        await async_write_event(event, self.writer)
+        """Send ``event``; a client that reads nothing of it for ``stream_write_timeout_ms`` is dropped
+        (ConnectionResetError, so its request ends as for a client that left and its slot is given back),
+        as over HTTP: a stalled reader held a speech slot for as long as it stayed connected."""
+        timeout_s = get_config().stream_write_timeout_ms / 1000
+        try:
+            async with asyncio.timeout(timeout_s):
+                await async_write_event(event, self.writer)
+        except TimeoutError:
+            self.writer.transport.abort()
+            self.gone.set()
+            raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
 
     async def serve(self) -> None:
         """Handle events until the client leaves, is idle for :data:`IDLE_TIMEOUT_S`, or is refused."""
@@ -258,6 +269,8 @@ class Connection:
                 await self._while_present(self.handle(item))
         except Refusal as refusal:
             reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader_task  # _linger reads next: two readers of one stream is an error
             with contextlib.suppress(ConnectionError, OSError):
                 await self.write(Error(text=refusal.text, code=refusal.code).event())
                 await self._linger()
@@ -319,7 +332,7 @@ class Connection:
                 await self._synthesize(Synthesize.from_event(event))
         except ApplicationError as exc:
             raise _refusal_of(exc) from None
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field of the wrong type
             raise Refusal(f"a malformed {event.type!r} event: {type(exc).__name__}", "bad_event") from None
 
     def _audio_start(self, start: AudioStart) -> None:
@@ -367,6 +380,9 @@ class Connection:
         text = synthesize.text
         if not isinstance(text, str) or not text.strip() or len(text) > MAX_TEXT_CHARS:
             raise InvalidRequest(f"text must have 1..{MAX_TEXT_CHARS} characters", param="text")
+        problem = text_problem(text)
+        if problem:  # the same refusal as the HTTP input's: the worker cannot take it
+            raise InvalidRequest(f"text {TEXT_PROBLEMS[problem]}", param="text")
         name = synthesize.voice.name if synthesize.voice else None
         ctx = await async_context()
         model_id, voice = None, name

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +45,7 @@ from .helpers import (
 pytestmark = pytest.mark.stack
 
 MAX_AUDIO_S = 60
+STREAM_WRITE_TIMEOUT_MS = 3000
 MODELS: list[dict] = [
     {"id": "whisper", "family": "whisper", "task": "asr", "slots": 1, "busy_timeout_ms": 1500},
     {"id": "whisper-wait", "family": "whisper", "task": "asr", "slots": 1, "busy_timeout_ms": 0},
@@ -64,7 +67,8 @@ class WyomingStack:
 def wy(tmp_path_factory) -> Iterator[WyomingStack]:
     tmp = tmp_path_factory.mktemp("wyoming")
     for stack in run_stack(tmp, MODELS, redis_db=3, name="wyoming", parallel=True,
-                           extra_config={"max_audio_seconds": MAX_AUDIO_S}):
+                           extra_config={"max_audio_seconds": MAX_AUDIO_S,
+                                         "stream_write_timeout_ms": STREAM_WRITE_TIMEOUT_MS}):
         port = free_port()
         env = {**stack.env, "AUDIOSITE_CONFIG": str(tmp / "server.json"), "AUDIOSITE_PARALLEL_JOBS": "1"}
         proc = subprocess.Popen([sys.executable, "manage.py", "wyoming", "--uri", f"tcp://127.0.0.1:{port}"],
@@ -269,6 +273,42 @@ def test_inputs_over_the_bounds_get_an_error_event_and_hold_nothing(wy):
         unknown = await refused(Synthesize(text="Hello.", voice=SynthesizeVoice(name="nobody")).event())
         assert unknown.code == "invalid_request_error" and "joe" in unknown.text
         assert (await refused(AudioStart(rate=16000, width=4, channels=1).event())).code == "unsupported_audio"
+        # Text the worker cannot take is refused as over HTTP, not answered server_error.
+        assert (await refused(Synthesize(text="Hello\x00there.").event())).code == "invalid_request_error"
+        # A field of the wrong type and a header nested too deeply are bad events, not a dropped connection.
+        pcm = bytes(3200)
+        assert (await refused(Event(type="transcribe", data={"language": 5}),
+                              AudioStart(rate=16000, width=2, channels=1).event(),
+                              AudioChunk(rate=16000, width=2, channels=1, audio=pcm).event(),
+                              AudioStop().event())).code == "bad_event"
+        reader, writer = await asyncio.open_connection(wy.host, wy.port)
+        writer.write(b'{"type": "describe", "data": ' + b"[" * 20000 + b"]" * 20000 + b"}\n")
+        await writer.drain()
+        header = await asyncio.wait_for(reader.readline(), QUICK_S)
+        assert b'"bad_event"' in header or b"bad_event" in await reader.read(4096), header
+        writer.close()
     run(scenario())
     for model_id in ("whisper", "piper"):
         assert wy.stack.counters(model_id) == {"leases": 0, "queued": 0}
+
+
+def test_a_client_that_stops_reading_a_synthesis_is_dropped_and_its_slot_given_back(wy):
+    """A client that asks for a long synthesis, never reads and stays connected is dropped after
+    ``stream_write_timeout_ms`` of writes going nowhere, as over HTTP: the speech slot comes back while
+    its socket is still open, and HTTP speech is served (it held the slot for as long as it stayed)."""
+    with socket.create_connection((wy.host, wy.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        text = " ".join(f"This is sentence {i} of a long text that nobody reads." for i in range(60))
+        sock.sendall((json.dumps({"type": "synthesize", "data": {"text": text}}) + "\n").encode())
+        deadline = time.monotonic() + QUICK_S
+        while wy.stack.counters("piper")["leases"] != 1:
+            assert time.monotonic() < deadline, "the synthesis never took its slot"
+            time.sleep(0.05)
+        taken = time.monotonic()
+        while wy.stack.counters("piper")["leases"] != 0:
+            assert time.monotonic() - taken < QUICK_S, "the stalled reader still holds the slot"
+            time.sleep(0.1)
+        with wy.stack.client() as client:
+            spoken = client.post("/v1/audio/speech", json={"model": "piper", "input": "Still here.", "voice": "joe",
+                                                           "response_format": "pcm"})
+        assert spoken.status_code == 200 and spoken.content
