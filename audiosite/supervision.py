@@ -13,7 +13,7 @@ killer, ``kill -9``, even a clean exit nobody asked for) is replaced:
    ``Keys.worker_memory`` are deleted; serve then records both in the database
    through its ``on_lost`` callback (the pools unloaded, the load failed). Web
    processes waiting for one of its runs then answer 503 ``worker_lost`` at
-   their next watchdog tick (``inference.runtime.rpc.WATCHDOG_S``), and
+   their next watchdog tick (``inference.runtime.loads.await_reply``, at most ``MAX_CHECK_S`` apart), and
    ``/health`` reports ``degraded`` while no other worker is alive;
 3. after a delay (:class:`RestartBackoff`) it starts a replacement under a new
    Celery hostname (so a new ``worker_direct`` queue and run queue).
@@ -23,7 +23,7 @@ refreshed every tick): from the spawn until its first liveness beat (at most
 ``WORKER_BOOT_TIMEOUT_S``), and from ``RESTART_GRACE_S`` before a scheduled
 restart. A cold load that finds no live worker waits for a worker only while
 that key exists, and otherwise fails with 503 ``no_worker`` at once
-(``inference.runtime.rpc.load_single_flight``), so requests neither fail
+(``inference.runtime.loads.load_single_flight``), so requests neither fail
 during the first seconds of a quick restart nor wait one lease TTL each for a
 restart that is 30 s away.
 

@@ -126,10 +126,12 @@ def _reach(start: str) -> set[str]:
 
 def test_the_graph_sees_the_project():
     """The checks below are only as good as the graph: it must know the layers and their edges."""
-    assert {"inference.services", "inference.scheduler.slots", "inference.runtime.rpc", "inference.worker.tasks",
+    assert {"inference.services", "inference.services.request", "inference.scheduler.slots", "inference.runtime.loads",
+            "inference.runtime.runs", "inference.runtime.streams", "inference.worker.tasks",
             "registry.records", "registry.services", "audiosite.asgi", "gate.model_checks",
             "bench.reference.asgi"} <= set(MODULES)
-    assert any(t == "inference.scheduler" for t, _, _ in GRAPH["inference.runtime.rpc"])
+    assert any(t == "inference.scheduler" for t, _, _ in GRAPH["inference.runtime.loads"])
+    assert any(t == "inference.runtime.runs" for t, _, _ in GRAPH["inference.services.request"])
     assert any(t == "inference.services" for t, _, _ in GRAPH["registry.services"])
 
 

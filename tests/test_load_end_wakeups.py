@@ -2,7 +2,7 @@
 
 1. R7.4 / R4.2: a load's end reaches each waiter in its wake-up (``load:<token>`` LF the outcome) and
    is kept per caller token in ``<base>:loadend:<token>`` (``lua/lib.lua`` ``wake_load_waiters``,
-   ``begin_load``'s ``{'woken', outcome}``, ``rpc.load_single_flight`` / ``read_load_end_error``).
+   ``begin_load``'s ``{'woken', outcome}``, ``loads.load_single_flight`` / ``read_load_end_error``).
 2. ``manage.py serve`` loads the eager models in its own process (``_preload``: ``models_preload`` on
    an event loop in a thread) and points its Celery app at the Redis it started.
 
@@ -37,7 +37,7 @@ import redis
 from audiosite.embedded_redis import EmbeddedRedis
 from audiosite.errors import ModelLoadFailed
 from inference.runtime.context import KEYS
-from inference.runtime.rpc import load_single_flight
+from inference.runtime.loads import load_single_flight
 from inference.runtime.teardown import wait_for_load_in_progress
 from inference.scheduler import Keys, LoadEnd, LoadEndRecord
 

@@ -17,7 +17,8 @@ from audiosite.serverconfig import get_config, install_config
 from inference.runtime.context import KEYS, async_context
 from inference.runtime.published import legacy_slots_ignored
 from inference import audio
-from inference.runtime.rpc import INPUT_TTL_MS, inline_element, load_single_flight, split_element
+from inference.runtime.loads import load_single_flight
+from inference.runtime.runs import INPUT_TTL_MS, inline_element, split_element
 from inference.scheduler import LoadEnd, Scheduler
 from inference.worker.runs import POP_TIMEOUT_S, RunDispatcher
 from inference.worker.state import CapacityExceeded, WorkerState
@@ -211,7 +212,7 @@ def test_a_stopping_worker_answers_its_queued_runs_not_loaded(redis_client):
     for request_id in ("r1", "r2"):
         redis_client.lpush(queue_key, _run_header(request_id, "test-channel", worker.boot))
     # A run whose samples came inside its queue element: they are left in its input key for the
-    # sender's next dispatch, which sends the header alone (rpc.stage_run).
+    # sender's next dispatch, which sends the header alone (runs.stage_run).
     samples = np.arange(-8, 8, dtype="<i2")
     redis_client.lpush(queue_key, inline_element(json.loads(_run_header("r3", "test-channel", worker.boot)),
                                                  audio.to_bytes(samples)))

@@ -284,7 +284,7 @@ def test_a_load_ended_as_lost_is_recorded_once_though_its_frozen_worker_finishes
         thread = threading.Thread(target=frozen_worker, args=(token,))
         thread.start()
         await helpers.until(lambda: redis_client.get(KEYS.fixture_arrived("stalled-load")) == "1", 10)
-        # What the web process does when the claim lapses (rpc.load_single_flight, services._record_lost_load).
+        # What the web process does when the claim lapses (load_single_flight, services.loading._record_lost_load).
         assert await ctx.scheduler.finish_load("stalled", token, LoadEnd.WORKER_LOST, error=lost) is LoadOutcome.OK
         await sync_to_async(records.registration_record_load)("stalled", False, error=lost, actor=host)
         redis_client.lpush(KEYS.fixture_release("stalled-load"), "go")
@@ -335,7 +335,7 @@ def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_
     assert probe.free and left == 0
     assert audio.plain_pcm16_wav(data, 16000, decoding.QUICK_DECODE_MAX_SAMPLES) == (layout == "wav read as-is")
     if layout == "wav read as-is":
-        assert held == 4 * 8 * 16000  # int16 samples, copied twice while sent (rpc.send_copies_bytes)
+        assert held == 4 * 8 * 16000  # int16 samples, copied twice while sent (runs.send_copies_bytes)
     else:
         header = audio.read_header(data, 3600)
         assert held == inference_services.decoded_bytes_needed(header, 16000) > 5 * 4 * 8 * 16000

@@ -3,7 +3,7 @@
 ``begin_load.lua`` answers ``{'woken', <how that load ended>}`` when the caller passes
 ``replaces=<its previous wait's token>`` and that ``:loadwait`` entry is already gone; the end comes
 from ``:loadend``, where every end of a load keeps, per waiter token, what its wake-up carries
-(``load_single_flight`` in ``inference/runtime/rpc.py`` reports it, R4.2, R7.4).
+(``load_single_flight`` in ``inference/runtime/loads.py`` reports it, R4.2, R7.4).
 
 Two levels, both on a real Redis (database 15) and real listeners, no mocks:
 - the scripts alone (``Rig``: one simulated web process, as in tests/test_scheduler.py);
@@ -33,7 +33,7 @@ import pytest
 
 from audiosite.errors import ModelLoadFailed, ServerBusy
 from inference.runtime.context import KEYS
-from inference.runtime.rpc import Placement, load_single_flight
+from inference.runtime.loads import Placement, load_single_flight
 from inference.scheduler import Keys, LeaseKind, LoadEnd, Scheduler
 
 from .helpers import Rig, claim_started_by, live_worker, load_contexts, outcome_of, run, unique_prefix, within

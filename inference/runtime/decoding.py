@@ -2,7 +2,7 @@
 
 **Two pools.** Decoding is CPU work in libsndfile and soxr, so it runs in
 threads of its own, never on the event loop and never in the threads that
-send Celery tasks or big Redis values (``inference.runtime.rpc``):
+send Celery tasks or big Redis values (``inference.runtime.loads``, ``inference.runtime.runs``):
 
 - the *quick* pool (``QUICK_THREADS`` threads) reads headers and decodes
   inputs of at most ``QUICK_DECODE_MAX_SAMPLES`` source samples (frames x
@@ -42,13 +42,14 @@ Every file that needs decoding, mixing or resampling, and every other
 layout, goes to the pools as above.
 
 **The budget.** Every decode first reserves its peak
-(:func:`inference.audio.decode_peak_bytes`, from the header) in the process's
+(:func:`inference.audio.decode_peak_bytes`, from the header) plus the copies
+made sending its samples (:func:`decoded_bytes_needed`) in the process's
 :class:`DecodeBudget` (``max_decoded_bytes_in_flight``); a decode that does
-not fit is refused (503 ``decode_budget``, see ``inference.services``) rather
+not fit is refused (503 ``decode_budget``, see ``inference.services.audio_input``) rather
 than allowed to grow the process. A WAV that needs no decoding reserves only
 the copies its 16-bit samples take while they are sent (its samples are a
 view of the upload, which is not counted). The reservation is given back once the
-samples are in Redis (``inference.runtime.rpc.RunInput.release_samples``) or
+samples are in Redis (``inference.runtime.runs.RunInput.release_samples``) or
 when the request ends without that (error, refusal, client gone).
 """
 from __future__ import annotations
@@ -56,7 +57,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -64,6 +64,8 @@ import numpy as np
 
 from audiosite.serverconfig import get_config
 from inference import audio
+
+from .runs import send_copies_bytes
 
 QUICK_THREADS = 2
 BULK_THREADS = max(2, os.cpu_count() or 1)
@@ -120,6 +122,21 @@ class DecodeBudget:
         return Reservation(self, nbytes)
 
 
+def decoded_bytes_needed(header: audio.AudioHeader, target_rate_hz: int) -> int:
+    """Bytes a request with this audio header reserves in the decode budget: the decode's peak
+    (:func:`inference.audio.decode_peak_bytes`) plus the copies made sending its samples to Redis
+    (:func:`inference.runtime.runs.send_copies_bytes`; none for large inputs).
+
+    A WAV read as-is (``header.as_is``, module doc) decodes nothing: its samples are a view of the
+    upload, which no request counts (it is bounded by ``max_request_body_bytes``), so it reserves only
+    the send copies of its 16-bit samples (8 s at 16 kHz: 0.5 MB instead of 2.9 MB).
+    """
+    if header.as_is:
+        return send_copies_bytes(header.frames * audio.INT16_BYTES)
+    output_bytes = audio.output_frames_bound(header.frames, header.sample_rate_hz, target_rate_hz) * audio.FLOAT32_BYTES
+    return audio.decode_peak_bytes(header, target_rate_hz) + send_copies_bytes(output_bytes)
+
+
 _budget: DecodeBudget | None = None
 _budget_made = threading.Lock()
 
@@ -172,15 +189,14 @@ def _take(header: audio.AudioHeader) -> bool:
     return True
 
 
-def _as_is(data: bytes, target_rate_hz: int, max_seconds: float,
-           bytes_needed: Callable[[audio.AudioHeader], int]) -> Inspected | None:
+def _as_is(data: bytes, target_rate_hz: int, max_seconds: float) -> Inspected | None:
     """:func:`inspect_and_decode` on the event loop for a WAV that needs no decoding (module doc), else None;
-    its samples are taken only when ``bytes_needed(header)`` fits in the budget now (then reserved)."""
+    its samples are taken only when :func:`decoded_bytes_needed` fits in the budget now (then reserved)."""
     reserved: list[Reservation] = []
 
     def admit(header: audio.AudioHeader) -> bool:
         spent = budget()
-        needed_bytes = bytes_needed(header)
+        needed_bytes = decoded_bytes_needed(header, target_rate_hz)
         reservation = spent.reserve(needed_bytes) if spent.fits_alone(needed_bytes) else None
         if reservation is not None:
             reserved.append(reservation)
@@ -203,12 +219,11 @@ class Inspected:
     reservation: Reservation | None = None
 
 
-def _inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
-                        bytes_needed: Callable[[audio.AudioHeader], int], cancel: threading.Event) -> Inspected:
+def _inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float, cancel: threading.Event) -> Inspected:
     header = audio.read_header(data, max_seconds, False)
     if header.frames * header.channels > QUICK_DECODE_MAX_SAMPLES:
         return Inspected(header)
-    needed_bytes = bytes_needed(header)
+    needed_bytes = decoded_bytes_needed(header, target_rate_hz)
     spent = budget()
     if not spent.fits_alone(needed_bytes):
         return Inspected(header)
@@ -223,15 +238,14 @@ def _inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
     return Inspected(header, samples, reservation)
 
 
-async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float,
-                             bytes_needed: Callable[[audio.AudioHeader], int]) -> Inspected:
+async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: float) -> Inspected:
     """Read the header of ``data`` and, when it is small, decode it too: one quick-pool hop instead of
     :func:`read_header` now and :func:`decode` after the grant (for a request that will most likely be
     granted at once: ``admission_probe.lua``'s ``free``); no hop at all for a WAV that needs no decoding
     (module doc).
 
     Decodes only inputs of at most ``QUICK_DECODE_MAX_SAMPLES`` source samples whose
-    ``bytes_needed(header)`` fits in the budget now (reserved before decoding, as :func:`decode`'s
+    :func:`decoded_bytes_needed` fits in the budget now (reserved before decoding, as :func:`decode`'s
     caller does); otherwise returns the header alone and the caller decodes later as usual. A
     cancelled caller stops the decoder at its next block, and samples decoded for a caller that
     is gone give their reservation back.
@@ -239,11 +253,11 @@ async def inspect_and_decode(data: bytes, target_rate_hz: int, max_seconds: floa
     Raises:
         inference.audio.AudioError: see :func:`inference.audio.read_header` and :func:`inference.audio.decode`.
     """
-    inspected = _as_is(data, target_rate_hz, max_seconds, bytes_needed)
+    inspected = _as_is(data, target_rate_hz, max_seconds)
     if inspected is not None:
         return inspected
     cancel = threading.Event()
-    future = _QUICK_POOL.submit(_inspect_and_decode, data, target_rate_hz, max_seconds, bytes_needed, cancel)
+    future = _QUICK_POOL.submit(_inspect_and_decode, data, target_rate_hz, max_seconds, cancel)
     try:
         return await asyncio.wrap_future(future)
     except asyncio.CancelledError:

@@ -19,7 +19,7 @@ from celery.utils import worker_direct
 from inference.scheduler import Lease, ModelState
 
 from .context import KEYS, AsyncContext
-from .rpc import LIVENESS_CHECK_S, await_reply, send_task, until_worker_lost, worker_alive
+from .loads import LIVENESS_CHECK_S, await_reply, send_task, until_worker_lost, worker_alive
 
 
 class TeardownOutcome(StrEnum):

@@ -147,7 +147,7 @@ class RunOffer(NamedTuple):
 
     ``expected_meta``: the registration (JSON text, exactly as published) the run was prepared for;
     no other one is dispatched. ``element_for(lease_id)``: the bytes to push on that worker's run
-    queue (their format is the caller's, ``inference.runtime.rpc.inline_element``);
+    queue (their format is the caller's, ``inference.runtime.runs.inline_element``);
     ``queue_ttl_ms``: the queue's TTL, refreshed by the push.
     """
 

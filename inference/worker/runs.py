@@ -1,7 +1,7 @@
 """The worker's run queue: runs arrive as JSON headers on a Redis list, not as Celery messages.
 
 Web processes push one header per run on ``Keys.run_queue(hostname, boot)``
-(``inference.runtime.rpc.run_on_worker``, or ``enqueue.lua`` with the grant);
+(``inference.runtime.runs.run_on_worker``, or ``enqueue.lua`` with the grant);
 the worker's run threads pop them in FIFO order (``BRPOP``) and serve them
 (``work.run_request``, ``work.reply``), one thread popping at a time
 (leader/follower): the thread that popped a header first starts another run
@@ -34,7 +34,7 @@ import redis
 
 from inference import audio
 from inference.runtime.context import KEYS, redis_url, sync_redis_bytes, sync_scheduler
-from inference.runtime.rpc import INPUT_TTL_MS, RunFailure, split_element
+from inference.runtime.runs import INPUT_TTL_MS, RunFailure, split_element
 
 from . import work
 from .state import WorkerState
@@ -157,7 +157,7 @@ def refuse(header: dict, inline: memoryview | None = None) -> None:
     """Answer a run this worker never took ``not_loaded``: by reply key, or by end frame for a stream.
 
     Samples that came ``inline`` (inside the queue element) are first left in ``Keys.input(request_id)``
-    (TTL ``INPUT_TTL_MS``), where the sender's next dispatch expects them (``rpc.stage_run``).
+    (TTL ``INPUT_TTL_MS``), where the sender's next dispatch expects them (``inference.runtime.runs.stage_run``).
     """
     if inline is not None:
         sync_redis_bytes().set(KEYS.input(header["request_id"]), inline, px=INPUT_TTL_MS)
@@ -169,12 +169,12 @@ def refuse(header: dict, inline: memoryview | None = None) -> None:
 
 
 def serve_run(worker: WorkerState, header: dict, inline: memoryview | None = None) -> None:
-    """Serve the run described by ``header`` (see ``inference.runtime.rpc.run_on_worker``) and reply.
+    """Serve the run described by ``header`` (see ``inference.runtime.runs.run_on_worker``) and reply.
 
     Reply in ``Keys.result(request_id)``, wake-up ``done:<request_id>`` on the
     sender's channel: ``work.run_request``'s payload, or ``not_loaded`` when
     this worker holds no pool of the model (the sender keeps the lease). A
-    speech stream (``header["stream"]``, from ``inference.runtime.rpc.stream_on_worker``)
+    speech stream (``header["stream"]``, from ``inference.runtime.streams.WorkerStream``)
     answers with frames instead (``work.stream_speech``), and so does a streamed transcription
     (``header["stream"] == "transcription"``, ``work.stream_transcription``). A ``held`` run is one
     decode of a live transcription turn whose lease the sender keeps (``work.run_request``).

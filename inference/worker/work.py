@@ -1,7 +1,7 @@
 """What the worker does for each task: load a pool, run one request, destroy a pool.
 
 Outcomes are written to a Redis reply key with a TTL, then announced on the
-caller's process channel (see ``inference.runtime.rpc``). The worker renews
+caller's process channel (see ``inference.runtime.loads`` and ``inference.runtime.runs``). The worker renews
 the lease (or the loader claim) while it works and releases a run's lease
 when done, so a web process that dies mid-request strands nothing (R2.5).
 Database writes: the worker records its loads (``loading``, the outcome);
@@ -20,7 +20,7 @@ from inference.adapters.base import AudioRequest, Cancelled, InvalidInput, TextR
 from inference.adapters.fixture_barrier import make_barrier
 from inference.runtime import metrics
 from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
-from inference.runtime.rpc import RunFailure
+from inference.runtime.runs import RunFailure
 from inference.scheduler import Keys, LoadEnd, LoadOutcome
 from registry import records
 
@@ -53,7 +53,7 @@ result or a short transcript; longer ones are read from their key)."""
 
 INLINE_REPLY_TTL_MS = 30000
 """How long the reply key of an inline reply stays (ms), for a waiter whose wake-up message was
-lost (a dropped subscription): it looks within ``inference.runtime.rpc.LIVENESS_CHECK_S``, then at
+lost (a dropped subscription): it looks within ``inference.runtime.loads.LIVENESS_CHECK_S``, then at
 least every liveness TTL (10 s). The reader does not delete it: at 100 short requests per second
 about 3,000 keys of a few hundred bytes stay in Redis."""
 
@@ -65,7 +65,7 @@ def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, 
     Args:
         release: ``(model_id, lease_id)``: release that lease first, in the same round trip
             (a run's end: its slot is free before its sender wakes).
-        inline: a run's reply, whose reader takes a payload from the wake-up (``rpc.run_on_worker``):
+        inline: a run's reply, whose reader takes a payload from the wake-up (``inference.runtime.runs.run_on_worker``):
             one of at most ``INLINE_REPLY_MAX_CHARS`` is sent in the message as ``wake + "\n" +
             payload`` and kept at ``key`` for ``INLINE_REPLY_TTL_MS`` only.
 
@@ -134,7 +134,7 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
     stale = scheduler.finish_load(model_id, token, outcome, host, worker.boot, error, capacity) is LoadOutcome.STALE
     if stale:
         # Our claim was ended by someone who records that end: a web process that counted this worker
-        # lost (R7.4; inference.services._record_lost_load writes the failed load) or a manager whose
+        # lost (R7.4; inference.services.loading._record_lost_load writes the failed load) or a manager whose
         # teardown began (set_state.lua; its teardown writes the states). Publish nothing and write
         # nothing: one writer per step (issue 8 item 2).
         if built is not None:
@@ -164,7 +164,7 @@ def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str,
         sample_rate_hz: their rate.
         sample_format: their format (``inference.audio.F32LE`` or ``S16LE``).
         inline: the samples themselves, when they came inside the run queue element
-            (``inference.runtime.rpc.inline_element``): nothing is read from Redis.
+            (``inference.runtime.runs.inline_element``): nothing is read from Redis.
         options: the request's validated options, overlaid on the pool's defaults.
         held: the sender keeps (renews and releases) the lease itself: one decode of a live
             transcription turn, whose lease spans several runs (``inference.realtime``). The
@@ -269,7 +269,7 @@ it answers the last look (an adapter may ask per small step)."""
 
 def left_checker(request_id: str):
     """``AudioRequest.cancelled`` of run ``request_id``: a callable that is True once the web set
-    ``Keys.stop(request_id)`` (the run's client left, ``inference.runtime.rpc.run_reply``). It looks
+    ``Keys.stop(request_id)`` (the run's client left, ``inference.runtime.runs.run_reply``). It looks
     at most every ``CANCEL_CHECK_EVERY_S`` and never raises (a failed look counts as "still wanted":
     the run goes on, as it would without the marker)."""
     client = sync_redis_bytes()

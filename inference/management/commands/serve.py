@@ -306,7 +306,7 @@ class Command(BaseCommand):
         """Record in the database what a worker serve saw exit held, as settled in Redis by the supervisor
         (the one that ended it records it): its pools are gone (state ``unloaded``), and a load it ran
         failed (state ``unloaded``, a failed ``load`` row whose actor is the lost worker, as a web process
-        records a lost load: ``inference.services._record_lost_load``)."""
+        records a lost load: ``inference.services.loading._record_lost_load``)."""
         records.registration_record_lost(forgotten.pools, f"worker {hostname} exited with "
                                          f"{describe_exit(returncode)}", actor="serve")
         for model_id in forgotten.loads:

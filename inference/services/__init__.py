@@ -1,0 +1,93 @@
+"""Decisions about inference: run a request, make sure a model is loaded, make room, evict, retire, tear down.
+
+Views and Celery tasks call these (``from inference import services``, then ``services.run(...)``);
+they use the mechanism of ``inference.runtime`` and record lifecycle steps through
+``registry.records`` (the only writer of the database). One module per concern:
+
+=====================  ==================================================================================
+concern                module (its public names, re-exported here)
+=====================  ==================================================================================
+audio input            ``audio_input``: :class:`AudioInput`, :func:`inspect_audio`,
+                       :func:`inspect_and_decode_audio`, :func:`decode_audio` (and
+                       ``decoded_bytes_needed``, which lives beside the budget in
+                       ``inference.runtime.decoding``)
+the one teardown path  ``teardown``: :func:`model_teardown`, :func:`model_retire_if_idle`
+loading and residency  ``loading``: :func:`ensure_loaded`, :func:`models_preload` (:class:`PreloadResult`),
+                       :func:`make_room`, ``COUNTED_STATES``, ``ROOM_POLL_S``
+one request            ``request``: :func:`probe_for_request`, :func:`model_for_request`, :func:`run`
+                       (:class:`Outcome`), :func:`reply_error`
+pipelines              ``pipelines``: :func:`diarize`, :func:`transcribe_with_speakers`
+streams                ``streams``: :func:`speech_open` (:class:`SpeechStream`), :func:`transcription_open`
+                       (:class:`TranscriptionStream`)
+live decode            ``live_decode``: :func:`decode_held` (one decode of a live transcription turn)
+=====================  ==================================================================================
+
+Imports run one way inside the package: audio_input, teardown → loading → request → pipelines;
+streams and live_decode use loading (and request's ``reply_error``).
+
+Flow of one request (web process, async, no thread held while waiting):
+
+0. read the upload's container header (no frame decoded): a bad header,
+   too long, or a decode larger than the whole decode budget is refused
+   (400/413/415) before any ticket exists;
+1. acquire a request lease under the effective busy timeout (R3.1–R3.3);
+   a refusal (fail-fast, timeout) costs no decoding;
+2. reserve the decode's peak bytes in this process's decode budget (503
+   ``decode_budget`` past it, the lease given back), then decode in a pool of
+   its own (``inference.runtime.decoding``); audio that cannot be decoded is
+   refused (400/415) and the lease given back;
+3. make sure the model is loaded (single flight across processes, R4.2;
+   with a residency limit, cold loads pass the cold-load guard and evict, R6);
+4. store the input in Redis (TTL) and push the run's header on the owning
+   worker's run queue (one round trip; ``inference.runtime.runs.run_on_worker``);
+   the web process then drops the samples and gives back the reservation;
+5. await the ``done:<id>`` wake-up; the worker releases the lease.
+
+Decoding after the grant means a queued request holds only its upload, not
+the decoded samples (a small compressed file can decode to far more); the
+budget bounds what the granted ones hold at once.
+
+The web process renews the lease until the worker reports back, and releases
+it itself on every path where the worker never took over (refusal, load
+failure, lost worker). If the client disconnects after dispatch, the running
+step finishes on the worker, which releases the lease (R8.2).
+"""
+from __future__ import annotations
+
+from inference.runtime.decoding import decoded_bytes_needed
+
+from .audio_input import AudioInput, decode_audio, inspect_and_decode_audio, inspect_audio
+from .live_decode import decode_held
+from .loading import COUNTED_STATES, ROOM_POLL_S, PreloadResult, ensure_loaded, make_room, models_preload
+from .pipelines import diarize, transcribe_with_speakers
+from .request import Outcome, model_for_request, probe_for_request, reply_error, run
+from .streams import SpeechStream, TranscriptionStream, speech_open, transcription_open
+from .teardown import model_retire_if_idle, model_teardown
+
+__all__ = [
+    "COUNTED_STATES",
+    "ROOM_POLL_S",
+    "AudioInput",
+    "Outcome",
+    "PreloadResult",
+    "SpeechStream",
+    "TranscriptionStream",
+    "decode_audio",
+    "decode_held",
+    "decoded_bytes_needed",
+    "diarize",
+    "ensure_loaded",
+    "inspect_and_decode_audio",
+    "inspect_audio",
+    "make_room",
+    "model_for_request",
+    "model_retire_if_idle",
+    "model_teardown",
+    "models_preload",
+    "probe_for_request",
+    "reply_error",
+    "run",
+    "speech_open",
+    "transcribe_with_speakers",
+    "transcription_open",
+]

@@ -1,0 +1,74 @@
+"""Live decode: one decode of a live transcription turn (``inference.realtime``) under a lease its caller
+holds across several runs (R8.3)."""
+from __future__ import annotations
+
+import asyncio
+
+from audiosite.errors import ServerBusy
+from inference.runtime import runs
+from inference.runtime.context import AsyncContext
+from inference.scheduler import Lease
+
+from .loading import ensure_loaded
+from .request import reply_error
+
+
+async def decode_held(ctx: AsyncContext, model_id: str, lease: Lease, samples, sample_rate_hz: int, options: dict,
+                      timeout_ms: int) -> dict:
+    """Transcribe ``samples`` (float32 ``(n,)`` at ``sample_rate_hz``) on ``model_id``'s pool under a
+    request ``lease`` that the caller holds and renews across several runs (a live turn, R8.3); the
+    worker neither renews nor releases it (a ``held`` run, ``inference.runtime.runs.run_on_worker``).
+
+    The model is loaded first if needed (a turn after an unload reloads it); a pool lost before the
+    worker took the run is loaded once more. The caller must not release the lease while this runs:
+    cancelled, it still waits for the worker's reply (the decode finishes: at most one decode
+    step, R8.2), then re-raises.
+
+    Args:
+        timeout_ms: the turn's effective busy timeout, bounding a cold load's wait for room.
+
+    Returns:
+        The adapter's result (``text``, ``segments``, ``language``, ``duration``).
+
+    Raises:
+        ServerBusy: the worker was lost (``worker_lost``), or could not load (``no_worker``, ``residency_full``).
+        ModelLoadFailed: the model could not be loaded.
+        InvalidRequest: the adapter refused the options (e.g. a language the checkpoint lacks).
+        ApplicationError: the adapter failed on valid input (a bug).
+    """
+    run_input = runs.RunInput(samples, sample_rate_hz, options)
+    task = asyncio.ensure_future(_decode_held(ctx, model_id, lease, run_input, timeout_ms))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        try:
+            await task
+        except Exception:
+            pass
+        raise
+
+
+async def _decode_held(ctx: AsyncContext, model_id: str, lease: Lease, run_input: runs.RunInput,
+                       timeout_ms: int) -> dict:
+    try:
+        for _attempt in range(2):
+            left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
+            placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+            reply = await runs.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, runs.Handover(),
+                                            held=True)
+            if reply is None:
+                await ctx.scheduler.mark_unloaded(model_id, placement.boot, "worker lost")
+                raise ServerBusy(f"model {model_id!r}: its worker stopped responding; retry", code="worker_lost")
+            if reply.get("kind") == runs.RunFailure.NOT_LOADED:
+                await ctx.scheduler.mark_unloaded(model_id, placement.boot, "pool lost")
+                continue
+            break
+        else:
+            raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+        error = reply_error(model_id, reply, "turn")
+        if error is not None:
+            raise error
+        return reply["result"]
+    finally:
+        run_input.release_samples()
+        await runs.drop_input(ctx, run_input)
