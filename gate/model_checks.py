@@ -522,7 +522,10 @@ async def _serving_recovers_from_failures(run: Run, client: Client, n: int, work
     entry_bad = await client.entry(bad_id)
     probe = await client.ask(bad_id, wl.items[0])
     entry_probe = await client.entry(bad_id)
-    load_good = await client.manage("/v1/models/load", wl.registration(bad_id, n, lazy=False))
+    # The good entry states the keys the bad one changed: a load applies only the keys sent to the
+    # registration (a null path is the family's packaged checkpoint again).
+    load_good = await client.manage("/v1/models/load", wl.registration(
+        bad_id, n, path=None, load_options=dict(wl.load_options or {}), lazy=False))
     retry_outs, _, _ = await _wave(run, client, _pick(wl.items, n, 1), model_id=bad_id, watch=False, count=n,
                                    phase="M4-after-load-failure", wave=0)
     ev["load_failure_then_retry"] = {
