@@ -160,11 +160,32 @@ def check_model_entry(entry: dict) -> list[EntryProblem]:
     return problems
 
 
+@functools.cache
+def _voice_file(checkpoint: str) -> dict:
+    return json.loads(Path(checkpoint + ".json").read_text())
+
+
+def builtin_voices(family: str, path: str | None) -> list[dict]:
+    """The voices a speech checkpoint itself provides: ``[{"id", "name", "language", "sample_rate",
+    "speakers"}]``, read from the ``<voice>.onnx.json`` beside a Piper ``<voice>.onnx`` (no weights load).
+
+    Raises:
+        FileNotFoundError: the checkpoint or its ``.onnx.json`` does not exist.
+        KeyError: an unknown family.
+    """
+    checkpoint = resolve_checkpoint(family, path)
+    voice = _voice_file(str(checkpoint))
+    name = Path(str(checkpoint)).name.removesuffix(".onnx")
+    return [{"id": voice.get("dataset") or name, "name": name,
+             "language": voice.get("language", {}).get("code", voice.get("espeak", {}).get("voice")),
+             "sample_rate": int(voice["audio"]["sample_rate"]), "speakers": int(voice.get("num_speakers", 1))}]
+
+
 def _voice_problems(spec: dict, entry: dict) -> list[EntryProblem]:
     """Problems of ``voice_presets`` / ``default_voice_preset``: only a ``tts`` family has voices; each
-    preset's ``options`` must pass the family's ``request_options`` schema; the default must be a
-    preset. (Whether a preset's ``voice`` exists is checked when requests resolve it: the web answers
-    400 naming the voices.)"""
+    preset's ``voice`` must be one of the checkpoint's own voices (:func:`builtin_voices`; not checked
+    when the checkpoint cannot be read: the ``path`` problem says why) and its ``options`` must pass the
+    family's ``request_options`` schema; the default must be a preset."""
     presets = entry.get("voice_presets") or {}
     default = entry.get("default_voice_preset")
     if not presets and default is None:
@@ -172,7 +193,15 @@ def _voice_problems(spec: dict, entry: dict) -> list[EntryProblem]:
     if "tts" not in spec["tasks"]:
         return [EntryProblem("voice_presets", f"family {spec['family']!r} does not synthesise speech (no voices)")]
     problems = []
+    try:
+        own = {voice["id"] for voice in builtin_voices(spec["family"], entry.get("path"))}
+    except (OSError, KeyError, ValueError):
+        own = None
     for name, preset in presets.items():
+        if own is not None and preset.get("voice") not in own:
+            problems.append(EntryProblem(f"voice_presets.{name}.voice",
+                                         f"{preset.get('voice')!r} is not a voice of this checkpoint "
+                                         f"(its voices: {sorted(own)})"))
         problems.extend(_schema_problems(spec["request_options"], preset.get("options") or {},
                                          f"voice_presets.{name}.options"))
     if default is not None and default not in presets:

@@ -9,37 +9,13 @@ when a request sends none (else the model's first voice).
 """
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
-
 from inference import specs
-
-
-@functools.cache
-def _voice_file(checkpoint: str) -> dict:
-    return json.loads(Path(checkpoint + ".json").read_text())
-
-
-def builtin_voices(family: str, path: str | None) -> list[dict]:
-    """The voices a checkpoint itself provides: ``[{"id", "name", "language", "sample_rate", "speakers"}]``.
-
-    Raises:
-        FileNotFoundError: the checkpoint or its ``.onnx.json`` does not exist.
-        KeyError: an unknown family.
-    """
-    checkpoint = specs.resolve_checkpoint(family, path)
-    voice = _voice_file(str(checkpoint))
-    name = Path(str(checkpoint)).name.removesuffix(".onnx")
-    return [{"id": voice.get("dataset") or name, "name": name,
-             "language": voice.get("language", {}).get("code", voice.get("espeak", {}).get("voice")),
-             "sample_rate": int(voice["audio"]["sample_rate"]), "speakers": int(voice.get("num_speakers", 1))}]
 
 
 def model_voices(meta: dict) -> list[dict]:
     """Every voice a request to ``meta``'s model may name: the built-in ones, then the presets
     (``{"id", "name", "language", "sample_rate", "preset_of", "options"}``)."""
-    voices = builtin_voices(meta["family"], meta.get("path"))
+    voices = specs.builtin_voices(meta["family"], meta.get("path"))
     by_id = {v["id"]: v for v in voices}
     for name, preset in (meta.get("voice_presets") or {}).items():
         base = by_id.get(preset["voice"], voices[0])

@@ -32,8 +32,9 @@ class AsyncTokenAuthentication(TokenAuthentication):
     send; ``manage.py issue_token``), looked up by digest, asynchronously.
 
     Returns ``(user, ApiToken)``; raises ``AuthenticationFailed`` (401) for an unknown token or an
-    inactive user, except that with ``unknown_bearer_is_anonymous`` an unknown ``Bearer`` key counts as
-    no credentials: an OpenAI client always sends its API key, which a status read must not refuse.
+    inactive user, except that with ``unknown_bearer_is_anonymous`` an unknown or malformed (empty, with
+    spaces) ``Bearer`` key counts as no credentials: an OpenAI client always sends its API key, which a
+    status read must not refuse.
     """
 
     model = ApiToken
@@ -45,11 +46,9 @@ class AsyncTokenAuthentication(TokenAuthentication):
 
     def authenticate(self, request):
         """DRF's sync entry point, with both schemes (:meth:`token_key`)."""
-        key = self.token_key(request)
-        if key is None:
-            return None
         try:
-            return self.authenticate_credentials(key)
+            key = self.token_key(request)
+            return None if key is None else self.authenticate_credentials(key)
         except exceptions.AuthenticationFailed:
             if self._bearer_ignored(request):
                 return None
@@ -91,7 +90,12 @@ class AsyncTokenAuthentication(TokenAuthentication):
                 "Invalid token header. Token string should not contain invalid characters.") from None
 
     async def aauthenticate(self, request):
-        key = self.token_key(request)
+        try:
+            key = self.token_key(request)
+        except exceptions.AuthenticationFailed:  # a malformed header: on a read, an OpenAI key counts as none
+            if self._bearer_ignored(request):
+                return None
+            raise
         if key is None:
             return None
         try:

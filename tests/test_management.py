@@ -998,6 +998,9 @@ def test_the_admin_load_action_and_the_dashboard_load_keep_the_registration(msta
         resp = c.post("/ui/manage/tts-presets/configure", headers=csrf,
                       data={"entry": json.dumps({"id": "other", "lazy": True})})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "id"
+        for action in ("configure", "load", "slots"):  # an id nobody registered: 404, as from the API
+            resp = c.post(f"/ui/manage/nobody/{action}", headers=csrf, data={"entry": "{}", "slots": "1"})
+            assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found", action
     finally:
         c.close()
 
@@ -1022,6 +1025,25 @@ def test_bearer_tokens_work_wherever_token_does_and_an_openai_key_does_not_block
             assert resp.status_code == 200 and "path" not in resp.json()
             resp = await stranger.delete("/v1/models/fx-base")
             assert resp.status_code == 401
+            for odd in ("Bearer", "Bearer a b"):  # malformed OpenAI keys: no credentials on a read
+                resp = await stranger.get("/v1/models/fx-base", headers={"Authorization": odd})
+                assert resp.status_code == 200 and "path" not in resp.json(), odd
+                resp = await stranger.post("/v1/models/load", json={"id": "fx-base"}, headers={"Authorization": odd})
+                assert resp.status_code == 401, odd
     run(scenario())
     client = openai.OpenAI(base_url=f"{mstack.url}/v1", api_key="sk-unknown", max_retries=0, timeout=30)
     assert "fx-base" in {model.id for model in client.models.list()}
+
+
+def test_a_voice_preset_naming_a_voice_the_checkpoint_lacks_is_refused(mstack, token):
+    """A preset must stand for one of the checkpoint's own voices: an unknown one is a 400 naming the
+    preset's voice, and nothing is registered (it used to register and then speak the first voice)."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json={"id": "tts-ghost", "family": "piper", "lazy": True,
+                                                          "voice_presets": {"a": {"voice": "nosuch"}}})
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert error["param"] == "voice_presets.a.voice" and "joe" in error["message"]
+            assert (await op.get("/v1/models/tts-ghost")).status_code == 404
+    run(scenario())

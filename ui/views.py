@@ -33,7 +33,7 @@ from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpRe
 from django.shortcuts import render
 from django.views.decorators.http import require_GET, require_POST
 
-from audiosite.errors import ApplicationError, Forbidden, InvalidRequest
+from audiosite.errors import ApplicationError, Forbidden, InvalidRequest, NotFound
 from audiosite.serverconfig import get_config
 from audiosite.input_checks import MAX_JSON_DEPTH, check_json_depth, validated
 from inference import specs
@@ -234,9 +234,10 @@ async def _manager(request: HttpRequest) -> str:
 
 
 async def _registered(ctx, model_id: str) -> None:
-    """Raise InvalidRequest (400, ``param`` id) unless ``model_id`` is registered."""
+    """Raise NotFound (404, ``param`` id, as the API's management routes answer) unless ``model_id`` is
+    registered."""
     if await model_meta_get(ctx, model_id) is None:
-        raise InvalidRequest(f"model {model_id!r} is not registered", param="id")
+        raise NotFound(f"model {model_id!r} is not registered", param="id")
 
 
 def _int_field(request: HttpRequest, name: str) -> int | None:
