@@ -1,10 +1,9 @@
 """``python manage.py bench_realtime --url URL``: live transcription over the realtime WebSocket.
 
 Accuracy and latency (first, through the official ``openai`` SDK's realtime client, ``--rounds``
-times): every speech fixture (``samples/`` and the tests' ``../shared/fixtures/speech``, the same
-file once) and the fixtures joined as one utterance (:func:`_speech`) are streamed as 16 kHz PCM
-in 20 ms appends at real-time pace between 0.6 s and 1.2 s of silence, with OpenAI's default
-server VAD. Printed, of the same run:
+times): every speech fixture in ``samples/`` and the fixtures joined as one utterance
+(:func:`_speech`) are streamed as 16 kHz PCM in 20 ms appends at real-time pace between 0.6 s
+and 1.2 s of silence, with OpenAI's default server VAD. Printed, of the same run:
 
 - completed WER: the WER against the reference of each utterance's ``completed`` transcripts
   joined, beside the file WER: the same utterance sent whole to ``POST /v1/audio/transcriptions``
@@ -20,7 +19,7 @@ WER: lower-cased words without punctuation, common contractions spelt out (the L
 references spell them out), :mod:`jiwer`.
 
 Sessions sustained (then, ``--max-sessions`` > 0): each session streams a speech file (default:
-the ``../shared/fixtures/speech`` files joined into
+the ``samples/`` speech files joined into
 one utterance of about 5 s, see :func:`_speech`), between 0.75 s of silence, in 20 ms appends of
 24 kHz PCM at real-time pace, with OpenAI's default server VAD,
 ``--turns`` times. Measured per turn (issue 11, item 6):
@@ -61,9 +60,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 CHUNK_MS = 20
 RATE_HZ = 24000
-FIXTURES = Path(settings.BASE_DIR).parent / "shared" / "fixtures" / "speech"
 SAMPLES = Path(settings.BASE_DIR) / "samples"
-"""The speech files shipped with the checkout (the same LibriSpeech utterances as ``FIXTURES``)."""
+"""The speech files shipped with the checkout (LibriSpeech utterances with their reference transcripts)."""
 MODEL_RATE_HZ = 16000
 LEAD_SILENCE_S = 0.6
 TAIL_SILENCE_S = 1.2
@@ -76,9 +74,9 @@ def _speech(path: str | None) -> np.ndarray:
     """float32 mono samples at 16 kHz of ``path``; default: the speech fixtures one after the other as
     one utterance (each but the first without its first 0.25 s, so that the pauses between them
     stay under the VAD's 500 ms and the turn is not split): about 5 s."""
-    files = [Path(path)] if path else sorted(FIXTURES.glob("*.wav"))
+    files = [Path(path)] if path else sorted(SAMPLES.glob("*.wav"))
     if not files or not all(f.exists() for f in files):
-        raise CommandError(f"no speech file (looked for {path or FIXTURES})")
+        raise CommandError(f"no speech file (looked for {path or SAMPLES})")
     parts = []
     for index, file in enumerate(files):
         samples, rate = soundfile.read(file, dtype="float32", always_2d=True)
@@ -161,15 +159,15 @@ def wer(reference: str, hypothesis: str) -> float:
 
 def _utterances() -> list[tuple[str, np.ndarray, str]]:
     """``(name, float32 samples at 16 kHz, reference text)`` of every speech file with a ``.txt``
-    reference in ``SAMPLES`` and ``FIXTURES`` (a name found in both once), then all of them joined as
+    reference in ``SAMPLES``, then all of them joined as
     one utterance (:func:`_speech`)."""
     found: dict[str, Path] = {}
-    for folder in (SAMPLES, FIXTURES):
+    for folder in (SAMPLES,):
         for wav in sorted(folder.glob("*.wav")):
             if wav.with_suffix(".txt").exists():
                 found.setdefault(wav.stem, wav)
     if not found:
-        raise CommandError(f"no speech file with a reference .txt in {SAMPLES} or {FIXTURES}")
+        raise CommandError(f"no speech file with a reference .txt in {SAMPLES}")
     out = []
     for name, wav in found.items():
         samples, rate = soundfile.read(wav, dtype="float32", always_2d=True)
