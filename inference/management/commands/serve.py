@@ -151,7 +151,48 @@ class Command(BaseCommand):
         self.web: WebSupervisor | None = None
         self.stopping = False
         self.forced = False  # a second signal: stop everything at once
-        # The caller's own AUDIOSITE_CONFIG_OVERRIDES first, then the command-line flags over it.
+        config, config_path, overrides = self._configure(opts)
+        env = self._child_env(config_path, overrides)
+
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        failed = ""
+        try:
+            redis_url = self._prepare_state(config, env)
+            workers = self._start_workers(config, env, redis_url, opts["workers"])
+            web = self._start_web(config, env, redis_url)
+            self._wait_healthy(config.host, config.port)
+            metas = self._published(redis_url)
+            self._load_eager(config, metas)
+            self.stdout.write(self.style.SUCCESS(
+                f"audiosite listening on http://{config.host}:{config.port} (runtime {config.runtime}, "
+                f"{len(metas)} model(s)); Ctrl-C stops it"))
+            self.stdout.flush()
+            failed = self._supervise(workers, web)
+        except _Stop:
+            pass
+        finally:
+            self._stop_all(config.shutdown_timeout_ms / 1000)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if failed:
+            raise CommandError(f"audiosite stopped because {failed}")
+        self.stdout.write("audiosite stopped")
+
+    # -- start-up steps ----------------------------------------------------------
+    @staticmethod
+    def _configure(opts: dict[str, Any]) -> tuple[ServerConfig, str | None, dict[str, Any]]:
+        """Load, validate and install the configuration: the caller's own ``AUDIOSITE_CONFIG_OVERRIDES``
+        first, then the command-line flags over it (``--parallel-jobs`` sets ``AUDIOSITE_PARALLEL_JOBS=1``
+        before the file is read).
+
+        Returns:
+            ``(config, config_path, overrides)``: the installed :class:`ServerConfig`, the ``--config``
+            path or ``AUDIOSITE_CONFIG`` (None: the default file), and the merged overrides.
+
+        Raises:
+            CommandError: the overrides are not a JSON object, the configuration is invalid (every
+                problem listed), or ``--workers`` is below 1.
+        """
         try:
             overrides = dict(env_json("AUDIOSITE_CONFIG_OVERRIDES", {}))
         except (ImproperlyConfigured, TypeError, ValueError) as exc:
@@ -168,6 +209,13 @@ class Command(BaseCommand):
                                          + [f"  - {p}" for p in exc.problems])) from None
         if opts["workers"] < 1:
             raise CommandError("--workers must be ≥ 1")
+        return config, config_path, overrides
+
+    @staticmethod
+    def _child_env(config_path: str | None, overrides: dict[str, Any]) -> dict[str, str]:
+        """The environment of every child (this process's, plus the resolved config path, the merged
+        overrides, ``HF_HUB_OFFLINE=1`` and the secret key); this process takes the same config path and
+        overrides into its own environment."""
         env = os.environ.copy()
         if config_path:
             env["AUDIOSITE_CONFIG"] = str(Path(config_path).resolve())
@@ -177,73 +225,82 @@ class Command(BaseCommand):
         os.environ.update({k: env[k] for k in ("AUDIOSITE_CONFIG_OVERRIDES",)})
         if config_path:
             os.environ["AUDIOSITE_CONFIG"] = env["AUDIOSITE_CONFIG"]
+        return env
 
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def _prepare_state(self, config: ServerConfig, env: dict[str, str]) -> str:
+        """Make the files private, start the embedded Redis unless ``REDIS_URL`` names one, point this
+        process (and ``env``) at it, migrate the database, forget this host's dead workers and sync the
+        registry; returns the Redis URL."""
+        self._restrict_files()
+        redis_url = settings.REDIS_URL_GIVEN or self._start_redis()
+        env["REDIS_URL"] = redis_url
+        settings.REDIS_URL = redis_url
+        # This process sends the start-up load tasks (_preload): its Celery app must use the Redis
+        # just started, not the broker its settings named at import (none: Celery's default AMQP).
+        celery_app.conf.broker_url = settings.CELERY_BROKER_URL = kombu_broker_url(redis_url)
+        self.stdout.write(f"database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}"
+                          f" {settings.DATABASES['default']['NAME']}")
+        call_command("migrate", interactive=False, verbosity=0)
+        self._forget_dead_local_workers(redis_url)
+        self._sync(config)
+        return redis_url
+
+    def _start_workers(self, config: ServerConfig, env: dict[str, str], redis_url: str,
+                       count: int) -> WorkerSupervisor:
+        """Start ``count`` supervised Celery GPU workers (``self.workers``), each with one thread per slot
+        of every model plus room for loads and unloads (at least 32), and ``MALLOC_ARENA_MAX`` bounded
+        unless the operator bounded the arenas."""
+        concurrency = max(32, sum(slot_count(m.slots, config.runtime)
+                                 for m in config.models) + 4)
+        worker_env = env if arenas_bounded(env) else {**env, "MALLOC_ARENA_MAX": WORKER_MALLOC_ARENA_MAX}
+        self.workers = WorkerSupervisor(
+            count, lambda index, name: self._spawn_worker(name, concurrency, worker_env),
+            lambda index: f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}",
+            redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=SUPERVISOR_REDIS_TIMEOUT_S,
+                                 socket_connect_timeout=SUPERVISOR_REDIS_TIMEOUT_S),
+            KEYS, config.lease_ttl_ms, config.worker_restart_delay_ms / 1000,
+            config.worker_restart_max_delay_ms / 1000, self._say, self._record_lost)
+        self.workers.start()
+        return self.workers
+
+    def _start_web(self, config: ServerConfig, env: dict[str, str], redis_url: str) -> WebSupervisor:
+        """Start the supervised web process (daphne, ``audiosite.web``; ``self.web``) on the configured
+        host and port; a dead one's scheduler channel is forgotten (:meth:`_web_gone`)."""
+        web_argv = [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
+                    "audiosite.asgi:application"]
+        self.web = WebSupervisor(
+            lambda fd: self._spawn_web(web_argv, env, fd), config.web_stall_timeout_ms / 1000,
+            config.worker_restart_delay_ms / 1000, config.worker_restart_max_delay_ms / 1000, self._say,
+            lambda channel: self._web_gone(redis_url, config.lease_ttl_ms, channel))
+        self.web.start()
+        return self.web
+
+    def _load_eager(self, config: ServerConfig, metas: dict) -> None:
+        """Warn about ``slots`` the legacy runtime ignores, then load the published models that are not
+        lazy (:meth:`_preload`)."""
+        ignored = published.legacy_slots_ignored(metas, config.runtime)
+        if ignored:
+            self.stdout.write(self.style.WARNING(ignored))
+        eager = published.eager_ids(metas, config.lazy_load)
+        if eager:
+            self._preload(eager)
+
+    def _supervise(self, workers: WorkerSupervisor, web: WebSupervisor) -> str:
+        """Tick the supervisors every ``TICK_S`` until a signal sets ``stopping`` or a child in
+        ``children`` (the embedded Redis) exits; returns why serve failed ("" after a signal)."""
         failed = ""
-        try:
-            self._restrict_files()
-            redis_url = settings.REDIS_URL_GIVEN or self._start_redis()
-            env["REDIS_URL"] = redis_url
-            settings.REDIS_URL = redis_url
-            # This process sends the start-up load tasks (_preload): its Celery app must use the Redis
-            # just started, not the broker its settings named at import (none: Celery's default AMQP).
-            celery_app.conf.broker_url = settings.CELERY_BROKER_URL = kombu_broker_url(redis_url)
-            self.stdout.write(f"database: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}"
-                              f" {settings.DATABASES['default']['NAME']}")
-            call_command("migrate", interactive=False, verbosity=0)
-            self._forget_dead_local_workers(redis_url)
-            self._sync(config)
-            # One thread per slot of every model, plus room for loads and unloads.
-            concurrency = max(32, sum(slot_count(m.slots, config.runtime)
-                                     for m in config.models) + 4)
-            worker_env = env if arenas_bounded(env) else {**env, "MALLOC_ARENA_MAX": WORKER_MALLOC_ARENA_MAX}
-            self.workers = WorkerSupervisor(
-                opts["workers"], lambda index, name: self._spawn_worker(name, concurrency, worker_env),
-                lambda index: f"gpu{index}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}",
-                redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=SUPERVISOR_REDIS_TIMEOUT_S,
-                                     socket_connect_timeout=SUPERVISOR_REDIS_TIMEOUT_S),
-                KEYS, config.lease_ttl_ms, config.worker_restart_delay_ms / 1000,
-                config.worker_restart_max_delay_ms / 1000, self._say, self._record_lost)
-            self.workers.start()
-            web_argv = [sys.executable, "-m", "audiosite.web", "-b", config.host, "-p", str(config.port),
-                        "audiosite.asgi:application"]
-            self.web = WebSupervisor(
-                lambda fd: self._spawn_web(web_argv, env, fd), config.web_stall_timeout_ms / 1000,
-                config.worker_restart_delay_ms / 1000, config.worker_restart_max_delay_ms / 1000, self._say,
-                lambda channel: self._web_gone(redis_url, config.lease_ttl_ms, channel))
-            self.web.start()
-            self._wait_healthy(config.host, config.port)
-            metas = self._published(redis_url)
-            ignored = published.legacy_slots_ignored(metas, config.runtime)
-            if ignored:
-                self.stdout.write(self.style.WARNING(ignored))
-            eager = published.eager_ids(metas, config.lazy_load)
-            if eager:
-                self._preload(eager)
-            self.stdout.write(self.style.SUCCESS(
-                f"audiosite listening on http://{config.host}:{config.port} (runtime {config.runtime}, "
-                f"{len(metas)} model(s)); Ctrl-C stops it"))
-            self.stdout.flush()
-            while not self.stopping:
-                for name, proc in self.children:
-                    if proc.poll() is not None:
-                        self.stderr.write(f"{name} exited with {describe_exit(proc.returncode)}; stopping")
-                        self.stopping = True
-                        failed = f"{name} exited with code {proc.returncode}"
-                        break
-                else:
-                    self.workers.tick()
-                    self.web.tick()
-                time.sleep(TICK_S)
-        except _Stop:
-            pass
-        finally:
-            self._stop_all(config.shutdown_timeout_ms / 1000)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        if failed:
-            raise CommandError(f"audiosite stopped because {failed}")
-        self.stdout.write("audiosite stopped")
+        while not self.stopping:
+            for name, proc in self.children:
+                if proc.poll() is not None:
+                    self.stderr.write(f"{name} exited with {describe_exit(proc.returncode)}; stopping")
+                    self.stopping = True
+                    failed = f"{name} exited with code {proc.returncode}"
+                    break
+            else:
+                workers.tick()
+                web.tick()
+            time.sleep(TICK_S)
+        return failed
 
     # -- children ----------------------------------------------------------------
     def _on_signal(self, signum, frame):
