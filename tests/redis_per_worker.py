@@ -1,12 +1,12 @@
 """pytest plugin (``-p tests.redis_per_worker`` in ``pytest.ini``): one private Redis per xdist worker.
 
 The suite flushes Redis databases 3 and 8 to 15 and gives each server stack one of
-them (``tests/helpers.py``), so two test processes sharing one Redis server
+them (``tests/support/stacks.py``), so two test processes sharing one Redis server
 would wipe each other's state. Under ``pytest -n N`` (pytest-xdist, N > 1)
 each worker therefore starts a ``redis-server`` of its own, on a free
 loopback port with nothing kept on disk, and points ``REDIS_URL`` at it
 (database 15, as the single-process default) before Django's settings and
-``tests.helpers`` read it. A single process (``-n 0``, or no xdist) uses the
+``tests.support.stacks`` read it. A single process (``-n 0``, or no xdist) uses the
 ``REDIS_URL`` it was given, unchanged.
 
 The binary is ``redis-server`` from ``PATH`` or, where none is installed, the

@@ -11,7 +11,7 @@ from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, InvalidInput, LoadContext
 
-from .helpers import adapter_session, padded
+from .support.audio import adapter_session, padded
 
 
 def normalise(text: str) -> str:

@@ -15,7 +15,7 @@ from django.core.management.base import CommandError
 
 from gate import evidence
 
-from .helpers import admission, framework_record, record, rows
+from .support.records import admission, framework_record, record, rows
 
 @pytest.fixture
 def paths(tmp_path) -> tuple[Path, Path]:
@@ -175,7 +175,7 @@ def test_without_a_framework_record_no_count_above_one_is_admitted(tmp_path):
     assert "no framework record for cpu" in out
 
 
-# -- hostile and malformed evidence (found by an adversarial run against a214faa) ----------------------------
+# -- hostile and malformed evidence ----------------------------------------------------------------
 
 def _edit(path: Path, change) -> None:
     rec = json.loads(path.read_text())

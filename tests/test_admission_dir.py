@@ -1,5 +1,5 @@
 """How the server reads an admission table (``inference/specs.py``, ``inference/runtime/startup.py``)
-and ``AUDIOSITE_ADMISSION_DIR``: failures an adversarial run found against a214faa, fixed since.
+and ``AUDIOSITE_ADMISSION_DIR``: each failure below is answered at start-up with a message.
 
 Repro by hand (each fails at start-up, see the report):
   AUDIOSITE_ADMISSION_DIR=/nonexistent manage.py serve --parallel-jobs --config <silero_vad slots 2>

@@ -14,7 +14,8 @@ import soundfile
 
 from inference import audio
 
-from .helpers import FIXTURES, ROOT, flac_without_length, riff_wave, silent_flac, wav_bytes, wav_fmt
+from .support.audio import FIXTURES, flac_without_length, riff_wave, silent_flac, wav_bytes, wav_fmt
+from .support.processes import ROOT
 
 
 def tone(rate: int, seconds: float = 0.5, freq: float = 440.0) -> np.ndarray:
@@ -46,7 +47,7 @@ def test_stereo_is_mixed_to_mono_and_resampled():
 
 
 def test_more_than_eight_channels_are_refused_from_the_header():
-    """Issue 9: the channel count is checked before decoding (a block of 65536 frames x 1024 channels
+    """The channel count is checked before decoding (a block of 65536 frames x 1024 channels
     would be 256 MiB); eight channels (7.1) still decode."""
     rate = 16000
     eight = wav_bytes(np.tile(tone(rate, 0.25)[:, None], (1, 8)), rate, "WAV", "PCM_16")
@@ -58,7 +59,7 @@ def test_more_than_eight_channels_are_refused_from_the_header():
 
 
 def test_audio_over_max_seconds_is_refused_from_the_header_before_decoding():
-    """Issue 9: a container that states its length (FLAC) is refused on that length, without decoding a
+    """A container that states its length (FLAC) is refused on that length, without decoding a
     block: the message gives the stated duration, which only the header check knows."""
     data = wav_bytes(np.zeros(1000 * 7200, dtype=np.float32), 1000, "FLAC", "PCM_16")  # two hours
     assert len(data) < 1_000_000
@@ -106,7 +107,7 @@ def test_non_finite_samples_are_refused():
 
 
 def test_bytes_roundtrip_without_a_copy_on_the_sending_side():
-    """The decoded samples travel to Redis as a view of the decoded array (issue 9 item 2: no extra copy)."""
+    """The decoded samples travel to Redis as a view of the decoded array (no extra copy)."""
     samples = tone(16000).astype("<f4")
     view = audio.to_bytes(samples)
     assert view.nbytes == len(view) == samples.nbytes  # redis-py frames the value by len(): bytes, not floats
@@ -117,8 +118,8 @@ def test_bytes_roundtrip_without_a_copy_on_the_sending_side():
 
 @pytest.mark.parametrize("fmt", ["WAV", "FLAC", "AIFF"])
 def test_16_bit_pcm_at_the_model_rate_travels_as_int16_and_reads_back_to_the_same_floats(fmt):
-    """The request path sends mono 16-bit PCM at the model's rate as its int16 samples (half the bytes,
-    issue 8 item 7); the worker's float32 are bit for bit what decoding to float32 gives."""
+    """The request path sends mono 16-bit PCM at the model's rate as its int16 samples (half the bytes);
+    the worker's float32 are bit for bit what decoding to float32 gives."""
     rng = np.random.default_rng(8)
     ints = np.concatenate([np.array([-32768, 32767, 0, 1, -1], np.int16),
                            rng.integers(-32768, 32768, 3 * audio.BLOCK_FRAMES + 17).astype(np.int16)])
@@ -166,7 +167,7 @@ def _python_wave(samples: np.ndarray, rate: int = 16000) -> bytes:
     (riff_wave((b"fmt ", wav_fmt(extra=b"\0\0")), (b"data", _PCM.tobytes())), "an 18-byte fmt chunk (cbSize 0)"),
 ])
 def test_a_wav_that_needs_no_decoding_is_read_as_is_exactly_as_libsndfile_reads_it(data, why):
-    """Issue 8 item 7: a 16-bit mono WAV at the model's rate, laid out canonically, is read on the event loop
+    """A 16-bit mono WAV at the model's rate, laid out canonically, is read on the event loop
     (no pool hop) as a view of its data chunk; header and samples are what libsndfile gives."""
     assert audio.plain_pcm16_wav(data, 16000, 1 << 20), why
     header, samples = audio.read_pcm16_as_is(data, 16000, 1800.0, 1 << 20, lambda header: True)
@@ -235,8 +236,8 @@ def test_an_unknown_sample_format_is_refused():
 
 
 def test_a_cancelled_decode_stops_at_the_next_block():
-    """A client that leaves while its audio decodes frees the decoder (found by an adversarial run:
-    abandoned decodes kept the shared pool busy for their whole length)."""
+    """A client that leaves while its audio decodes frees the decoder (an
+    abandoned decode must not keep the shared pool busy for its whole length)."""
     rate = 48000
     data = wav_bytes(np.zeros((rate * 240, 2), dtype=np.float32), rate, fmt="FLAC", subtype="PCM_16")  # 4 min
     started = time.monotonic()
@@ -305,7 +306,7 @@ def test_the_header_is_read_without_decoding_and_checked_like_decode_checks_it()
     # shorter than one block, resampled: the estimate bounds the resampler's chunk by the file's length
     (8000, 1, "WAV", "PCM_16", 0.5), (1000, 1, "WAV", "PCM_16", 0.01), (22050, 2, "FLAC", "PCM_16", 2)])
 def test_decoding_allocates_the_output_once_and_stays_within_its_estimate(rate, channels, fmt, subtype, seconds):
-    """Issue 9 item 2 (copies on the path): the Python-visible allocations of a decode peak at the output
+    """Copies on the path: the Python-visible allocations of a decode peak at the output
     array plus one block's buffers (no list of pieces, no concatenated copy), and decode_peak_bytes, what
     the web process reserves, covers them. tracemalloc sees numpy's buffers, not libsndfile's or soxr's
     own (those are in the estimate's resampler allowance)."""

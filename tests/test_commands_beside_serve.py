@@ -14,7 +14,8 @@ import sys
 
 import httpx
 
-from .helpers import QUICK_S, ROOT, embedded_env, free_port, kill_tree, start_embedded
+from .support.bounds import QUICK_S
+from .support.processes import ROOT, embedded_env, free_port, kill_process_tree, start_embedded
 
 
 def _manage(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -43,7 +44,7 @@ def test_unload_and_load_commands_reach_the_embedded_redis_of_a_running_serve(tm
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            kill_tree(proc)
+            kill_process_tree(proc)
     # With serve stopped, the command says what it needs instead of a traceback.
     done = _manage(tmp_path, "unload_model", "vad")
     assert done.returncode != 0

@@ -10,7 +10,7 @@ import pytest
 
 from audiosite.serverconfig import ConfigError, DEFAULT_CONFIG_PATH, load_config, parse_config
 
-from .helpers import ROOT
+from .support.processes import ROOT
 
 
 def problems_of(data) -> list[str]:
@@ -76,7 +76,7 @@ def test_residency_and_management_keys_are_typed(key, value):
 
 
 def test_worker_restart_backoff_keys():
-    """serve's restart backoff (issue 9): 1 s doubling to 30 s by default; integers of at least 100 ms;
+    """serve's restart backoff: 1 s doubling to 30 s by default; integers of at least 100 ms;
     a ceiling below the first delay is refused naming both keys."""
     config = parse_config({"models": [], "ui_management": True})
     assert (config.worker_restart_delay_ms, config.worker_restart_max_delay_ms) == (1000, 30000)
@@ -150,7 +150,7 @@ def test_keys_of_later_features_are_refused_not_ignored():
 
 
 def test_the_ui_keys_have_their_defaults_and_refuse_other_values():
-    """Issue 12: ``ui`` (default true) turns the browser UI off; ``ui_anonymous`` is "status" or "none"."""
+    """``ui`` (default true) turns the browser UI off; ``ui_anonymous`` is "status" or "none"."""
     entry = [{"id": "v", "family": "silero_vad"}]
     config = parse_config({"models": entry})
     assert (config.ui, config.ui_anonymous) == (True, "status")
@@ -169,7 +169,7 @@ def test_invalid_json_file_names_the_line(tmp_path):
 
 
 def test_an_integer_beyond_pythons_digit_limit_is_a_config_error(tmp_path):
-    """Issue 9: json.loads raises a plain ValueError (not JSONDecodeError) for a 4301+ digit integer."""
+    """Json.loads raises a plain ValueError (not JSONDecodeError) for a 4301+ digit integer."""
     path = tmp_path / "server.json"
     path.write_text('{"busy_timeout_ms": ' + "9" * 5000 + ', "models": [{"id": "a", "family": "silero_vad"}]}')
     with pytest.raises(ConfigError) as info:

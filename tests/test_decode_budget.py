@@ -1,4 +1,4 @@
-"""Issue 9 items 2 and 3 on a real stack: the per-process budget of decoded audio in flight, header checks
+"""On a real stack: the per-process budget of decoded audio in flight, header checks
 before queueing, and short requests that do not wait behind huge decodes.
 
 ``serve --parallel-jobs`` (daphne + Celery worker, PostgreSQL, Redis db 8) with the fixture family (its
@@ -16,9 +16,13 @@ import numpy as np
 import pytest
 
 from inference import audio
+from inference.runtime.context import KEYS
 
-from .helpers import (FIXTURE_ENV, events_of, MODEL_S, QUICK_S, flac_without_length, fx, mclient, peak_rss_bytes, post,
-                      run, run_stack, silent_flac, until, wav_bytes, web_pid, within)
+from .support.audio import flac_without_length, silent_flac, wav_bytes
+from .support.bounds import MODEL_S, QUICK_S, run, until, within
+from .support.clients import mclient, post
+from .support.processes import peak_rss_bytes
+from .support.stacks import FIXTURE_ENV, events_of, fx, run_stack, web_pid
 
 pytestmark = pytest.mark.stack
 
@@ -148,7 +152,7 @@ def test_audio_that_could_never_be_served_is_refused_from_its_header_before_it_q
 
 
 def test_short_requests_to_another_model_keep_their_latency_while_huge_decodes_run(bstack):
-    """Issue 9 item 3: four 5-minute 384 kHz FLACs (seconds of resampling each, more than the decode
+    """Four 5-minute 384 kHz FLACs (seconds of resampling each, more than the decode
     threads there are) to one model; meanwhile short Silero requests to another model, one after the
     other, each answered well within 2 s (alone about 20 ms). Before the quick decode pool, each of them
     waited for the huge decodes ahead of it in the one shared pool."""
@@ -218,8 +222,8 @@ def test_a_run_whose_worker_lost_the_pool_is_served_again_from_the_input_already
     answer counts every sample, and no input key is left behind. 120 s decode to 3.8 MB of int16, sent
     to their input key by the blocking client from the array's memory; 2 s travel inside the run queue
     element, and the refusing worker leaves them in the input key for the second dispatch."""
-    [worker_key] = bstack.redis.keys("as:worker:*")
-    bstack.redis.hset(f"as:m:{{{model_id}}}:load", mapping={"state": "ready", "owner": worker_key.split(":", 2)[2],
+    [worker_key] = bstack.redis.keys(KEYS.worker_live_prefix + "*")
+    bstack.redis.hset(KEYS.load(model_id), mapping={"state": "ready", "owner": worker_key.split(":", 2)[2],
                                                             "boot": bstack.redis.get(worker_key)})
     data = silent_flac(seconds)
 
@@ -232,4 +236,4 @@ def test_a_run_whose_worker_lost_the_pool_is_served_again_from_the_input_already
 
     run(scenario())
     assert [event for event, _, _ in events_of(bstack, model_id)] == ["register", "load"]
-    assert bstack.redis.keys("as:in:*") == []
+    assert bstack.redis.keys(KEYS.input("*")) == []

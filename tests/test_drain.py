@@ -11,7 +11,7 @@ import pytest
 from audiosite.drain import WEBSOCKET_CLOSE_GOING_AWAY, Drain, DrainExpired, tracked
 from audiosite.errors import ServerBusy
 
-from .helpers import run, within
+from .support.bounds import run, within
 
 
 def test_a_view_still_running_at_the_deadline_is_answered_503_and_its_clean_up_runs():

@@ -1,4 +1,4 @@
-"""The request path (issue 8, item 7): hot API routes start no thread; the admin keeps its middleware.
+"""The request path: hot API routes start no thread; the admin keeps its middleware.
 
 The thread check watches the daphne process's thread ids (``/proc/<pid>/task``)
 while requests run: Django's stock handler starts an executor thread per
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import FIXTURES, web_pid
+from .support.audio import FIXTURES
+from .support.stacks import web_pid
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 

@@ -14,7 +14,7 @@ import pytest
 import audiosite.http
 from audiosite.http import FRAMEWORK_PINS
 
-from .helpers import ROOT
+from .support.processes import ROOT
 
 #: The frameworks whose internals the package touches; each must be pinned.
 OVERRIDDEN_FRAMEWORKS = ("django", "daphne", "twisted", "adrf", "djangorestframework", "channels", "asgiref",

@@ -1,4 +1,4 @@
-"""Issue 9 hardening: the embedded Redis, allowed hosts, security headers, file modes, the secret key,
+"""Hardening: the embedded Redis, allowed hosts, security headers, file modes, the secret key,
 the reverse proxy.
 
 Real processes only: ``manage.py serve`` on the embedded default (its own SQLite and redis-server),
@@ -29,7 +29,8 @@ import yaml
 
 from audiosite.serverconfig import DEFAULT_CONFIG_PATH, load_config
 
-from .helpers import QUICK_S, ROOT, embedded_env, free_port, kill_tree, mode_of, need_program, start_embedded
+from .support.bounds import QUICK_S
+from .support.processes import ROOT, embedded_env, free_port, kill_process_tree, mode_of, need_program, start_embedded
 
 SECURITY_HEADERS = {
     "x-frame-options": "DENY",
@@ -141,7 +142,7 @@ def test_the_embedded_redis_and_the_var_folder_belong_to_the_service_user_only(t
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
-        kill_tree(proc)
+        kill_process_tree(proc)
 
 
 def test_a_socket_path_too_long_for_unix_sockets_is_refused_with_a_message(tmp_path):
@@ -369,7 +370,7 @@ def test_the_proxy_drops_stalled_clients_and_never_hands_them_to_daphne(stack, p
 
 
 def test_the_proxy_passes_the_ui_status_websocket_through(stack, proxy):
-    """deploy/nginx/audiosite.conf upgrades /ui/ws/ (issue 12): the handshake reaches daphne (101) and the
+    """deploy/nginx/audiosite.conf upgrades /ui/ws/: the handshake reaches daphne (101) and the
     first live status message comes back through nginx."""
     port = int(proxy.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=QUICK_S) as sock:

@@ -1,6 +1,6 @@
 """End to end through HTTP: daphne + a real Celery worker + Redis + PostgreSQL + real models.
 
-The stack is ``manage.py serve`` itself (see helpers.Stack), configured with
+The stack is ``manage.py serve`` itself (see tests/support/stacks.py, ``Stack``), configured with
 ``lease_ttl_ms`` 3000 and ``max_request_body_bytes`` 3 MB.
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ import jiwer
 import numpy as np
 import pytest
 
-from .helpers import MODEL_S, STACK_MAX_BODY_BYTES, long_speech, padded, run, until, wav_bytes
+from .support.audio import long_speech, padded, wav_bytes
+from .support.bounds import MODEL_S, run, until
+from .support.stacks import STACK_MAX_BODY_BYTES
 
 pytestmark = pytest.mark.stack
 
@@ -45,7 +47,7 @@ def assert_error(resp, status: int, err_type: str):
 
 # -- service and status ---------------------------------------------------------------
 def test_health(stack):
-    """``workers``: live GPU workers (issue 9; ``degraded`` with 503 when none: tests/test_serve.py)."""
+    """``workers``: live GPU workers (``degraded`` with 503 when none: tests/test_serve.py)."""
     with stack.client() as c:
         resp = c.get("/health")
     assert resp.status_code == 200
@@ -54,7 +56,7 @@ def test_health(stack):
 
 
 def test_models_list_has_the_legacy_shape(stack):
-    """R1.2: on the legacy runtime /v1/models carries no slot fields; and (issue 9) no ``path`` for a
+    """R1.2: on the legacy runtime /v1/models carries no slot fields; and no ``path`` for a
     caller who may not manage models."""
     with stack.client() as c:
         body = c.get("/v1/models").json()
@@ -194,7 +196,7 @@ BAD_INPUTS = [
     ("option out of range", lambda c, s: run_task(c, "vad", s[0].wav, options={"threshold": 7}), 400),
     ("path without media root match", lambda c, s: c.post("/v1/tasks/run", json={
         "model": "vad", "request": {"audio": "/etc/hostname"}}), 400),
-    # Found by adversarial testing: each of these once gave a 500, a hang or a silent accept.
+    # Each of these once gave a 500, a hang or a silent accept.
     ("lone surrogate model id", lambda c, s: _raw_json(c, '{"model": "\\ud800", "request": {"audio": "x"}}'), 400),
     ("NUL in path", lambda c, s: c.post("/v1/tasks/run", json={"model": "vad", "request": {
         "audio": str(STACK_MEDIA[0] / "a\x00b.wav")}}), 400),

@@ -13,7 +13,7 @@ import pytest
 
 from inference.runtime.startup import UNTESTED_RULES
 
-from .helpers import ROOT
+from .support.processes import ROOT
 
 # The product (what ``serve`` runs) and the tools (management commands only): the validation gate and
 # the benchmarks import the product, never the other way.

@@ -10,15 +10,14 @@ Real Redis, real listeners, real ``serve`` processes; nothing of the project is 
 worker of a load is played, where needed, with exactly the calls its load task makes
 (``renew_load``, its liveness key, ``finish_load``, the reply key), as tests/test_single_flight_load_races.py does.
 
-Two tests failed against c88df37 (2026-12-02) and were fixed the same evening:
-- ``test_a_kept_end_expires_a_minute_after_its_own_end_not_after_the_last_one``: ``wake_load_waiters``
-  (lua/lib.lua) re-armed one PEXPIRE on a whole ``:loadend`` hash at every end, so no entry was
-  dropped while the model's loads ended more often than once a minute (the hash grew by one entry
-  per caller of every load, per request while no worker is alive). Each kept end is now a key of
-  its own, ``:loadend:<token>``, with its own expiry.
+Two edges of the kept ends:
+- ``test_a_kept_end_expires_a_minute_after_its_own_end_not_after_the_last_one``: each kept end is a
+  key of its own, ``:loadend:<token>``, with its own expiry (one PEXPIRE re-armed on a shared hash at
+  every end would drop nothing while the model's loads end more often than once a minute: one entry
+  per caller of every load, per request while no worker is alive).
 - ``test_a_teardown_waiting_through_several_looks_leaves_one_load_wait_entry``:
-  ``teardown.wait_for_load_in_progress`` registered a fresh token at every 2 s look and never removed
-  the previous one; ``add_load_waiter.lua`` now takes ``replaces`` as ``begin_load.lua`` does.
+  ``teardown.wait_for_load_in_progress`` registers a fresh token at every 2 s look and removes the
+  previous one (``add_load_waiter.lua`` takes ``replaces`` as ``begin_load.lua`` does).
 """
 from __future__ import annotations
 
@@ -41,23 +40,10 @@ from inference.runtime.loads import load_single_flight
 from inference.runtime.teardown import wait_for_load_in_progress
 from inference.scheduler import Keys, LoadEnd, LoadEndRecord
 
-from .helpers import (
-    FIXTURE_ENV,
-    ROOT,
-    Rig,
-    claim_started_by,
-    drop_stack,
-    embedded_env,
-    free_port,
-    kill_tree,
-    live_worker,
-    load_contexts,
-    outcome_of,
-    prepare_stack,
-    run,
-    unique_prefix,
-    within,
-)
+from .support.bounds import outcome_of, run, within
+from .support.processes import ROOT, embedded_env, free_port, kill_process_tree
+from .support.rigs import Rig, claim_started_by, live_worker, load_contexts, unique_prefix
+from .support.stacks import FIXTURE_ENV, drop_stack, prepare_stack
 
 
 NASTY_ERROR = ("OSError: [Errno 2] No such file: 'C:\\models\\w.onnx'\n"
@@ -300,7 +286,7 @@ def _wait_for(predicate, proc: subprocess.Popen, log_path, timeout_s: float = 18
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if proc.poll() is not None or time.monotonic() > deadline:
-            kill_tree(proc)
+            kill_process_tree(proc)
             raise AssertionError("serve: condition not reached\n" + log_path.read_text(errors="replace")[-4000:])
         time.sleep(0.1)
 
@@ -332,18 +318,18 @@ def test_a_signal_during_the_start_up_loads_stops_serve_promptly_leaving_no_proc
     (``shutdown_timeout_ms`` 5 s, plus daphne's drain), exits 0 saying "audiosite stopped", leaves
     no child process, gives the start-up load's request lease back (no lease, no queued ticket),
     loads nothing after the signal, and never says it listens."""
-    setup = prepare_stack(tmp_path, HELD, redis_db=5, name="adv2sig", extra_env=FIXTURE_ENV)
+    setup = prepare_stack(tmp_path, HELD, redis_db=5, name="boot_signal", extra_env=FIXTURE_ENV)
     log_path = tmp_path / "serve.log"
     proc = _start_serve(setup.config_path, setup.env, log_path)
     try:
-        _wait_for(lambda: int(setup.redis.get("as:fixture:arrived:boot") or 0) == 1, proc, log_path)
+        _wait_for(lambda: int(setup.redis.get(KEYS.fixture_arrived("boot")) or 0) == 1, proc, log_path)
         code, took, alive = _stop_and_collect(proc, sig)
         output = log_path.read_text(errors="replace")
-        leases = {m: (setup.redis.hlen(f"as:m:{{{m}}}:leases"), setup.redis.zcard(f"as:m:{{{m}}}:queue"))
+        leases = {m: (setup.redis.hlen(KEYS.leases(m)), setup.redis.zcard(KEYS.queue(m)))
                   for m in ("a-held", "b-after")}
-        after_state = setup.redis.hget("as:m:{b-after}:load", "state")
+        after_state = setup.redis.hget(KEYS.load("b-after"), "state")
     finally:
-        kill_tree(proc)
+        kill_process_tree(proc)
         drop_stack(setup)
     assert code == 0, output[-3000:]
     assert took < 15, f"serve took {took:.1f} s to stop\n" + output[-3000:]
@@ -360,23 +346,23 @@ def test_a_start_up_load_longer_than_the_lease_ttl_keeps_its_lease_and_finishes(
     and keeps it alive while the load runs: a load held on the worker for twice the 3 s lease TTL
     still holds exactly that one lease (not reaped, so no request could take the slot meanwhile),
     and once the load goes on, serve loads the next model, listens and holds no lease."""
-    setup = prepare_stack(tmp_path, HELD, redis_db=5, name="adv2ttl", extra_env=FIXTURE_ENV)
+    setup = prepare_stack(tmp_path, HELD, redis_db=5, name="boot_ttl", extra_env=FIXTURE_ENV)
     log_path = tmp_path / "serve.log"
     proc = _start_serve(setup.config_path, setup.env, log_path)
     try:
-        _wait_for(lambda: int(setup.redis.get("as:fixture:arrived:boot") or 0) == 1, proc, log_path)
+        _wait_for(lambda: int(setup.redis.get(KEYS.fixture_arrived("boot")) or 0) == 1, proc, log_path)
         time.sleep(2 * setup.config["lease_ttl_ms"] / 1000)
-        held = setup.redis.hlen("as:m:{a-held}:leases")
+        held = setup.redis.hlen(KEYS.leases("a-held"))
         seconds, micros = setup.redis.time()
-        expiries = setup.redis.zrange("as:m:{a-held}:expiry", 0, -1, withscores=True)
+        expiries = setup.redis.zrange(KEYS.model("a-held") + ":expiry", 0, -1, withscores=True)
         left_ms = [expires_at - (seconds * 1000 + micros // 1000) for _lease, expires_at in expiries]
-        setup.redis.lpush("as:fixture:release:boot", "go")
+        setup.redis.lpush(KEYS.fixture_release("boot"), "go")
         _wait_for(lambda: b"listening on" in log_path.read_bytes(), proc, log_path, 60)
-        after = {m: setup.redis.hlen(f"as:m:{{{m}}}:leases") for m in ("a-held", "b-after")}
-        states = {m: setup.redis.hget(f"as:m:{{{m}}}:load", "state") for m in ("a-held", "b-after")}
+        after = {m: setup.redis.hlen(KEYS.leases(m)) for m in ("a-held", "b-after")}
+        states = {m: setup.redis.hget(KEYS.load(m), "state") for m in ("a-held", "b-after")}
         code, _took, alive = _stop_and_collect(proc, signal.SIGINT)
     finally:
-        kill_tree(proc)
+        kill_process_tree(proc)
         drop_stack(setup)
     assert held == 1 and len(left_ms) == 1 and left_ms[0] > 0, (held, left_ms)  # renewed, not expired
     assert after == {"a-held": 0, "b-after": 0} and states == {"a-held": "ready", "b-after": "ready"}, (after, states)
@@ -391,7 +377,7 @@ def test_a_model_failing_its_start_up_load_is_printed_and_serve_goes_on_serving(
     is still loaded."""
     models = [{"id": "bad", "family": "fixture", "load_options": {"fail_load": True}},
               {"id": "good", "family": "fixture"}]
-    setup = prepare_stack(tmp_path, models, redis_db=6, name="adv2fail", extra_env=FIXTURE_ENV)
+    setup = prepare_stack(tmp_path, models, redis_db=6, name="boot_fail", extra_env=FIXTURE_ENV)
     log_path = tmp_path / "serve.log"
     proc = _start_serve(setup.config_path, setup.env, log_path)
     try:
@@ -402,7 +388,7 @@ def test_a_model_failing_its_start_up_load_is_printed_and_serve_goes_on_serving(
         code, took, alive = _stop_and_collect(proc, signal.SIGINT)
         output = log_path.read_text(errors="replace")
     finally:
-        kill_tree(proc)
+        kill_process_tree(proc)
         drop_stack(setup)
     assert "loading bad failed: model 'bad' failed to load: InjectedFailure: injected load failure" in output, output
     assert "1 model(s) failed to load; they stay registered and load on first request" in output
@@ -432,14 +418,14 @@ def test_on_the_embedded_default_start_up_loads_use_the_embedded_redis_and_a_sig
         _wait_for(lambda: b"embedded redis-server" in log_path.read_bytes(), proc, log_path)
         client = redis.Redis.from_url(embedded.url(), decode_responses=True)
         try:
-            _wait_for(lambda: int(client.get("as:fixture:arrived:boot") or 0) == 1, proc, log_path)
-            first_state = client.hget("as:m:{first}:load", "state")
+            _wait_for(lambda: int(client.get(KEYS.fixture_arrived("boot")) or 0) == 1, proc, log_path)
+            first_state = client.hget(KEYS.load("first"), "state")
         finally:
             client.close()
         code, took, alive = _stop_and_collect(proc, signal.SIGTERM)
         output = log_path.read_text(errors="replace")
     finally:
-        kill_tree(proc)
+        kill_process_tree(proc)
     assert "loaded first in" in output and first_state == "ready", output[-3000:]
     assert code == 0, output[-3000:]
     assert took < 15, f"serve took {took:.1f} s to stop\n" + output[-3000:]
@@ -457,7 +443,7 @@ def test_manage_load_models_still_loads_reports_and_counts_failures_beside_a_run
     models = [{"id": "eager", "family": "fixture"},
               {"id": "lazy", "family": "fixture", "lazy": True},
               {"id": "broken", "family": "fixture", "lazy": True, "load_options": {"fail_load": True}}]
-    setup = prepare_stack(tmp_path, models, redis_db=7, name="adv2lm", extra_env=FIXTURE_ENV)
+    setup = prepare_stack(tmp_path, models, redis_db=7, name="boot_lazy", extra_env=FIXTURE_ENV)
     log_path = tmp_path / "serve.log"
     proc = _start_serve(setup.config_path, setup.env, log_path)
     env = {**setup.env, "AUDIOSITE_CONFIG": str(setup.config_path), "DJANGO_SETTINGS_MODULE": "audiosite.settings"}
@@ -467,10 +453,10 @@ def test_manage_load_models_still_loads_reports_and_counts_failures_beside_a_run
                                env=env, capture_output=True, text=True, timeout=120)
         default = subprocess.run([sys.executable, "manage.py", "load_models"], cwd=ROOT, env=env,
                                  capture_output=True, text=True, timeout=120)
-        state = setup.redis.hget("as:m:{lazy}:load", "state")
+        state = setup.redis.hget(KEYS.load("lazy"), "state")
         code, took, alive = _stop_and_collect(proc, signal.SIGINT)
     finally:
-        kill_tree(proc)
+        kill_process_tree(proc)
         drop_stack(setup)
     assert named.returncode == 0, named.stdout + named.stderr
     assert "loaded lazy in" in named.stdout and state == "ready", named.stdout + named.stderr

@@ -18,7 +18,10 @@ import time
 import httpx
 import pytest
 
-from .helpers import MODEL_S, run, run_stack, worker_pid
+from inference.runtime.context import KEYS
+
+from .support.bounds import MODEL_S, run
+from .support.stacks import run_stack, worker_pid
 
 pytestmark = pytest.mark.stack
 
@@ -109,7 +112,7 @@ def test_a_worker_killed_under_mixed_load_leaves_no_request_hung_no_500_and_ever
         assert lstack.managers(model["id"]) == {"held": 0, "queued": 0}, model["id"]
     # ... and, on the restarted worker, every model serves again.
     deadline = time.monotonic() + MODEL_S
-    while set(lstack.redis.hgetall("as:wpid").values()) in (set(), {str(killed["pid"])}):
+    while set(lstack.redis.hgetall(KEYS.worker_pid).values()) in (set(), {str(killed["pid"])}):
         assert time.monotonic() < deadline, "no worker replaced the killed one"
         time.sleep(0.2)
 

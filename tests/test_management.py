@@ -15,7 +15,11 @@ import time
 import httpx
 import pytest
 
-from .helpers import FIXTURE_ENV, MODEL_S, body, entry_of, events_of, fx, mclient, post, run, run_stack, until
+from inference.runtime.context import KEYS
+
+from .support.bounds import MODEL_S, run, until
+from .support.clients import body, mclient, post
+from .support.stacks import FIXTURE_ENV, entry_of, events_of, fx, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -108,7 +112,7 @@ def test_invalid_registrations_are_refused_and_register_nothing(mstack, token, p
 
 def test_gate_off_refuses_everyone(stack):
     """API.md: with ui_management off every management route answers 403, even for a permitted token,
-    and before any credential is looked up: a bad or malformed token is a 403 too, not a 401 (issue 9)."""
+    and before any credential is looked up: a bad or malformed token is a 403 too, not a 401."""
     done = stack.manage("issue_token", "operator")
     assert done.returncode == 0, done.stderr
     key = done.stdout.strip()
@@ -129,7 +133,7 @@ def test_gate_off_refuses_everyone(stack):
 
 
 def test_path_is_shown_only_to_callers_passing_the_management_gate(mstack, token, stack):
-    """Issue 9: ``/v1/models`` showed every model's filesystem path to anyone. ``path`` is in an entry
+    """``/v1/models`` shows no model's filesystem path to anyone. ``path`` is in an entry
     only for a caller passing the management gate; with management off, for nobody."""
     shell = mstack.manage("shell", "--no-imports", "-c", (
         "from django.contrib.auth.models import User; from registry.records import api_token_issue;"
@@ -160,7 +164,7 @@ def test_path_is_shown_only_to_callers_passing_the_management_gate(mstack, token
 
 
 def test_huge_integer_literals_and_too_many_query_parameters_in_management_requests(mstack, token):
-    """Issue 9: a JSON integer of more than 4300 digits was an anonymous 400 (or a 500 elsewhere); now it
+    """A JSON integer of more than 4300 digits was an anonymous 400 (or a 500 elsewhere); now it
     names its key; too many query parameters were a 500."""
     huge = "9" * 5000
 
@@ -499,7 +503,7 @@ def test_bulk_unload_behind_an_unregister_reports_the_model_not_found(mstack, to
             resp = await bulk
             assert resp.json() == {"unloaded": [], "not_found": ["bd"], "skipped": []}
     run(scenario())
-    assert not mstack.redis.exists("as:m:{bd}:load")
+    assert not mstack.redis.exists(KEYS.load("bd"))
 
 
 def test_unregister_is_a_barrier_and_later_requests_get_404(mstack, token):
@@ -565,7 +569,7 @@ def test_dynamic_registrations_survive_a_registry_resync(mstack, token):
     run(scenario())
     # the database records what status shows (R4), also after a reconfigure that loads nothing
     assert mstack.sql("SELECT state FROM registry_modelregistration WHERE model_id = 'keep'") == [("unloaded",)]
-    mstack.redis.hdel("as:models", "keep")  # as if Redis had been restarted
+    mstack.redis.hdel(KEYS.models_meta, "keep")  # as if Redis had been restarted
     done = mstack.manage("sync_config", env={"AUDIOSITE_PARALLEL_JOBS": "1",
                                              "AUDIOSITE_CONFIG": str(mstack.log_path.parent / "server.json")})
     assert done.returncode == 0, done.stderr
@@ -575,7 +579,7 @@ def test_dynamic_registrations_survive_a_registry_resync(mstack, token):
 
 
 def test_sync_config_refuses_to_change_a_model_in_use_and_applies_once_it_is_unloaded(mstack, token, tmp_path):
-    """One teardown path (issue 8 item 2): ``sync_config`` writes registrations without tearing pools down,
+    """One teardown path: ``sync_config`` writes registrations without tearing pools down,
     so against a live deployment it refuses a file that changes a model in use (``fx-base``, loaded):
     exit status 1, the model named, nothing written, the pool still serving the old configuration. Once
     the model is unloaded through the API, the same file is applied and the next request loads it anew."""

@@ -1,10 +1,10 @@
 """The metrics batching of web processes (``inference/runtime/metrics.py``).
 
 ``flush()`` is what the drain awaits before the process stops (audiosite/web.py). It must return
-only once every event queued by ``record_soon`` is in Redis. An adversarial run found (against
-a214faa, fixed since) that when the batch's timer task has already taken the events and is in the
-middle of its write, ``flush()`` saw no task and no events and returned at once; the process then
-stopped with the write in flight. A ``CLIENT PAUSE ... WRITE`` on the real Redis holds that write
+only once every event queued by ``record_soon`` is in Redis, also when the batch's timer task has
+already taken the events and is in the middle of its write (no task and no events left to see: a
+``flush()`` returning at once would let the process stop with the write in flight).
+A ``CLIENT PAUSE ... WRITE`` on the real Redis holds that write
 open so the window is deterministic.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from inference.runtime import metrics
 from inference.runtime.context import KEYS, async_context
 
-from .helpers import run
+from .support.bounds import run
 
 pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/15"),
                                 reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)")

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inference.runtime import metrics
 from inference.runtime.context import KEYS, async_context
 
-from .helpers import run
+from .support.bounds import run
 
 pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/15"),
                                 reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)")

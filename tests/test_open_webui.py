@@ -30,7 +30,9 @@ import numpy as np
 import pytest
 import soundfile
 
-from .helpers import MODEL_S, Stack, decode_speech, run_stack, words
+from .support.audio import decode_speech, words
+from .support.bounds import MODEL_S
+from .support.stacks import Stack, run_stack
 
 pytestmark = pytest.mark.stack
 

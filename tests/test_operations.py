@@ -1,4 +1,4 @@
-"""Issue 13: ``GET /metrics`` and the graceful drain of ``serve`` and of separately run web processes (R8.4).
+"""``GET /metrics`` and the graceful drain of ``serve`` and of separately run web processes (R8.4).
 
 Metrics are read with ``prometheus_client``'s own parser and checked with ``promtool check metrics``
 (Debian's ``prometheus`` package; .ci/run installs it), clients we did not write. The drain is driven
@@ -14,7 +14,6 @@ import platform
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +24,14 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, mclient, need_program, openai_client, post, run,
-                      run_cluster, run_stack, until, wav_bytes, within)
+from inference.runtime.context import KEYS
+
+from .support.audio import wav_bytes
+from .support.bounds import MODEL_S, QUICK_S, run, until, within
+from .support.clients import body, mclient, openai_client, post
+from .support.cluster import run_cluster
+from .support.processes import need_program, start_serve
+from .support.stacks import FIXTURE_ENV, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -253,7 +258,7 @@ def test_the_first_scrape_has_every_model_at_zero_each_process_and_the_build_and
         assert value(after, "audiosite_audio_seconds_total", model="fx", task="fixture") == pytest.approx(0.3, abs=1e-6)
         assert value(after, "audiosite_audio_seconds_total", model="gone", task="fixture") == pytest.approx(0.1,
                                                                                                             abs=1e-6)
-        stored = [f for key in stack.redis.keys("as:metric:*") if stack.redis.type(key) == "hash"
+        stored = [f for key in stack.redis.keys(KEYS.metric("*")) if stack.redis.type(key) == "hash"
                   for f in stack.redis.hkeys(key)]
         assert any(f.startswith('["gone"') for f in stored), stored
 
@@ -265,7 +270,7 @@ def test_the_first_scrape_has_every_model_at_zero_each_process_and_the_build_and
         promtool_check(text)
         assert series_of(gone, "gone") == [], series_of(gone, "gone")
         assert series_of(gone, "fx") and value(gone, "audiosite_requests_total", model="fx", outcome="ok") == 3
-        stored = [f for key in stack.redis.keys("as:metric:*") if stack.redis.type(key) == "hash"
+        stored = [f for key in stack.redis.keys(KEYS.metric("*")) if stack.redis.type(key) == "hash"
                   for f in stack.redis.hkeys(key)]
         assert not any(f.startswith('["gone"') for f in stored), stored
     finally:
@@ -422,13 +427,8 @@ DRAIN_MODELS = [{"id": "d", "family": "fixture", "slots": 1}]
 def _serve_again(stack, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """A second ``manage.py serve`` on the same configuration, Redis db and database (a restart)."""
     log_path = tmp_path / "serve-again.log"
-    argv = [sys.executable, "manage.py", "serve", "--config", str(tmp_path / "server.json"), "--parallel-jobs"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=stack.env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while b"listening on" not in log_path.read_bytes():
-        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-        time.sleep(0.2)
+    proc = start_serve(["--config", str(tmp_path / "server.json"), "--parallel-jobs"], env=stack.env,
+                       log_path=log_path, timeout_s=120)
     return proc, log_path
 
 

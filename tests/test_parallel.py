@@ -11,8 +11,10 @@ import httpx
 import numpy as np
 import pytest
 
-from .helpers import (FIXTURE_ENV, MODEL_S, QUICK_S, body, entry_of, mclient, padded, post, run, run_stack, until,
-                      wav_bytes, without_timing)
+from .support.audio import padded, wav_bytes
+from .support.bounds import MODEL_S, QUICK_S, run, until
+from .support.clients import body, mclient, post, without_timing
+from .support.stacks import FIXTURE_ENV, entry_of, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -58,7 +60,7 @@ def test_runtime_mismatch_is_refused(pstack):
     assert legacy_env_run.returncode != 0
     assert "runs the parallel runtime" in legacy_env_run.stderr
     assert "Start it with the deployment's runtime (--parallel-jobs or AUDIOSITE_PARALLEL_JOBS=1)" in \
-        legacy_env_run.stderr  # the remedy first (walkthrough of 2026-12-03: it led with deleting the key)
+        legacy_env_run.stderr  # the remedy first, not deleting the key
 
 
 # -- FIFO admission -------------------------------------------------------------------------
@@ -329,7 +331,7 @@ def test_concurrent_outputs_equal_serial_outputs(pstack, speech, family, n):
     pstack.wait_idle(model)
 
 
-# -- found by adversarial testing -----------------------------------------------------------------
+# -- hostile and edge inputs -----------------------------------------------------------------------
 def _kill_web_subscriptions(pstack) -> int:
     """Drop the web process's pub/sub connection(s), as a network blip would (they resubscribe)."""
     killed = 0

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import websockets
 
-from .helpers import MODEL_S, QUICK_S, Stack, run, run_stack, until, within
+from .support.bounds import MODEL_S, QUICK_S, run, until, within
+from .support.stacks import Stack, run_stack
 from .test_streaming import COMPLETED, Listener, silence, speak, ws_url
 
 pytestmark = pytest.mark.stack

@@ -22,7 +22,7 @@ from registry import records
 from registry.authentication import AsyncTokenAuthentication
 from registry.models import ApiToken, LifecycleEvent, ModelRegistration
 
-from .helpers import unique_prefix
+from .support.rigs import unique_prefix
 
 pytestmark = pytest.mark.django_db
 
@@ -102,7 +102,7 @@ def test_admin_lists_registrations_and_events(client):
 
 
 def test_the_audit_log_is_view_only_in_the_admin_even_for_a_superuser(client):
-    """Issue 9: audit rows could be deleted (and bulk-deleted) in the admin; now view only."""
+    """Audit rows could be deleted (and bulk-deleted) in the admin; now view only."""
     records.registration_sync_config(config_with({"id": "vad-audit", "family": "silero_vad"}))
     row = LifecycleEvent.objects.get(model_id="vad-audit")
     client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
@@ -124,7 +124,7 @@ def _token_request(header: str):
 
 
 def test_api_tokens_are_stored_as_sha256_digests_and_found_by_digest():
-    """Issue 9: tokens were stored in plain text. Only the SHA-256 is kept; both lookups hash first."""
+    """Tokens were stored in plain text. Only the SHA-256 is kept; both lookups hash first."""
     user = User.objects.create_user("op")
     token = records.api_token_issue(user)
     assert len(token) >= 43  # 256 random bits
@@ -180,7 +180,7 @@ def test_the_admin_lists_tokens_without_showing_them_and_can_revoke(client):
 
 
 def test_the_migration_hashes_plain_text_tokens_of_drf_authtoken_and_deletes_them():
-    """A database from before issue 9 has DRF's ``authtoken_token`` (plain keys); its tokens keep
+    """A database from before token hashing has DRF's ``authtoken_token`` (plain keys); its tokens keep
     working after the data step, and no key is left in that table."""
     user = User.objects.create_user("legacy")
     key = "0123456789abcdef0123456789abcdef01234567"

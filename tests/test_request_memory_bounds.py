@@ -24,17 +24,10 @@ import httpx
 import numpy as np
 import pytest
 
-from .helpers import (
-    MODEL_S,
-    Stack,
-    error_of,
-    run,
-    run_stack,
-    until,
-    wav_bytes,
-    web_pid,
-    worker_pid,
-)
+from .support.audio import wav_bytes
+from .support.bounds import MODEL_S, run, until
+from .support.clients import error_of
+from .support.stacks import Stack, run_stack, web_pid, worker_pid
 
 MAX_AUDIO_S = 60.0
 RATE_HZ = 16000

@@ -136,7 +136,7 @@ def test_http_errors_carry_the_field_path(stack, speech):
     ([{"model": "vad"}], "", None),
 ])
 def test_the_admission_probe_is_sent_before_validation_only_when_validation_cannot_change_it(body, query, probed):
-    """The early probe (issue 8 item 7) is sent for exactly the model and busy_timeout_ms validation will give."""
+    """The early probe is sent for exactly the model and busy_timeout_ms validation will give."""
     assert EarlyProbe.what_to_probe(body, QueryDict(query)) == probed
     if probed is not None and type(body) is dict:  # a JSON body (a QueryDict is a dict too)
         sent = {**body, "request": {"audio": "x", **body["request"]}}
@@ -162,7 +162,7 @@ def test_an_unknown_model_in_a_bad_body_is_refused_for_the_body_first(stack):
     ("HUGE", None),
 ])
 def test_a_json_integer_beyond_pythons_digit_limit_is_a_400_naming_its_field(text, param):
-    """Issue 9: ``json`` raises ValueError for an integer literal of more than 4300 digits; the parser
+    """``json`` raises ValueError for an integer literal of more than 4300 digits; the parser
     reports it as the field's problem instead of an anonymous parse error."""
     body = text.replace("HUGE", "9" * 5000).encode()
     with pytest.raises(InvalidRequest) as caught:
@@ -173,7 +173,7 @@ def test_a_json_integer_beyond_pythons_digit_limit_is_a_400_naming_its_field(tex
 
 
 def test_error_texts_are_clipped_in_the_middle_with_a_marker():
-    """Issue 9: error messages echoed input unbounded (a 50 MB prompt came back whole)."""
+    """Error messages echoed input unbounded (a 50 MB prompt came back whole)."""
     assert clip_text("x" * ERROR_TEXT_MAX_CHARS) == "x" * ERROR_TEXT_MAX_CHARS
     clipped = clip_text("key 'prompt': '" + "A" * 100_000 + "' is too long")
     assert len(clipped) < ERROR_TEXT_MAX_CHARS
@@ -189,7 +189,7 @@ MANY_QUERY = "&".join(f"q{i}=1" for i in range(1100))  # over DATA_UPLOAD_MAX_NU
 
 @pytest.mark.stack
 def test_inputs_that_break_python_or_django_limits_are_400_in_the_error_shape(stack, speech):
-    """Found by an adversarial run and issue 9: each of these was a 500 (or Django's HTML page, or a 400
+    """Each of these was a 500 (or Django's HTML page, or a 400
     without ``param``)."""
     huge = "9" * 5000  # beyond Python's int() digit limit (4300)
     b64 = base64.b64encode(speech[0].wav).decode()
@@ -254,7 +254,7 @@ def test_inputs_that_break_python_or_django_limits_are_400_in_the_error_shape(st
 
 @pytest.mark.stack
 def test_error_bodies_quote_long_input_clipped(stack, speech):
-    """Issue 9: an error message quoting what the client sent is cut to under 400 characters, with a marker;
+    """An error message quoting what the client sent is cut to under 400 characters, with a marker;
     so is a ``param`` made of the client's keys."""
     long_text = "A" * 1_000_000
     with stack.client() as c:

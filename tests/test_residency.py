@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from .helpers import FIXTURE_ENV, entry_of, fx, mclient, post, run, run_stack, until, within
+from .support.bounds import run, until, within
+from .support.clients import mclient, post
+from .support.stacks import FIXTURE_ENV, entry_of, fx, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -172,7 +174,7 @@ def test_no_model_is_evicted_for_a_load_in_backoff(rstack):
 
 
 def test_a_request_queued_on_the_guard_behind_a_failing_load_evicts_nothing(rstack):
-    """R6.7 with R6.6 (found by an adversarial run): requests for a model wait for the cold-load guard
+    """R6.7 with R6.6 : requests for a model wait for the cold-load guard
     while its load fails; the backoff is checked again once the guard is theirs, so the request
     behind gets 503 at once and does not evict the model another cold load put in meanwhile."""
     limit = rstack.limit

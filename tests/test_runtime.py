@@ -24,7 +24,7 @@ from inference.worker.runs import POP_TIMEOUT_S, RunDispatcher
 from inference.worker.state import CapacityExceeded, WorkerState
 from inference.worker.work import INLINE_REPLY_TTL_MS, destroy_pool
 
-from .helpers import run, within
+from .support.bounds import run, within
 
 pytestmark = pytest.mark.skipif(not os.environ.get("REDIS_URL", "").endswith("/15"),
                                 reason="needs REDIS_URL on database 15 (scripts/test.sh sets it)")
@@ -109,7 +109,7 @@ def test_load_whose_worker_dies_after_starting_it_fails_with_503_worker_lost(red
 
 
 def test_with_no_worker_alive_or_starting_a_load_fails_no_worker_at_once(redis_client):
-    """R7.4 (issue 9): with no live worker and none being started, a cold load is refused with 503
+    """R7.4: with no live worker and none being started, a cold load is refused with 503
     ``no_worker`` at once (it sends no task and does not wait the pickup timeout); a worker whose
     registry entry outlived its liveness key counts as dead; the claim is given back without a
     failed-load backoff, so a later load is tried as soon as a worker runs."""
@@ -134,7 +134,7 @@ def test_with_no_worker_alive_or_starting_a_load_fails_no_worker_at_once(redis_c
 
 
 def test_a_load_waits_for_a_worker_being_started_and_no_longer(redis_client):
-    """R7.4 (issue 9): while a supervisor announces a worker start (``Keys.worker_starting``) and no
+    """R7.4: while a supervisor announces a worker start (``Keys.worker_starting``) and no
     worker is alive, the load task waits for it, past the pickup timeout (1 s here); once the
     announcement lapses (3 s) with still no worker, the load fails ``no_worker`` within a check
     period (1 s)."""
@@ -157,7 +157,7 @@ def test_a_load_waits_for_a_worker_being_started_and_no_longer(redis_client):
 
 
 def test_a_load_announced_to_a_starting_worker_is_taken_by_it(redis_client):
-    """R7.4 (issue 9): the other half of the grace: a worker that comes up while the load waits (here
+    """R7.4: the other half of the grace: a worker that comes up while the load waits (here
     this test plays it: it beats, then takes the claim and reports the pool ready) serves the load,
     although it arrived after the pickup timeout had passed."""
     redis_client.set(KEYS.worker_starting, "test", px=5000)
@@ -335,7 +335,7 @@ def test_the_legacy_runtime_builds_one_session_for_a_registration_that_kept_its_
 
 def test_a_legacy_start_names_the_registrations_whose_slots_it_does_not_run():
     """R1.1: a registration made through the API under --parallel-jobs keeps ``slots``; a later legacy
-    ``serve`` runs it with one session and says so at start (walkthrough finding of 2026-12-02)."""
+    ``serve`` runs it with one session and says so at start."""
     metas = {"vad2": {"id": "vad2", "slots": 4}, "vad": {"id": "vad", "slots": None}, "one": {"id": "one", "slots": 1}}
     warning = legacy_slots_ignored(metas, "legacy")
     assert warning is not None and warning.endswith(": vad2 (slots=4)"), warning

@@ -1,4 +1,4 @@
-"""Scale-out (issue 9 items 4 and 11): two web processes and two Celery workers started one by one
+"""Scale-out: two web processes and two Celery workers started one by one
 on one Redis db (8) and one PostgreSQL database, the parallel runtime and the fixture family.
 
 Every process is real and every death is a real ``kill -9`` (SIGKILL). What is proven: FIFO
@@ -21,7 +21,10 @@ import pytest
 
 from inference.scheduler import LIVENESS_TTL_MS
 
-from .helpers import FIXTURE_ENV, MODEL_S, Cluster, events_of, fx, mclient, post, run, run_cluster, until, within
+from .support.bounds import MODEL_S, run, until, within
+from .support.clients import mclient, post
+from .support.cluster import Cluster, run_cluster
+from .support.stacks import FIXTURE_ENV, events_of, fx
 
 pytestmark = pytest.mark.stack
 
@@ -144,7 +147,7 @@ def test_a_worker_killed_mid_run_answers_503_worker_lost_and_the_model_reloads_o
 
 
 def test_a_worker_killed_during_a_load_frees_the_model_within_the_liveness_ttl(cluster, token):
-    """R7.4 (issue 9 item 4): the worker loading a model (held at its load barrier, two requests
+    """R7.4: the worker loading a model (held at its load barrier, two requests
     waiting for that load through two web processes) is killed. Both get 503 ``worker_lost``
     when its liveness key lapses (the lease TTL, 30 s, plays no part), the model reads
     ``unloaded`` (also in the database, with a failed ``load`` row naming the lost worker), a

@@ -19,7 +19,10 @@ from inference.scheduler import (
     effective_timeout_ms,
 )
 
-from .helpers import REDIS_BASE, ROOT, Rig, run, unique_prefix, within
+from .support.bounds import run, within
+from .support.processes import ROOT
+from .support.rigs import Rig, unique_prefix
+from .support.stacks import REDIS_BASE
 
 
 @pytest.mark.parametrize(
@@ -356,7 +359,7 @@ def test_a_load_whose_worker_stops_beating_is_ended_for_every_waiter(redis_clien
 
 
 def test_a_worker_seen_to_exit_is_forgotten_in_one_step(redis_client):
-    """R7.4 (issue 8 item 3: one script per transition): when ``serve`` sees a worker exit, one call
+    """R7.4 (one script per transition): when ``serve`` sees a worker exit, one call
     (``forget_worker.lua``) marks its ready pool unloaded, ends the load it ran as ``worker_lost`` (its
     waiter woken now, no backoff) and deletes its liveness key and registry entries, while the pool of
     another worker and its entries stay as they were."""
@@ -885,7 +888,7 @@ def test_a_process_killed_just_before_the_release_costs_at_most_one_lease_ttl(re
 
 
 def test_an_unload_keeps_the_error_of_a_failed_load_while_its_backoff_is_remembered(redis_client):
-    """R6.7 (found by an adversarial run): an unload's state changes do not wipe ``error`` of a failed
+    """R6.7 : an unload's state changes do not wipe ``error`` of a failed
     load whose backoff is still remembered (status kept ``failed`` with ``last_error`` null)."""
     async def scenario():
         async with Rig(Keys(unique_prefix())) as rig:

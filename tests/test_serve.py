@@ -7,8 +7,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,28 +18,14 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from audiosite.supervision import RestartBackoff
+from inference.runtime.context import KEYS
 
-from .helpers import (
-    FIXTURE_ENV,
-    MODEL_S,
-    QUICK_S,
-    ROOT,
-    body,
-    embedded_env,
-    events_of,
-    free_port,
-    kill_tree,
-    live_workers,
-    mclient,
-    mode_of,
-    run,
-    run_stack,
-    start_embedded,
-    until,
-    wav_bytes,
-    within,
-    worker_pids,
-)
+from .support.audio import wav_bytes
+from .support.bounds import MODEL_S, QUICK_S, run, until, within
+from .support.clients import body, mclient
+from .support.processes import (ROOT, embedded_env, free_port, kill_process_tree, mode_of, start_embedded,
+                                start_serve)
+from .support.stacks import FIXTURE_ENV, events_of, live_workers, run_stack, worker_pids
 
 
 @pytest.mark.stack
@@ -128,7 +112,7 @@ def test_serve_on_the_embedded_default_and_stop_on_ctrl_c(tmp_path):
         assert not alive, [p.cmdline() for p in alive]
         assert "audiosite stopped" in log_path.read_text()
     finally:
-        kill_tree(proc, also=children)
+        kill_process_tree(proc, also=children)
 
 
 @pytest.mark.stack
@@ -174,7 +158,7 @@ def test_serve_restarts_a_web_process_that_dies_with_the_callers_overrides(tmp_p
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [p.cmdline() for p in alive]
     finally:
-        kill_tree(proc, also=children)
+        kill_process_tree(proc, also=children)
 
 
 def test_quick_restart_after_a_killed_worker_reloads_instead_of_dispatching_to_the_dead_one(tmp_path):
@@ -197,16 +181,11 @@ def test_quick_restart_after_a_killed_worker_reloads_instead_of_dispatching_to_t
         for child in children:  # its children run in sessions of their own and outlive it
             child.kill()
         psutil.wait_procs(children, timeout=QUICK_S)
-        assert stack.redis.keys("as:worker:*"), "the dead worker's liveness key should still be there"
+        assert stack.redis.keys(KEYS.worker_live_prefix + "*"), "the dead worker's liveness key should still be there"
         log_path = tmp_path / "serve2.log"
-        argv = [sys.executable, "manage.py", "serve", "--config", str(tmp_path / "server.json"), "--parallel-jobs"]
-        with open(log_path, "wb") as log:
-            second = subprocess.Popen(argv, cwd=ROOT, env=stack.env, stdout=log, stderr=subprocess.STDOUT)
+        second = start_serve(["--config", str(tmp_path / "server.json"), "--parallel-jobs"], env=stack.env,
+                             log_path=log_path, timeout_s=120)
         try:
-            deadline = time.monotonic() + 120
-            while b"listening on" not in log_path.read_bytes():
-                assert second.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-                time.sleep(0.2)
             started = time.monotonic()
             with stack.client() as c:
                 resp = c.post("/v1/tasks/run", json=body)
@@ -235,7 +214,7 @@ def _worker_hostname(stack, pid: int) -> str:
 
 
 def test_a_killed_worker_is_restarted_while_http_goes_on_and_its_client_gets_worker_lost(tmp_path):
-    """Issue 9 item 6, R7.4 over HTTP with a real ``kill -9``: a request held on the worker (a fixture
+    """R7.4 over HTTP with a real ``kill -9``: a request held on the worker (a fixture
     barrier) when the worker is killed gets 503 ``worker_lost`` (not a reset), within one watchdog
     period (10 s) because serve forgets the dead worker at once; serve keeps serving and logs the
     exit; ``/health`` says ``degraded`` (503, ``workers`` 0) until the replacement, started after
@@ -295,8 +274,8 @@ def test_a_killed_worker_is_restarted_while_http_goes_on_and_its_client_gets_wor
             assert again.json()["pool_id"] != first.json()["pool_id"]
             assert c.get("/v1/models/held").json()["state"] == "ready"
         assert during.status_code == 200, during.text
-        assert stack.redis.hget("as:m:{held}:load", "owner") == new_host
-        assert stack.redis.hget("as:m:{other}:load", "owner") == new_host
+        assert stack.redis.hget(KEYS.load("held"), "owner") == new_host
+        assert stack.redis.hget(KEYS.load("other"), "owner") == new_host
         log = stack.log_path.read_text()
         assert f"worker {old_host} exited with code -9 (SIGKILL)" in log
         assert "its models held, other are unloaded; restarting it in 1 s" in log
@@ -312,7 +291,7 @@ def test_a_killed_worker_is_restarted_while_http_goes_on_and_its_client_gets_wor
 
 
 def test_with_no_worker_alive_queued_and_new_requests_fail_no_worker_at_once(tmp_path):
-    """Issue 9 item 6, R7.4: the worker is killed (``kill -9``) while one request runs on it and
+    """R7.4: the worker is killed (``kill -9``) while one request runs on it and
     three wait behind it (legacy runtime: one session), and its restart is 60 s away
     (``worker_restart_delay_ms``), so no worker is alive or about to start. The running request gets
     503 ``worker_lost``; the three queued ones are then each granted in turn and refused 503

@@ -39,7 +39,10 @@ from inference.worker.state import WorkerState
 from registry import records
 from registry.models import LifecycleEvent, ModelRegistration
 
-from . import helpers
+from .support.audio import pcm_wav, wav_bytes
+from .support.bounds import until
+from .support.rigs import live_worker
+from .support.stacks import fx
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -171,7 +174,7 @@ def test_unregister_removes_the_entry_only_for_the_manager(redis_client):
 
 
 def test_the_admission_probe_reads_the_entry_and_refuses_exactly_when_enqueue_would(redis_client):
-    """One round trip for a refusal (issue 8, item 7): admission_probe.lua returns the entry and the verdict
+    """One round trip for a refusal: admission_probe.lua returns the entry and the verdict
     enqueue.lua would give at that instant (R3.3), with the effective timeout of R3.1."""
     meta = dict(_register("probe"), busy_timeout_ms=None)
     ceilings = {"probe-own": 100, "probe-zero": 0}
@@ -212,11 +215,11 @@ def test_the_admission_probe_reads_the_entry_and_refuses_exactly_when_enqueue_wo
 
 def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_queues_and_leaves(redis_client):
     """The probe saw a free slot, so the request decoded its (small) audio with the header in one pool hop
-    before it queued (issue 8 item 7); another request took the slot first, and the client left while
+    before it queued; another request took the slot first, and the client left while
     queued: the ticket goes (R8.1) and so does the decode budget's reservation, and a 415 found in that hop
     holds nothing."""
     meta = _register("eager")
-    wav = helpers.wav_bytes(np.zeros(16000, dtype=np.float32), 16000, "WAV", "PCM_16")
+    wav = wav_bytes(np.zeros(16000, dtype=np.float32), 16000, "WAV", "PCM_16")
 
     async def scenario(ctx):
         await ctx.scheduler.publish_entry(meta, 1)
@@ -253,20 +256,20 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
 
 def test_a_load_ended_as_lost_is_recorded_once_though_its_frozen_worker_finishes_it_later(redis_client,
                                                                                           monkeypatch):
-    """One writer per step (issue 8 item 2): a worker frozen in a load past its claim is counted lost (R7.4)
+    """One writer per step: a worker frozen in a load past its claim is counted lost (R7.4)
     by a web process, which records the failed ``load`` and the state ``unloaded``. When the worker wakes
-    and finishes, ``finish_load`` says its claim is stale: it discards the pool and writes nothing (before
-    2026-12-03 it wrote a second failed ``load`` row and the state again, which could say ``unloaded``
-    over a newer load that was ready). The worker is ``inference.worker.work.load_pool`` itself, run in a
+    and finishes, ``finish_load`` says its claim is stale: it discards the pool and writes nothing (a second
+    failed ``load`` row and state write could say ``unloaded`` over a newer load that was ready).
+    The worker is ``inference.worker.work.load_pool`` itself, run in a
     thread and held in the fixture family's load barrier while the claim is ended."""
     monkeypatch.setenv("AUDIOSITE_ENABLE_FIXTURE_FAMILY", "1")
     records.registration_sync_config(parse_config(
-        {"models": [helpers.fx("stalled", load_barrier="stalled-load")]}))
+        {"models": [fx("stalled", load_barrier="stalled-load")]}))
     meta = ModelRegistration.objects.get(model_id="stalled").as_meta()
     host = "gpu0@frozen"
     worker = WorkerState()
     worker.hostname = host
-    helpers.live_worker(redis_client, host)
+    live_worker(redis_client, host)
     lost = f"worker {host} was lost while loading the model"
     outcome: list = []
 
@@ -283,7 +286,7 @@ def test_a_load_ended_as_lost_is_recorded_once_though_its_frozen_worker_finishes
         assert decision.action is LoadAction.LOAD
         thread = threading.Thread(target=frozen_worker, args=(token,))
         thread.start()
-        await helpers.until(lambda: redis_client.get(KEYS.fixture_arrived("stalled-load")) == "1", 10)
+        await until(lambda: redis_client.get(KEYS.fixture_arrived("stalled-load")) == "1", 10)
         # What the web process does when the claim lapses (load_single_flight, services.loading._record_lost_load).
         assert await ctx.scheduler.finish_load("stalled", token, LoadEnd.WORKER_LOST, error=lost) is LoadOutcome.OK
         await sync_to_async(records.registration_record_load)("stalled", False, error=lost, actor=host)
@@ -306,14 +309,14 @@ def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_
     """A request that decoded before it queued keeps its reservation while it waits (previous test). A
     WAV read as-is decoded nothing (its samples are a view of the upload): it holds only the two copies
     its 16-bit samples take while sent (4 bytes a frame), not a float32 decode's peak, so a burst of such
-    uploads to a busy model no longer fills the budget that granted requests need (the test_adv3 flake
-    of 2026-12-03: 8 s clips reserved 2.9 MB each under a 3.9 MB budget). The same samples in any other
+    uploads to a busy model does not fill the budget that granted requests need (8 s clips reserving a
+    float32 decode's 2.9 MB each would fill a 3.9 MB budget). The same samples in any other
     layout reserve their decode's peak. Every reservation goes back when the client leaves."""
     meta = _register("asis")
     pcm = (np.arange(8 * 16000) * 37 % 65536 - 32768).astype(np.int16).tobytes()
-    data = {"wav read as-is": helpers.pcm_wav(pcm),
-            "wav with a LIST chunk": helpers.pcm_wav(pcm, between=[(b"LIST", b"INFO")]),
-            "flac": helpers.wav_bytes(np.frombuffer(pcm, np.int16) / 32768, 16000, "FLAC", "PCM_16")}[layout]
+    data = {"wav read as-is": pcm_wav(pcm),
+            "wav with a LIST chunk": pcm_wav(pcm, between=[(b"LIST", b"INFO")]),
+            "flac": wav_bytes(np.frombuffer(pcm, np.int16) / 32768, 16000, "FLAC", "PCM_16")}[layout]
 
     async def scenario(ctx):
         await ctx.scheduler.publish_entry(meta, 1)
@@ -323,7 +326,7 @@ def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_
         before = budget.in_flight_bytes
         request = asyncio.ensure_future(inference_services.run(
             ctx, probe.entry, inference_services.AudioInput(data, "file"), {}, 0, probe=probe))
-        await helpers.until(lambda: budget.in_flight_bytes > before, 10)
+        await until(lambda: budget.in_flight_bytes > before, 10)
         held = budget.in_flight_bytes - before
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -342,7 +345,7 @@ def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_
 
 
 def test_a_run_offered_with_its_enqueue_goes_to_the_ready_worker_only_when_granted_at_once(redis_client):
-    """enqueue.lua hands an offered run to the worker in the grant's own step (issue 8 item 7) exactly when
+    """enqueue.lua hands an offered run to the worker in the grant's own step exactly when
     the request is granted at once, the model is ready on a live worker, and its registration is the one the
     run was prepared for; otherwise nothing is pushed and the caller stages the run itself. A caller that
     leaves while such an enqueue is in flight does not release the lease: the worker owns it."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ROOT
+from .support.processes import ROOT
 
 
 def _import_in_fresh_interpreter(var_dir: Path, modules: str) -> subprocess.CompletedProcess:

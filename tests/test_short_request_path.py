@@ -21,9 +21,12 @@ import pytest
 import soundfile
 
 from inference import audio
+from inference.runtime.context import KEYS
 
-from .helpers import (FIXTURE_ENV, FIXTURES, MODEL_S, TINY, fx, mclient, pcm_wav, post, run, run_stack,
-                      silent_flac, wav_bytes, within, without_timing, worker_pids)
+from .support.audio import FIXTURES, TINY, pcm_wav, silent_flac, wav_bytes
+from .support.bounds import MODEL_S, run, within
+from .support.clients import mclient, post, without_timing
+from .support.stacks import FIXTURE_ENV, fx, run_stack, worker_pids
 
 pytestmark = pytest.mark.stack
 
@@ -76,8 +79,8 @@ async def drained(stack, c: httpx.AsyncClient) -> None:
         entries = (await c.get("/v1/models")).json()["data"]
         busy = [(e["id"], e["active_slots"], e["queued_requests"]) for e in entries
                 if e.get("active_slots") or e.get("queued_requests")]
-        inputs = list(stack.redis.scan_iter("as:in:*"))
-        queued = [k for k in stack.redis.scan_iter("as:runs:*") if stack.redis.llen(k)]
+        inputs = list(stack.redis.scan_iter(KEYS.input("*")))
+        queued = [k for k in stack.redis.scan_iter(KEYS.run_queue_prefix + "*") if stack.redis.llen(k)]
         if not busy and not inputs and not queued:
             break
         assert time.monotonic() < deadline, (busy, inputs, queued)

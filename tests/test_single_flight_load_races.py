@@ -13,13 +13,11 @@ Two levels, both on a real Redis (database 15) and real listeners, no mocks:
   is not subscribed (a real ``Listener`` that was never started: a dropped subscription, which
   ``begin_load.lua``'s comment names, "or was just missed"): every look it takes is the timed one.
 
-Two tests (the "though the next claim" ones) failed against the code of 2026-12-02 morning, which
-read how a waited load ended from the model's *current* ``:load`` hash: a waiter of a lost load that
-read it only after the *next* load was claimed (its wake-up lost, or heard late) waited for that
-next load instead of answering 503 ``worker_lost`` (R7.4). Wake-ups now carry the end and
-``:loadend`` keeps it per waiter token (2026-12-02 evening). The others pin what the ``woken``
-change gets right: against the code before it (edb82e4~1) all of them fail except the takeover
-test, the late READY look and the dead-pool reload (which held before too).
+The two "though the next claim" tests pin that a waiter reads how its load ended from its wake-up or
+``:loadend`` (per waiter token), not from the model's *current* ``:load`` hash: a waiter of a lost load
+that reads it only after the *next* load was claimed (its wake-up lost, or heard late) answers 503
+``worker_lost`` (R7.4) instead of waiting for that next load. The others pin the rest of the ``woken``
+answer; the takeover test, the late READY look and the dead-pool reload hold without it.
 """
 from __future__ import annotations
 
@@ -36,7 +34,8 @@ from inference.runtime.context import KEYS
 from inference.runtime.loads import Placement, load_single_flight
 from inference.scheduler import Keys, LeaseKind, LoadEnd, Scheduler
 
-from .helpers import Rig, claim_started_by, live_worker, load_contexts, outcome_of, run, unique_prefix, within
+from .support.bounds import outcome_of, run, within
+from .support.rigs import Rig, claim_started_by, live_worker, load_contexts, unique_prefix
 
 
 async def _changes_of(rig: Rig, action):

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from .helpers import body, run_stack
+from .support.clients import body
+from .support.stacks import run_stack
 
 pytestmark = pytest.mark.stack
 

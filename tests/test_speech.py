@@ -21,7 +21,10 @@ import jiwer
 import numpy as np
 import pytest
 
-from .helpers import MODEL_S, Stack, decode_speech, openai_client, run, run_stack, within, words
+from .support.audio import decode_speech, words
+from .support.bounds import MODEL_S, run, within
+from .support.clients import openai_client
+from .support.stacks import Stack, run_stack
 
 pytestmark = pytest.mark.stack
 

@@ -17,7 +17,8 @@ import soundfile
 
 from inference import audio
 
-from .helpers import Stack, openai_client, run_stack
+from .support.clients import openai_client
+from .support.stacks import Stack, run_stack
 
 pytestmark = pytest.mark.stack
 

@@ -20,7 +20,8 @@ import pytest
 
 from inference.adapters import piper
 
-from .helpers import MODEL_S, QUICK_S, Stack, run_stack, web_pid, worker_pid
+from .support.bounds import MODEL_S, QUICK_S
+from .support.stacks import Stack, run_stack, web_pid, worker_pid
 
 RATE = 22050
 MODELS = [{"id": "piper", "family": "piper", "task": "tts", "slots": 1}]

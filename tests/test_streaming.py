@@ -1,4 +1,4 @@
-"""Streamed and live transcription end to end (issue 11): ``stream=true`` server-sent events on
+"""Streamed and live transcription end to end: ``stream=true`` server-sent events on
 ``POST /v1/audio/transcriptions``, read by the official SDK and by httpx-sse; and the realtime
 transcription WebSocket ``/v1/realtime?intent=transcription``, spoken to by the official SDK's
 realtime client and by a raw ``websockets`` client that streams the speech fixtures in 20 ms
@@ -29,7 +29,10 @@ import soundfile
 import soxr
 import websockets
 
-from .helpers import MODEL_S, QUICK_S, Stack, openai_client, run, run_stack, until, wav_bytes, within, words
+from .support.audio import wav_bytes, words
+from .support.bounds import MODEL_S, QUICK_S, run, until, within
+from .support.clients import openai_client
+from .support.stacks import Stack, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -241,9 +244,9 @@ def one_long_turn(speech) -> tuple[np.ndarray, str]:
 
 
 # Partials need about four decodes of the growing turn before its commit: the first decodes of a
-# fraction of a sentence disagree ("Common chord." then "Concourt court return to its place."; measured
-# 2026-12-02), and a Whisper decode costs about the same whatever the audio's length (the encoder
-# always sees 30 s): about 1.0-1.2 s each on an idle two-core machine of 2026-12-02, where the final
+# fraction of a sentence disagree ("Common chord." then "Concourt court return to its place."; measured),
+# and a Whisper decode costs about the same whatever the audio's length (the encoder
+# always sees 30 s): about 1.0-1.2 s each on an idle two-core machine, where the final
 # decode (the default beam) of this turn takes about 1.3-1.9 s. Within the 8.5 s turn four partial
 # decodes fit while each takes under about 2 s, a final decode of about 2.5 s; past that the
 # machine is too loaded for partials and the test skips their timing (the transcripts are still checked).
@@ -492,7 +495,7 @@ def test_a_client_dropping_mid_turn_frees_the_slot_within_a_decode_step(live, sp
 
 
 def test_a_bad_frame_during_an_open_turn_then_a_vanishing_client_leaves_no_slot_held(live, speech):
-    """Found by an adversarial run: a frame the consumer could not parse (an integer of 5000 digits)
+    """A frame the consumer could not parse (an integer of 5000 digits)
     while a server-VAD turn held the model's slot crashed the consumer, whose clean-up then never
     ran: the turn kept renewing its lease with nobody connected. Now the frame gets an ``error``
     event, and a client that vanishes afterwards frees the slot within a decode step."""

@@ -1,4 +1,4 @@
-"""The browser UI (issue 12) in a real browser: Playwright driving Debian's Chromium (``/usr/bin/chromium``)
+"""The browser UI in a real browser: Playwright driving Debian's Chromium (``/usr/bin/chromium``)
 against a ``serve --parallel-jobs`` stack with ``ui_management`` on (Redis db 9, fixture family).
 
 Named actors: ``operator`` (a user with ``registry.manage_models`` and a password), ``viewer`` (a user
@@ -21,7 +21,10 @@ from django.test import RequestFactory
 from audiosite.errors import InvalidRequest
 from ui import views as ui_views
 
-from .helpers import FIXTURE_ENV, MODEL_S, QUICK_S, ROOT, body, events_of, need_program, run_stack
+from .support.bounds import MODEL_S, QUICK_S
+from .support.clients import body
+from .support.processes import ROOT, need_program
+from .support.stacks import FIXTURE_ENV, events_of, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -404,8 +407,8 @@ def test_ui_anonymous_none_sends_visitors_to_the_login_page(tmp_path):
 
 @pytest.mark.parametrize("raw", ["--2", "²", "³2", "١", "1e3", " 2 2", "9" * 13])
 def test_a_form_integer_that_is_not_plain_ascii_digits_is_a_400_not_a_500(raw):
-    """Found by an adversarial run: ``'--2'`` or ``'²'`` passed the form's digit check and then made
-    ``int()`` raise (a 500); ``'١'`` (an Arabic-Indic one) was taken as 1. Only ``-?[0-9]{1,12}`` is an
+    """``'--2'`` or ``'²'`` can pass a naive digit check and then make ``int()`` raise (a 500);
+    ``'١'`` (an Arabic-Indic one) can be taken as 1. Only ``-?[0-9]{1,12}`` is an
     integer here; anything else is the API's 400 naming the field."""
     request = RequestFactory().post("/ui/manage/x/resize", data={"slots": raw})
     with pytest.raises(InvalidRequest) as refused:

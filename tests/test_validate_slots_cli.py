@@ -1,5 +1,5 @@
-"""``manage.py validate_slots`` run as an operator runs it (a real child process): the failures an
-adversarial run found against a214faa, fixed since, each kept as a test:
+"""``manage.py validate_slots`` run as an operator runs it (a real child process); each
+of these is held by a test:
 - SIGTERM (``kill PID``, a CI job timeout, systemd stop) ends validate_slots at once; the
   ``finally: server.stop()`` blocks never run, so the ``manage.py serve`` it started (with its embedded
   Redis, web and worker) keeps running, orphaned, with its temporary folder left in /tmp.
@@ -29,7 +29,7 @@ import onnxruntime
 
 from gate.servers import kill_process_tree
 
-from .helpers import admission, framework_record, rows
+from .support.records import admission, framework_record, rows
 
 
 MARK = "VALIDATE_SLOTS_TEST_MARK"

@@ -19,8 +19,10 @@ import soundfile
 
 from inference import audio
 
-from .helpers import (FIXTURES, MODEL_S, mclient, riff_wave, run, run_stack, wav_bytes, wav_fmt, within,
-                      without_timing)
+from .support.audio import FIXTURES, riff_wave, wav_bytes, wav_fmt
+from .support.bounds import MODEL_S, run, within
+from .support.clients import mclient, without_timing
+from .support.stacks import run_stack
 
 RATE = 16000
 _PCM = (np.arange(1000) * 37 % 65536 - 32768).astype(np.int16)
@@ -71,9 +73,8 @@ def _as_is(data: bytes):
 
 @pytest.mark.parametrize("name", sorted(RIFF_SIZE_LIES))
 def test_a_riff_size_field_too_small_is_not_an_internal_error(name):
-    """A RIFF size field that ends inside a chunk: libsndfile reads the file anyway. The first as-is reader
-    (Python's wave module) raised a bare RuntimeError here, answered 500 (200 at a1413f9); now such a
-    file is not in the as-is layout and goes to libsndfile."""
+    """A RIFF size field that ends inside a chunk: libsndfile reads the file anyway. Such a file is not in
+    the as-is layout and goes to libsndfile (Python's wave module raises a bare RuntimeError here)."""
     data = RIFF_SIZE_LIES[name]
     assert _libsndfile(data)[0] == "ok"
     found = _as_is(data)
@@ -94,8 +95,8 @@ def test_a_file_read_as_is_gets_libsndfile_s_answer(name):
 # -- the same over HTTP --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vstack(tmp_path_factory):
-    yield from run_stack(tmp_path_factory.mktemp("adv2wav"), [{"id": "vad", "family": "silero_vad", "slots": 1}],
-                         redis_db=9, name="adv2wav", parallel=True)
+    yield from run_stack(tmp_path_factory.mktemp("as-is-wav"), [{"id": "vad", "family": "silero_vad", "slots": 1}],
+                         redis_db=9, name="as_is_wav", parallel=True)
 
 
 def _speech_pcm() -> np.ndarray:
@@ -113,7 +114,7 @@ async def _run(c, data: bytes):
 @pytest.mark.stack
 def test_over_http_a_riff_size_lie_is_answered_like_the_same_samples_as_flac(vstack):
     """A WAV with a RIFF size too small (fmt 18 bytes) is read by libsndfile; /v1/tasks/run must answer it
-    as it answers the same samples in FLAC (a1413f9 did); today the as-is path's RuntimeError gives 500."""
+    as it answers the same samples in FLAC (an as-is reader raising RuntimeError would give a 500)."""
     pcm = _speech_pcm()
     lying = _wav((b"fmt ", wav_fmt(extra=b"\0\0")), pcm=pcm.tobytes(), riff_size=4 + 8 + 16)
     flac = wav_bytes(pcm, RATE, "FLAC", "PCM_16")
@@ -133,7 +134,7 @@ def test_over_http_a_riff_size_lie_is_answered_like_the_same_samples_as_flac(vst
 
 @pytest.mark.stack
 def test_over_http_a_peak_chunk_before_fmt_is_refused_as_libsndfile_refuses_it(vstack):
-    """libsndfile refuses a PEAK chunk before fmt (415, a1413f9 answered so); the as-is path serves it."""
+    """libsndfile refuses a PEAK chunk before fmt (415); the as-is path serves it."""
     data = _wav((b"PEAK", b"\0" * 16), (b"fmt ", wav_fmt()), pcm=_speech_pcm().tobytes())
     expected = _libsndfile(data)
     assert expected[0] == "refused" and expected[1] == "UndecodableAudio"

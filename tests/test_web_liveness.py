@@ -20,7 +20,9 @@ import redis.asyncio as aioredis
 
 from inference.scheduler import Keys, LeaseKind, Listener, Scheduler
 
-from .helpers import FIXTURE_ENV, QUICK_S, body, mclient, run, run_stack, until, web_pid, within
+from .support.bounds import QUICK_S, run, until, within
+from .support.clients import body, mclient
+from .support.stacks import FIXTURE_ENV, run_stack, web_pid
 
 pytestmark = pytest.mark.stack
 

@@ -1,4 +1,4 @@
-"""Worker memory after unload (issue 9 item 9): what the teardown releases, and how the worker is started.
+"""Worker memory after unload: what the teardown releases, and how the worker is started.
 
 RSS itself is measured by ``manage.py bench_worker_memory`` (docs/benchmarks.md), not here: these
 tests check the mechanisms, with no RSS or timing threshold.
@@ -28,18 +28,11 @@ from inference.management.commands.serve import WORKER_MALLOC_ARENA_MAX
 from inference.worker.state import WorkerState
 from inference.worker.work import destroy_pool
 
-from .helpers import (
-    FIXTURES,
-    MODEL_S,
-    body,
-    mclient,
-    proc_environ,
-    proc_threads,
-    run,
-    run_stack,
-    within,
-    worker_pid,
-)
+from .support.audio import FIXTURES
+from .support.bounds import MODEL_S, run, within
+from .support.clients import body, mclient
+from .support.processes import proc_environ, proc_threads
+from .support.stacks import run_stack, worker_pid
 
 # One session each ("slots" None): the count every backend admits; this process's backend is the
 # default config's ("auto"), not the CPU the stacks are pinned to.

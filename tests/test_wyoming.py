@@ -27,20 +27,10 @@ from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeVoice
 
-from .helpers import (
-    MODEL_S,
-    QUICK_S,
-    ROOT,
-    Stack,
-    free_port,
-    kill_tree,
-    long_speech,
-    run,
-    run_stack,
-    until,
-    within,
-    words,
-)
+from .support.audio import long_speech, words
+from .support.bounds import MODEL_S, QUICK_S, run, until, within
+from .support.processes import ROOT, free_port, kill_process_tree
+from .support.stacks import Stack, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -81,7 +71,7 @@ def wy(tmp_path_factory) -> Iterator[WyomingStack]:
         try:
             proc.wait(timeout=QUICK_S)
         except subprocess.TimeoutExpired:
-            kill_tree(proc)
+            kill_process_tree(proc)
 
 
 def pcm_of(wav_data: bytes) -> tuple[bytes, int]:

@@ -1,28 +1,19 @@
-"""Adversarial tests of four changes of 2026-12-03, on one real ``serve --parallel-jobs`` stack
-(fixture family, management on, a small decode budget, ``max_audio_seconds`` 60).
+"""What a running deployment counts as in use stays true while models are busy, reconfigured or lose
+their worker, on one real ``serve --parallel-jobs`` stack (fixture family, management on, a small decode
+budget, ``max_audio_seconds`` 60).
 
 1. Decode budget: a WAV read as-is reserves only the send copies of its int16 samples
-   (``services.decoded_bytes_needed`` of a header read as-is, ``AudioHeader.as_is``).
-2. ``manage.py sync_config`` refuses a file that changes or removes a model in use.
-3. ``serve`` forgets a worker that exited in one Lua script (``forget_worker.lua``).
+   (``services.decoded_bytes_needed`` of a header read as-is, ``AudioHeader.as_is``), and every
+   reservation is given back whatever the clients do.
+2. ``manage.py sync_config`` refuses a file that changes or removes a model in use, writing nothing.
+3. ``serve`` forgets a worker that exited (``forget_worker.lua``); a load whose claim was ended is
+   recorded once, by whoever ended it (docs/operations.md, "Where code lives"), R7.4.
 4. A worker that finishes a load whose claim was ended meanwhile writes nothing (``work.load_pool``).
 
 Models: ``fb`` (eager, 1 slot: budget tests and kills during a run), ``fl`` (lazy, 3 slots, every load held at
 the fixture barrier ``L``), ``fs`` (lazy, sync_config). Every budget scenario ends with
 :func:`drained`: no slot/ticket/input key/run queue left, then a FLAC whose reservation is the whole
 budget minus 1 MiB is served (so no reservation leaked).
-
-Finding (failed on 2c4e041; fixed in c74dcfa, where ``forget_worker.lua`` also returns the loads it ended and
-``serve`` records each as a failed load):
-- ``test_a_worker_killed_during_a_held_load_ends_it_for_every_caller_and_records_it``: when ``serve``
-  forgets a worker killed during a load (``forget_worker.lua`` ends it ``worker_lost``), nobody writes
-  the load's end to the database: ``_record_lost`` records only the ready pools the script returns, the
-  woken callers do not call ``on_load_lost``, and the dead worker cannot. The registration stays
-  ``loading`` (Redis and /v1/models say ``unloaded``) with no failed ``load`` audit row, until the next
-  load overwrites it. docs/operations.md ("Where code lives"): a load whose claim was ended is recorded
-  by whoever ended it. (The same gap existed before forget_worker.lua: the old ``_forget`` called
-  ``finish_load`` without recording either.)
-All other tests here held on 2c4e041 and are kept as regression tests.
 """
 from __future__ import annotations
 
@@ -41,9 +32,12 @@ import pytest
 import soundfile
 
 from inference import audio, services
+from inference.runtime.context import KEYS
 
-from .helpers import (FIXTURE_ENV, FIXTURES, MODEL_S, body, entry_of, error_of, fx, live_workers, mclient, pcm_wav,
-                      run, run_stack, silent_flac, within, worker_pid)
+from .support.audio import FIXTURES, pcm_wav, silent_flac
+from .support.bounds import MODEL_S, run, within
+from .support.clients import body, error_of, mclient
+from .support.stacks import FIXTURE_ENV, entry_of, fx, live_workers, run_stack, worker_pid
 
 pytestmark = pytest.mark.stack
 
@@ -69,7 +63,7 @@ MODELS = [
 
 @pytest.fixture(scope="module")
 def astack(tmp_path_factory):
-    yield from run_stack(tmp_path_factory.mktemp("adv4"), MODELS, redis_db=9, name="adv4", parallel=True,
+    yield from run_stack(tmp_path_factory.mktemp("in-use"), MODELS, redis_db=9, name="in_use", parallel=True,
                          extra_env=FIXTURE_ENV,
                          extra_config={"ui_management": True, "max_audio_seconds": MAX_SECONDS,
                                        "max_decoded_bytes_in_flight": BUDGET_BYTES})
@@ -114,8 +108,8 @@ async def drained(stack, c: httpx.AsyncClient, probe: bool = True) -> None:
         entries = (await c.get("/v1/models")).json()["data"]
         busy = [(e["id"], e["active_slots"], e["queued_requests"]) for e in entries
                 if e["active_slots"] or e["queued_requests"]]
-        inputs = list(stack.redis.scan_iter("as:in:*"))
-        queued = [k for k in stack.redis.scan_iter("as:runs:*") if stack.redis.llen(k)]
+        inputs = list(stack.redis.scan_iter(KEYS.input("*")))
+        queued = [k for k in stack.redis.scan_iter(KEYS.run_queue_prefix + "*") if stack.redis.llen(k)]
         counts = {m["id"]: stack.counters(m["id"]) for m in MODELS}
         held = {model: n for model, n in counts.items() if n != {"leases": 0, "queued": 0}}
         if not busy and not inputs and not queued and not held:
@@ -145,7 +139,7 @@ def written_state(stack) -> tuple:
     return (stack.sql("SELECT model_id, family, options, busy_timeout_ms, slots, lazy, source, state, updated_at "
                       "FROM registry_modelregistration ORDER BY model_id"),
             stack.sql("SELECT count(*) FROM registry_lifecycleevent"),
-            stack.redis.hgetall("as:models"))
+            stack.redis.hgetall(KEYS.models_meta))
 
 
 def load_rows(stack, model_id: str) -> list[tuple[str, str]]:
@@ -162,7 +156,7 @@ async def unload(op: httpx.AsyncClient, model_id: str) -> None:
     assert resp.status_code == 200, resp.text
 
 
-# -- change 1: the decode budget and WAVs read as-is ----------------------------------------------------
+# -- the decode budget and WAVs read as-is ----------------------------------------------------------
 def test_as_is_and_flac_flood_with_clients_leaving_leaves_nothing_reserved(astack):
     """Many concurrent uploads (as-is WAVs of 0.1-8 s and FLACs of the same audio) to a 1-slot model
     whose slot is held on a run barrier, under a budget that holds one 8 s FLAC decode; a third of the
@@ -229,7 +223,7 @@ def test_as_is_files_around_the_send_path_switch_are_served_intact_and_release_a
     run(scenario())
 
 
-# -- change 2: sync_config on a running deployment ---------------------------------------------------
+# -- sync_config on a running deployment ----------------------------------------------------------
 def test_sync_config_of_an_unchanged_file_succeeds_while_models_are_busy(astack, tmp_path):
     """An unchanged file is applied (exit 0, nothing updated) while ``fb`` is loaded and running a held
     request with another queued behind it."""
@@ -306,7 +300,7 @@ def test_sync_config_may_take_over_an_api_registration_identical_to_the_file(ast
     run(scenario())
 
 
-# -- change 4: a frozen worker finishing a load whose claim was ended ---------------------------------
+# -- a frozen worker finishing a load whose claim was ended ----------------------------------------
 def test_a_worker_frozen_past_liveness_during_a_load_is_recorded_once_and_the_model_loads_again(astack):
     """SIGSTOP the worker while it holds ``fl``'s load at its barrier, for longer than the liveness TTL:
     the waiting request gets 503 ``worker_lost``; SIGCONT and release: exactly one failed ``load`` row,
@@ -351,7 +345,7 @@ def _unload_fl(stack, token):
     run(scenario())
 
 
-# -- change 3: serve forgets a killed worker ------------------------------------------------------------
+# -- serve forgets a killed worker -------------------------------------------------------------------
 def test_a_worker_killed_during_a_held_load_ends_it_for_every_caller_and_records_it(astack, token):
     """kill -9 the worker while it holds ``fl``'s load at its barrier with two more callers waiting on
     that load: every caller gets 503 ``worker_lost`` within 3 s, /v1/models says unloaded, the database
