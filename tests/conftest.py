@@ -1,7 +1,7 @@
 """Shared test fixtures: real PostgreSQL, real Redis, a real server stack.
 
-Helpers (stack start-up, requests, bounds) live in tests/helpers.py; test modules import
-from there and never from one another. Named actors:
+Helpers (stack start-up, requests, bounds) live in the tests/support package; test modules
+import from there and never from one another. Named actors:
 - ``stack``: ``manage.py serve`` run as a user would (daphne + one Celery
   worker) against a fresh PostgreSQL database and Redis database 14, with the
   test configuration below. Session-scoped.
@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import redis
 
-from .helpers import FIXTURES, REDIS_BASE, Stack, Utterance, load_speech, run_stack
+from .support.audio import FIXTURES, Utterance, load_speech
+from .support.stacks import REDIS_BASE, Stack, run_stack
 
 # The modules that take longest (seconds of setup + call + teardown under ``-n 2`` on 2 cores,
-# 2026-12-02 evening: 87, 66, 65, 64, 62, 61, 55, 55, 53, 53, 46, 46, 44, 41) run first: under
+# measured: 87, 66, 65, 64, 62, 61, 55, 55, 53, 53, 46, 46, 44, 41) run first: under
 # ``pytest -n 3 --dist loadfile`` (scripts/test.sh) each worker takes the next module when it is free,
 # and a long module begun last would leave the other workers idle at the end. A module missing here
 # only runs later; the order changes nothing else.
