@@ -456,23 +456,9 @@ class Scheduler:
         started = loop.time()
         deadline = started + timeout_ms / 1000 if timeout_ms > 0 else None
         ticket = uuid.uuid4().hex
-        base = self.keys.model(model_id)
         grant_key = f"grant:{ticket}"
         future = listener.expect(grant_key)
-        keys = [base, self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix]
-        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id]
-        if offer is not None:
-            keys.append(self.keys.run_queue_prefix)
-            args += [offer.expected_meta, offer.element_for(ticket), offer.queue_ttl_ms]
-        enqueue = asyncio.ensure_future(self._run("enqueue", keys, args))
-        try:
-            reply = await asyncio.shield(enqueue)
-        except BaseException:
-            # The caller left (or Redis failed) while the enqueue was in flight:
-            # let it finish, then undo whatever it did, so no ticket or lease survives.
-            listener.forget(grant_key)
-            await self._abandon(enqueue, model_id, ticket)
-            raise
+        reply = await self._enqueue(listener, grant_key, model_id, ticket, timeout_ms, kind, offer)
         status = _text(reply[0])
         if status == "granted":
             listener.forget(grant_key)
@@ -484,17 +470,70 @@ class Scheduler:
             raise AdmissionOverdue(model_id, timeout_ms, int(reply[1]))
         # Delay until the earliest lease could be reclaimed, in Redis time (R2.5).
         reap_in_s = (int(reply[1]) - int(reply[3])) / 1000 if int(reply[1]) > 0 else None
+        return await self._await_grant(listener, future, grant_key, model_id, ticket, timeout_ms, kind,
+                                       started, deadline, reap_in_s)
+
+    async def _enqueue(self, listener: Listener, grant_key: str, model_id: str, ticket: str, timeout_ms: int,
+                       kind: LeaseKind, offer: RunOffer | None) -> list:
+        """:meth:`acquire`'s first step: ``enqueue.lua`` puts ``ticket`` in ``model_id``'s FIFO queue (and
+        pushes ``offer``'s run on its worker's queue when the grant comes at once); returns the script's
+        reply (``[status, ...]``: 'granted', 'overdue' or 'queued').
+
+        Raises:
+            BaseException: whatever interrupted the enqueue (the caller left, Redis failed), after the
+                grant wake-up is forgotten and what the enqueue did is undone (no ticket or lease survives).
+        """
+        keys = [self.keys.model(model_id), self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix]
+        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id]
+        if offer is not None:
+            keys.append(self.keys.run_queue_prefix)
+            args += [offer.expected_meta, offer.element_for(ticket), offer.queue_ttl_ms]
+        enqueue = asyncio.ensure_future(self._run("enqueue", keys, args))
+        try:
+            return await asyncio.shield(enqueue)
+        except BaseException:
+            # The caller left (or Redis failed) while the enqueue was in flight:
+            # let it finish, then undo whatever it did, so no ticket or lease survives.
+            listener.forget(grant_key)
+            await self._abandon(enqueue, model_id, ticket)
+            raise
+
+    @staticmethod
+    def _next_wait(now: float, deadline: float | None, reap_in_s: float | None) -> tuple[float, bool]:
+        """How long a queued waiter waits for its grant before looking again, in seconds, and whether it then
+        reaps (``reap.lua``) rather than gives up: until the earliest lease could be reclaimed (plus 50 ms)
+        when that comes before ``deadline`` (loop time, None = unbounded), else until ``deadline``; never
+        longer than :data:`TICKET_CHECK_S`, after which it reaps."""
+        wait_s = None if deadline is None else max(0.0, deadline - now)
+        reap_first = reap_in_s is not None and (wait_s is None or reap_in_s + 0.05 < wait_s)
+        if reap_in_s is not None and reap_first:
+            wait_s = max(0.0, reap_in_s) + 0.05  # a small margin lets Redis TIME pass the expiry
+        if wait_s is None or wait_s > TICKET_CHECK_S:
+            # Look at the ticket at least this often: a ticket dropped as a dead
+            # process's while this one stalled (R7.5) would otherwise wait forever.
+            wait_s, reap_first = TICKET_CHECK_S, True
+        return wait_s, reap_first
+
+    async def _await_grant(self, listener: Listener, future: asyncio.Future, grant_key: str, model_id: str,
+                           ticket: str, timeout_ms: int, kind: LeaseKind, started: float, deadline: float | None,
+                           reap_in_s: float | None) -> Lease:
+        """:meth:`acquire`'s wait for a queued ticket: the grant's wake-up (``future``), a reap when the
+        earliest lease could be reclaimed or the ticket is due a look, and ``cancel.lua`` at the deadline.
+
+        Returns:
+            The granted :class:`Lease`, its wait measured from ``started`` (loop time).
+
+        Raises:
+            AdmissionExpired: granted, never noticed, and reclaimed.
+            AdmissionTimeout: not granted by ``deadline``; the ticket is gone (R3.2).
+            asyncio.CancelledError: the caller went away; the ticket is gone (R8.1).
+        """
+        loop = asyncio.get_running_loop()
+        base = self.keys.model(model_id)
         settled = False
         try:
             while True:
-                wait_s = None if deadline is None else max(0.0, deadline - loop.time())
-                reap_first = reap_in_s is not None and (wait_s is None or reap_in_s + 0.05 < wait_s)
-                if reap_in_s is not None and reap_first:
-                    wait_s = max(0.0, reap_in_s) + 0.05  # a small margin lets Redis TIME pass the expiry
-                if wait_s is None or wait_s > TICKET_CHECK_S:
-                    # Look at the ticket at least this often: a ticket dropped as a dead
-                    # process's while this one stalled (R7.5) would otherwise wait forever.
-                    wait_s, reap_first = TICKET_CHECK_S, True
+                wait_s, reap_first = self._next_wait(loop.time(), deadline, reap_in_s)
                 done, _ = await asyncio.wait({future}, timeout=wait_s)
                 if done:
                     settled = True
