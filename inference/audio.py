@@ -369,26 +369,55 @@ def decode(data: bytes, target_rate_hz: int, max_seconds: float = 1800.0,
         raise EmptyAudio("the audio file is empty (0 bytes)")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as handle:
-            if _states_no_length(handle):
-                if header is None or not header.counted or header != _checked_stated(
-                        int(handle.samplerate), int(handle.channels), header.frames, max_seconds):
-                    header = _counted_header(handle, data, max_seconds, True, cancel)
-                pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
-                with _FlacReader(data, header) as reader:
-                    samples, frames = _decode_blocks(reader, header, target_rate_hz, max_seconds, cancel, pcm16)
-            else:
-                header = _checked_header(handle, max_seconds)
-                pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
-                samples, frames = _decode_blocks(handle, header, target_rate_hz, max_seconds, cancel, pcm16)
+            samples, frames, header = _decode_opened(handle, data, target_rate_hz, max_seconds, cancel,
+                                                     keep_pcm16, header)
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as exc:
         raise _undecodable(exc) from exc
+    _check_yield(frames, samples, target_rate_hz)
+    return samples, header.sample_rate_hz
+
+
+def _decode_opened(handle: soundfile.SoundFile, data: bytes, target_rate_hz: int, max_seconds: float,
+                   cancel: threading.Event | None, keep_pcm16: bool,
+                   header: AudioHeader | None) -> tuple[np.ndarray, int, AudioHeader]:
+    """:func:`decode`'s work on the open ``handle`` of ``data``: check (or, for a FLAC that does not state
+    its length, count unless ``header`` already holds that count) the header, then decode block by block,
+    through PyAV for such a FLAC and libsndfile otherwise.
+
+    Returns:
+        ``(samples, frames decoded, header)``: as :func:`_decode_blocks` gives them, and the checked header.
+
+    Raises:
+        AudioError: the subclasses :func:`decode` lists.
+        soundfile.LibsndfileError, RuntimeError, ValueError, TypeError: libsndfile's and FFmpeg's own
+            errors (:func:`decode` maps them to :class:`UndecodableAudio`).
+    """
+    if _states_no_length(handle):
+        if header is None or not header.counted or header != _checked_stated(
+                int(handle.samplerate), int(handle.channels), header.frames, max_seconds):
+            header = _counted_header(handle, data, max_seconds, True, cancel)
+        pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
+        with _FlacReader(data, header) as reader:
+            samples, frames = _decode_blocks(reader, header, target_rate_hz, max_seconds, cancel, pcm16)
+    else:
+        header = _checked_header(handle, max_seconds)
+        pcm16 = keep_pcm16 and is_pcm16_exact(handle, header, target_rate_hz)
+        samples, frames = _decode_blocks(handle, header, target_rate_hz, max_seconds, cancel, pcm16)
+    return samples, frames, header
+
+
+def _check_yield(frames: int, samples: np.ndarray, target_rate_hz: int) -> None:
+    """Refuse a decode that yielded nothing: ``frames`` source frames decoded, ``samples`` the output.
+
+    Raises:
+        EmptyAudio: no frame decoded, or nothing left after resampling to ``target_rate_hz``.
+    """
     if frames == 0:
         raise EmptyAudio("the audio file holds no samples")
     if samples.size == 0:
         raise EmptyAudio(f"the audio is too short to yield any sample at {target_rate_hz} Hz")
-    return samples, header.sample_rate_hz
 
 
 PCM16_SCALE = 32768
