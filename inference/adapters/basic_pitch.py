@@ -208,16 +208,39 @@ def extract_notes(frames: np.ndarray, onsets: np.ndarray, *, onset_threshold: fl
     lo, hi = key_range
     frames[:, :lo] = frames[:, hi:] = 0
     onsets[:, :lo] = onsets[:, hi:] = 0
-    n_frames = frames.shape[0]
     if infer_onsets:
         onsets = inferred_onsets(onsets, frames)
+    energy = frames.copy()
+    notes: list[tuple[int, int, int, float]] = []
+    _add_onset_notes(notes, frames, energy, _onset_peaks(onsets, onset_threshold), frame_threshold,
+                     min_note_frames, cancelled)
+    if melodia_trick:
+        _add_melodia_notes(notes, frames, energy, frame_threshold, min_note_frames, cancelled)
+    return sorted(notes, key=lambda n: (n[0], n[2]))
+
+
+def _onset_peaks(onsets: np.ndarray, onset_threshold: float) -> list[tuple[int, int]]:
+    """Step 2: ``(frame, key)`` of the onset map's local maxima in time at or above ``onset_threshold``
+    (``onsets``: float64 ``(n_frames, 88)``), latest first."""
     peaks = np.zeros_like(onsets)
     t_idx, k_idx = scipy.signal.argrelmax(onsets, axis=0)
     peaks[t_idx, k_idx] = onsets[t_idx, k_idx]
     starts_t, starts_k = np.nonzero(peaks >= onset_threshold)
-    energy = frames.copy()
-    notes = []
-    for start, key in sorted(zip(starts_t.tolist(), starts_k.tolist(), strict=True), reverse=True):
+    return sorted(zip(starts_t.tolist(), starts_k.tolist(), strict=True), reverse=True)
+
+
+def _add_onset_notes(notes: list[tuple[int, int, int, float]], frames: np.ndarray, energy: np.ndarray,
+                     starts: list[tuple[int, int]], frame_threshold: float, min_note_frames: int,
+                     cancelled: Callable[[], bool]) -> None:
+    """Step 3: append to ``notes`` the note growing from each onset of ``starts`` in turn, through the
+    not yet used activations ``energy`` (float64 ``(n_frames, 88)``, a kept note's frames and its
+    neighbour keys' zeroed in place); its amplitude is the mean of ``frames`` over it.
+
+    Raises:
+        TooManyNotes, Cancelled: as :func:`_counted`.
+    """
+    n_frames = frames.shape[0]
+    for start, key in starts:
         if start >= n_frames - 1:
             continue
         end = _note_end(energy, start, key, frame_threshold)
@@ -226,8 +249,20 @@ def extract_notes(frames: np.ndarray, onsets: np.ndarray, *, onset_threshold: fl
         _clear(energy, start, end, key)
         notes.append((start, end, key + LOWEST_MIDI, float(frames[start:end, key].mean())))
         _counted(notes, cancelled)
+
+
+def _add_melodia_notes(notes: list[tuple[int, int, int, float]], frames: np.ndarray, energy: np.ndarray,
+                       frame_threshold: float, min_note_frames: int, cancelled: Callable[[], bool]) -> None:
+    """Step 4 (the melodia trick): while an unused activation in ``energy`` is above ``frame_threshold``,
+    grow a note from the strongest (:func:`_grown_span`, zeroing what it covers) and append it to ``notes``
+    when longer than ``min_note_frames``.
+
+    Raises:
+        TooManyNotes: more than :data:`MAX_MELODIA_STEPS` steps, or as :func:`_counted`.
+        Cancelled: ``cancelled()`` said the client left.
+    """
     steps = 0
-    while melodia_trick and energy.max() > frame_threshold:
+    while energy.max() > frame_threshold:
         steps += 1  # each step scans the whole array: bounded like the notes, found or not
         if steps > MAX_MELODIA_STEPS:
             raise TooManyNotes()
@@ -235,24 +270,32 @@ def extract_notes(frames: np.ndarray, onsets: np.ndarray, *, onset_threshold: fl
             raise Cancelled("the request's client left")
         flat = int(np.argmax(energy))
         middle, row = divmod(flat, energy.shape[1])
-        energy[middle, row] = 0
-        last, below = middle + 1, 0
-        while last < n_frames - 1 and below < ENERGY_TOLERANCE_FRAMES:
-            below = below + 1 if energy[last, row] < frame_threshold else 0
-            _clear(energy, last, last + 1, row)
-            last += 1
-        last -= below  # exclusive end: drop the trailing frames below the threshold
-        first, below = middle - 1, 0
-        while first > 0 and below < ENERGY_TOLERANCE_FRAMES:
-            below = below + 1 if energy[first, row] < frame_threshold else 0
-            _clear(energy, first, first + 1, row)
-            first -= 1
-        first += below + 1  # first frame at or above the threshold
+        first, last = _grown_span(energy, middle, row, frame_threshold)
         if last - first <= min_note_frames:
             continue
         notes.append((first, last, row + LOWEST_MIDI, float(frames[first:last, row].mean())))
         _counted(notes, cancelled)
-    return sorted(notes, key=lambda n: (n[0], n[2]))
+
+
+def _grown_span(energy: np.ndarray, middle: int, row: int, frame_threshold: float) -> tuple[int, int]:
+    """Frames ``[first, last)`` of the note grown forwards then backwards from ``energy[middle, row]``
+    while fewer than :data:`ENERGY_TOLERANCE_FRAMES` frames in a row fall below ``frame_threshold``;
+    every frame visited (and its neighbour keys) is zeroed in ``energy``."""
+    n_frames = energy.shape[0]
+    energy[middle, row] = 0
+    last, below = middle + 1, 0
+    while last < n_frames - 1 and below < ENERGY_TOLERANCE_FRAMES:
+        below = below + 1 if energy[last, row] < frame_threshold else 0
+        _clear(energy, last, last + 1, row)
+        last += 1
+    last -= below  # exclusive end: drop the trailing frames below the threshold
+    first, below = middle - 1, 0
+    while first > 0 and below < ENERGY_TOLERANCE_FRAMES:
+        below = below + 1 if energy[first, row] < frame_threshold else 0
+        _clear(energy, first, first + 1, row)
+        first -= 1
+    first += below + 1  # first frame at or above the threshold
+    return first, last
 
 
 def pitch_bends(contour: np.ndarray, start: int, end: int, midi_pitch: int) -> list[int]:
