@@ -363,6 +363,20 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
         raise ConfigError(["the top level must be a JSON object"], source)
     problems: list[str] = []
     _check_unsupported(data, problems, parallel)
+    cleaned = _supported_keys(data, problems, parallel)
+    config = _validated(cleaned, data, problems)
+    if config is not None:
+        problems.extend(_model_problems(config, data, parallel, backend_resolver))
+        problems.extend(_server_problems(config))
+    if problems or config is None:
+        raise ConfigError(problems, source)
+    return config
+
+
+def _supported_keys(data: dict, problems: list[str], parallel: bool) -> dict:
+    """A copy of ``data`` without the keys this version refuses (``NOT_YET_SUPPORTED_*``, ``runtime``,
+    a model's ``slots`` on the legacy runtime) and with ``runtime`` set from ``parallel``; a ``runtime``
+    key adds a problem to ``problems`` (the others were reported by :func:`_check_unsupported`)."""
     if "runtime" in data:
         problems.append("key 'runtime': unknown key (the runtime is chosen with --parallel-jobs or "
                         "AUDIOSITE_PARALLEL_JOBS=1)")
@@ -374,46 +388,64 @@ def parse_config(data: Any, source: str = "server config", parallel: bool = Fals
             if isinstance(m, dict) else m
             for m in cleaned["models"]
         ]
-    config = None
+    return cleaned
+
+
+def _validated(cleaned: dict, data: dict, problems: list[str]) -> ServerConfig | None:
+    """``cleaned`` as a :class:`ServerConfig`, or None with pydantic's errors added to ``problems``, each
+    located in the document as written (``data``, :func:`_where`); an extra key is an "unknown key"."""
     try:
-        config = ServerConfig.model_validate(cleaned)
+        return ServerConfig.model_validate(cleaned)
     except ValidationError as exc:
         for err in exc.errors():
             message = err["msg"]
             if err["type"] == "extra_forbidden":
                 message = "unknown key"
             problems.append(f"{_where(err['loc'], data)}: {message}")
-    if config is not None:
-        seen: set[str] = set()
-        for index, entry in enumerate(config.models):
-            who = f"models[{index}] (id {entry.id!r})"
-            if entry.id in seen:
-                problems.append(f"{who}: duplicate model id {entry.id!r}")
-            seen.add(entry.id)
-            entry_problems = specs.check_model_entry(entry.model_dump())
-            problems.extend(f"{who}: {p}" for p in entry_problems)
-            if parallel and not entry_problems:
-                raw = data["models"][index]
-                if "slots" in raw:
-                    if backend_resolver is None:
-                        backend_resolver = resolve_backend
-                    task = entry.task or specs.default_task(entry.family)
-                    problems.extend(f"{who}: {p}" for p in specs.slots_problems(
-                        entry.family, task, entry.mode, raw["slots"], backend_resolver(config.backend)))
-        if not config.models and not config.ui_management:
-            problems.append("key 'models': the list may be empty only with ui_management on (models are then "
-                            "registered through POST /v1/models/load)")
-        problems.extend(_allowed_hosts_problems(config))
-        problems.extend(_allowed_origins_problems(config))
-        if config.worker_restart_max_delay_ms < config.worker_restart_delay_ms:
-            problems.append(f"key 'worker_restart_max_delay_ms': {config.worker_restart_max_delay_ms} is below "
-                            f"worker_restart_delay_ms={config.worker_restart_delay_ms}")
-        for root in config.media_roots:
-            if not os.path.isabs(root):
-                problems.append(f"key 'media_roots': {root!r} is not an absolute path")
-    if problems or config is None:
-        raise ConfigError(problems, source)
-    return config
+    return None
+
+
+def _model_problems(config: ServerConfig, data: dict, parallel: bool, backend_resolver) -> list[str]:
+    """Problems of the model entries, in file order: duplicate ids, each entry's own checks
+    (``specs.check_model_entry``) and, on the parallel runtime, an explicit ``slots`` (``data``'s entry)
+    beyond what the family, task and mode allow on the resolved backend (``specs.slots_problems``;
+    ``backend_resolver`` default ``inference.backend.resolve_backend``, called only then)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(config.models):
+        who = f"models[{index}] (id {entry.id!r})"
+        if entry.id in seen:
+            problems.append(f"{who}: duplicate model id {entry.id!r}")
+        seen.add(entry.id)
+        entry_problems = specs.check_model_entry(entry.model_dump())
+        problems.extend(f"{who}: {p}" for p in entry_problems)
+        if parallel and not entry_problems:
+            raw = data["models"][index]
+            if "slots" in raw:
+                if backend_resolver is None:
+                    backend_resolver = resolve_backend
+                task = entry.task or specs.default_task(entry.family)
+                problems.extend(f"{who}: {p}" for p in specs.slots_problems(
+                    entry.family, task, entry.mode, raw["slots"], backend_resolver(config.backend)))
+    return problems
+
+
+def _server_problems(config: ServerConfig) -> list[str]:
+    """Problems across the server keys: an empty model list without ``ui_management``, the allowed hosts
+    and origins, a restart delay ceiling below its start, a relative media root."""
+    problems: list[str] = []
+    if not config.models and not config.ui_management:
+        problems.append("key 'models': the list may be empty only with ui_management on (models are then "
+                        "registered through POST /v1/models/load)")
+    problems.extend(_allowed_hosts_problems(config))
+    problems.extend(_allowed_origins_problems(config))
+    if config.worker_restart_max_delay_ms < config.worker_restart_delay_ms:
+        problems.append(f"key 'worker_restart_max_delay_ms': {config.worker_restart_max_delay_ms} is below "
+                        f"worker_restart_delay_ms={config.worker_restart_delay_ms}")
+    for root in config.media_roots:
+        if not os.path.isabs(root):
+            problems.append(f"key 'media_roots': {root!r} is not an absolute path")
+    return problems
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None,
