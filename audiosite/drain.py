@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from audiosite.errors import ServerBusy
+from audiosite.errors import ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,10 @@ WEBSOCKET_CLOSE_GOING_AWAY = 1001
 """RFC 6455 §7.4.1: the endpoint is going away (server shutdown). The code a drained WebSocket closes with."""
 
 
-def refusal(what: str = "this request") -> ServerBusy:
+def refusal(what: str = "this request") -> ShuttingDown:
     """The 503 ``server_busy`` (code ``shutting_down``, ``Retry-After``) of work refused or cut by a drain."""
-    return ServerBusy(f"the server is shutting down: {what} was not served; retry (another instance, or after "
-                      "the restart)", code="shutting_down", retry_after_s=SHUTTING_DOWN_RETRY_AFTER_S)
+    return ShuttingDown(f"the server is shutting down: {what} was not served; retry (another instance, or after "
+                        "the restart)", retry_after_s=SHUTTING_DOWN_RETRY_AFTER_S)
 
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")

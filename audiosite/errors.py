@@ -3,7 +3,9 @@
 Shape (API.md): ``{"error": {"message": str, "type": str, "param": str|null,
 "code": str|null}}``. Services raise ``ApplicationError`` subclasses; the DRF
 exception handler and the Django 400/404/500 handlers render them. A 503 carries
-``Retry-After`` in seconds.
+``Retry-After`` in seconds. Each machine ``code`` is the class attribute of one
+subclass (``worker_lost`` is :class:`WorkerLost`, a :class:`ServerBusy`), and an
+error is never changed once raised.
 
 Messages and params often quote what the client sent (a model id, an option
 key, a path, a schema's view of a value). Every error body is built by
@@ -58,25 +60,37 @@ def error_body(message: str, err_type: str, param: str | None = None, code: str 
                       "code": code}}
 
 
-class ApplicationError(Exception):
-    """Base of every error a client may see; ``status`` and ``type`` follow API.md.
+#: What an error of a load that ends a committed management transition adds to its message
+#: (:meth:`ApplicationError.entry_committed`).
+ENTRY_COMMITTED_NOTE = "; the entry is registered and stays unloaded (the next request retries the load)"
 
+
+class ApplicationError(Exception):
+    """Base of every error a client may see; ``status``, ``type`` and ``code`` follow API.md.
+
+    ``code`` (the body's machine code, None for most errors) is a class
+    attribute: each code is the code of one small subclass (:class:`WorkerLost`
+    is ``worker_lost``), raised instead of repeating the string at raise sites.
     ``message`` and ``param`` are stored capped (:func:`clip_text`), so every
     place that shows them (the API, the admin's messages) shows the short form.
+
+    ``committed`` (keyword ``committed``): the error ends a management
+    transition whose entry is committed although it failed (the first load
+    failed); the admin then reports the entry as registered, and the message
+    ends with :data:`ENTRY_COMMITTED_NOTE`. An error is never changed after
+    it is raised: :meth:`entry_committed` makes a new one.
     """
 
     status = 500
     type = "server_error"
+    code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, *, param: str | None = None, committed: bool = False):
         message = clip_text(message)
         super().__init__(message)
-        self.message = message
+        self.message = message + ENTRY_COMMITTED_NOTE if committed else message
         self.param = None if param is None else clip_text(param)
-        self.code = code
-        # Set by a management transition whose entry is committed although this error ends it
-        # (e.g. the first load failed): the admin then reports the entry as registered.
-        self.committed = False
+        self.committed = committed
 
     def body(self) -> dict:
         """Return the API.md error body for this error."""
@@ -85,6 +99,15 @@ class ApplicationError(Exception):
     def headers(self) -> dict[str, str]:
         """Extra response headers (``Retry-After`` for 503)."""
         return {}
+
+    def _same_kwargs(self) -> dict:
+        """The constructor's keyword arguments (besides ``message`` and ``committed``) that rebuild this error."""
+        return {"param": self.param}
+
+    def entry_committed(self) -> ApplicationError:
+        """A new error of this class, status, code, param and headers whose ``committed`` is set and whose
+        message ends with :data:`ENTRY_COMMITTED_NOTE` (this one is left as it is)."""
+        return type(self)(self.message, committed=True, **self._same_kwargs())
 
 
 class InvalidRequest(ApplicationError):
@@ -134,42 +157,128 @@ class Conflict(ApplicationError):
 
 
 class ServerBusy(ApplicationError):
-    """503 ``server_busy``: admission timeout, overdue fail-fast, lost worker, shutting down."""
+    """503 ``server_busy``: the server cannot serve this now; ``Retry-After`` is ``retry_after_s`` (seconds, ≥ 1).
 
-    status = 503
-    type = "server_busy"
-
-    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None):
-        super().__init__(message, code=code)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after_s)}
-
-
-class ModelLoadFailed(ApplicationError):
-    """500-class failure of a model load that is not the caller's fault (bad checkpoint on disk).
-
-    Rendered as 503 ``server_busy`` with code ``load_failed``: the model stays
-    registered and unloaded, and a later request retries the load (R4.2) once
-    the failed load's backoff has passed (R6.7; ``retry_after_s`` → ``Retry-After``).
+    Raised as one of its subclasses, each with its own ``code``.
     """
 
     status = 503
     type = "server_busy"
 
-    def __init__(self, message: str, *, retry_after_s: int = 1, code: str | None = None):
-        super().__init__(message, code=code)
+    def __init__(self, message: str, *, retry_after_s: int = 1, committed: bool = False):
+        super().__init__(message, committed=committed)
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
 
+    def _same_kwargs(self) -> dict:
+        return {"retry_after_s": self.retry_after_s}
+
+
+class QueueTimeout(ServerBusy):
+    """503 ``queue_timeout``: no slot was granted within the request's busy timeout (R3.2)."""
+
+    code = "queue_timeout"
+
+
+class Overdue(ServerBusy):
+    """503 ``overdue``: the queue ahead would not let this request start within its timeout (fail-fast, R3.3)."""
+
+    code = "overdue"
+
+
+class GrantExpired(ServerBusy):
+    """503 ``grant_expired``: the slot granted to this request expired before the request took it."""
+
+    code = "grant_expired"
+
+
+class ResidencyFull(ServerBusy):
+    """503 ``residency_full``: ``max_loaded_models`` are loaded and none became idle in time, or this
+    process lost its turn for a cold load (R6.6)."""
+
+    code = "residency_full"
+
+
+class WorkerLost(ServerBusy):
+    """503 ``worker_lost``: the worker running or loading the model stopped responding, or its pool was
+    lost twice (R7.4)."""
+
+    code = "worker_lost"
+
+
+class NoWorker(ServerBusy):
+    """503 ``no_worker``: no GPU worker is alive, none is being started, or none picked up the load (R7.4)."""
+
+    code = "no_worker"
+
+
+class RunExpired(ServerBusy):
+    """503 ``expired``: the request's input expired on the worker before it ran (run kind ``expired``)."""
+
+    code = "expired"
+
+
+class RunCancelled(ServerBusy):
+    """503 ``cancelled``: the worker stopped the run because its client left (run kind ``cancelled``)."""
+
+    code = "cancelled"
+
+
+class DecodeBudgetFull(ServerBusy):
+    """503 ``decode_budget``: this process already holds ``max_decoded_bytes_in_flight`` of decoded audio."""
+
+    code = "decode_budget"
+
+
+class ShuttingDown(ServerBusy):
+    """503 ``shutting_down``: the process drains; work it did not start is refused or cut."""
+
+    code = "shutting_down"
+
+
+class RedisUnavailable(ServerBusy):
+    """503 ``redis_unavailable``: the coordination store (Redis) failed or is overloaded."""
+
+    code = "redis_unavailable"
+
+
+class ModelLoadFailed(ServerBusy):
+    """503 ``server_busy`` with code ``load_failed``: a model load failed, not by the caller's fault
+    (a bad checkpoint on disk).
+
+    The model stays registered and unloaded, and a later request retries the
+    load (R4.2) once the failed load's backoff has passed (R6.7;
+    ``retry_after_s`` → ``Retry-After``).
+    """
+
+    code = "load_failed"
+
 
 class InsufficientMemory(ServerBusy):
-    """503 ``insufficient_memory``: the memory guard refused a load (R6.5)."""
+    """503 ``insufficient_memory`` (type and code): the memory guard refused a load (R6.5)."""
 
     type = "insufficient_memory"
+    code = "insufficient_memory"
+
+
+class ManagementDisabled(Forbidden):
+    """403 ``management_disabled``: management is off (``ui_management``)."""
+
+    code = "management_disabled"
+
+
+class ManagePermissionDenied(Forbidden):
+    """403 ``permission_denied``: the caller lacks ``registry.manage_models`` (or is not signed in)."""
+
+    code = "permission_denied"
+
+
+class HostNotAllowed(InvalidRequest):
+    """400 ``disallowed_host``: the ``Host`` header is not a name of this server (``allowed_hosts``)."""
+
+    code = "disallowed_host"
 
 
 def invalid_request_from(detail) -> InvalidRequest:
@@ -265,8 +374,8 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
         return error_response(InvalidRequest("the request body is nested too deeply"))
     if isinstance(exc, redis.exceptions.RedisError):
         log.error("coordination store error in %s: %s", context.get("view"), exc)
-        busy = ServerBusy(f"the coordination store (Redis) is unavailable or overloaded: {type(exc).__name__}",
-                          code="redis_unavailable")
+        busy = RedisUnavailable(f"the coordination store (Redis) is unavailable or overloaded: "
+                                f"{type(exc).__name__}")
         return error_response(busy)
     log.exception("unhandled error in %s", context.get("view"))
     return Response(error_body("internal server error", "server_error"), status=500)
@@ -282,15 +391,15 @@ class OnlyServerErrors(logging.Filter):
 HOST_ECHO_MAX_CHARS = 200
 
 
-def disallowed_host_error(host: str) -> InvalidRequest:
+def disallowed_host_error(host: str) -> HostNotAllowed:
     """400 for a ``Host`` header this server does not answer to (``ALLOWED_HOSTS``, DNS rebinding).
 
     ``host`` is the raw header; at most ``HOST_ECHO_MAX_CHARS`` of it are echoed.
     """
     shown = host if len(host) <= HOST_ECHO_MAX_CHARS else host[:HOST_ECHO_MAX_CHARS] + "…"
-    return InvalidRequest(
+    return HostNotAllowed(
         f"the Host header {shown!r} is not a name of this server; an operator can add it to "
-        "'allowed_hosts' in the server configuration", code="disallowed_host")
+        "'allowed_hosts' in the server configuration")
 
 
 def bad_request_view(request, exception=None) -> JsonResponse:

@@ -15,7 +15,7 @@ from rest_framework.response import Response
 
 from audiosite.http.apiview import APIView, authenticate
 from audiosite.drain import DRAIN
-from audiosite.errors import Forbidden, InvalidRequest, NotFound
+from audiosite.errors import InvalidRequest, ManagementDisabled, ManagePermissionDenied, NotFound
 from audiosite.serverconfig import get_config
 from audiosite.input_checks import JSONParser, check_length, validated
 from inference.backend import resolve_backend
@@ -112,14 +112,14 @@ class ManagementGate(BasePermission):
 
     async def has_permission(self, request, view) -> bool:
         if not management_enabled():
-            raise Forbidden(MANAGEMENT_DISABLED, code="management_disabled")
+            raise ManagementDisabled(MANAGEMENT_DISABLED)
         user = await authenticate(request)
         if user is None or not user.is_authenticated:
             raise NotAuthenticated("management routes need credentials: 'Authorization: Token <key>' "
                                    "(python manage.py issue_token USER) or a Django admin session")
         if not await sync_to_async(may_manage)(user):
-            raise Forbidden(f"user {user.get_username()!r} lacks the registry.manage_models permission",
-                            code="permission_denied")
+            raise ManagePermissionDenied(f"user {user.get_username()!r} lacks the registry.manage_models "
+                                         "permission")
         return True
 
 

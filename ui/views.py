@@ -33,7 +33,8 @@ from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpRe
 from django.shortcuts import render
 from django.views.decorators.http import require_GET, require_POST
 
-from audiosite.errors import ApplicationError, Forbidden, InvalidRequest, NotFound
+from audiosite.errors import (ApplicationError, InvalidRequest, ManagementDisabled, ManagePermissionDenied,
+                              NotFound)
 from audiosite.serverconfig import get_config
 from audiosite.input_checks import MAX_JSON_DEPTH, check_json_depth, validated
 from inference import specs
@@ -222,14 +223,12 @@ def _error(exc: ApplicationError) -> JsonResponse:
 async def _manager(request: HttpRequest) -> str:
     """The acting user's name, or Forbidden (403) when management is off or the user lacks the permission."""
     if not get_config().ui_management:
-        raise Forbidden(MANAGEMENT_DISABLED, code="management_disabled")
+        raise ManagementDisabled(MANAGEMENT_DISABLED)
     user = await request.auser()
     if not user.is_authenticated:
-        raise Forbidden("log in with a user holding registry.manage_models to manage models",
-                        code="permission_denied")
+        raise ManagePermissionDenied("log in with a user holding registry.manage_models to manage models")
     if not await sync_to_async(may_manage)(user):
-        raise Forbidden(f"user {user.get_username()!r} lacks the registry.manage_models permission",
-                        code="permission_denied")
+        raise ManagePermissionDenied(f"user {user.get_username()!r} lacks the registry.manage_models permission")
     return user.get_username()
 
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-from audiosite.errors import ServerBusy
+from audiosite.errors import GrantExpired, Overdue, QueueTimeout, ResidencyFull, ServerBusy
 from inference.scheduler import AdmissionExpired, AdmissionOverdue, AdmissionTimeout, Lease, LeaseKind, RunOffer
 
 from . import metrics
@@ -32,10 +32,10 @@ def busy_error(exc: Exception) -> ServerBusy:
     ``overdue`` (R3.3); ``AdmissionTimeout`` → ``queue_timeout`` (R3.2).
     """
     if isinstance(exc, AdmissionExpired):
-        return ServerBusy(f"server busy: {exc}", code="grant_expired")
+        return GrantExpired(f"server busy: {exc}")
     if isinstance(exc, AdmissionOverdue):
-        return ServerBusy(f"server busy: {exc} (overdue fail-fast)", code="overdue")
-    return ServerBusy(f"server busy: {exc} (queue timeout)", code="queue_timeout")
+        return Overdue(f"server busy: {exc} (overdue fail-fast)")
+    return QueueTimeout(f"server busy: {exc} (queue timeout)")
 
 
 async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
@@ -136,8 +136,8 @@ async def cold_load_guard(ctx: AsyncContext, deadline_s: float | None = None):
         try:
             lease = await asyncio.wait_for(waiting, max(0.0, deadline_s - time.monotonic()))
         except TimeoutError:  # the ticket is gone (the cancelled acquire withdrew it, R8.1)
-            raise ServerBusy("the server is at max_loaded_models and the cold loads ahead of this request "
-                             "did not finish within its busy timeout", code="residency_full") from None
+            raise ResidencyFull("the server is at max_loaded_models and the cold loads ahead of this request "
+                                "did not finish within its busy timeout") from None
     try:
         async with ctx.scheduler.keep_alive(guard, lease.lease_id):
             yield GuardHeld(ctx, lease)
@@ -161,6 +161,6 @@ class GuardHeld:
             ServerBusy: (code ``residency_full``) the lease was reclaimed: another cold load has the guard.
         """
         if not await self._ctx.scheduler.renew(self._lease.model_id, self._lease.lease_id):
-            raise ServerBusy("this server process stalled past the lease TTL and lost its turn for a cold load; "
-                             "retry", code="residency_full")
+            raise ResidencyFull("this server process stalled past the lease TTL and lost its turn for a cold load; "
+                                "retry")
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from audiosite.celery import app as celery_app
-from audiosite.errors import ApplicationError, ModelLoadFailed, ServerBusy
+from audiosite.errors import ApplicationError, ModelLoadFailed, NoWorker, WorkerLost
 from inference.scheduler import (
     ClaimStatus,
     LIVENESS_EVERY_S,
@@ -117,10 +117,10 @@ async def worker_alive(ctx: AsyncContext, owner: str, boot: str) -> bool:
     return await ctx.redis.get(KEYS.worker_live(owner)) == boot
 
 
-def worker_lost_while_loading(model_id: str, error: str) -> ServerBusy:
+def worker_lost_while_loading(model_id: str, error: str) -> WorkerLost:
     """The 503 ``worker_lost`` of every caller of a load whose worker died during it (R7.4)."""
-    return ServerBusy(f"model {model_id!r}: the worker loading it was lost ({error}); the model is unloaded "
-                      "and the next request loads it on a live worker; retry", code="worker_lost", retry_after_s=1)
+    return WorkerLost(f"model {model_id!r}: the worker loading it was lost ({error}); the model is unloaded "
+                      "and the next request loads it on a live worker; retry", retry_after_s=1)
 
 
 def load_end_error(model_id: str, end: LoadEndRecord) -> ApplicationError | None:
@@ -138,9 +138,9 @@ def load_end_error(model_id: str, end: LoadEndRecord) -> ApplicationError | None
     if end.ended == LoadEnd.WORKER_LOST:
         return worker_lost_while_loading(model_id, error)
     if end.ended == LoadEnd.NO_WORKER:
-        return ServerBusy(f"model {model_id!r}: {error}; is a GPU worker running?", code="no_worker")
+        return NoWorker(f"model {model_id!r}: {error}; is a GPU worker running?")
     if end.ended == LoadEnd.FAILED:
-        return ModelLoadFailed(f"model {model_id!r} failed to load: {error}", code="load_failed")
+        return ModelLoadFailed(f"model {model_id!r} failed to load: {error}")
     return None
 
 
@@ -165,8 +165,7 @@ def backoff_error(model_id: str, retry_in_ms: int, error: str) -> ModelLoadFaile
     """The 503 ``load_failed`` of a model whose last load failed ``retry_in_ms`` before its next try (R6.7)."""
     retry_after_s = max(1, math.ceil(retry_in_ms / 1000))
     return ModelLoadFailed(f"model {model_id!r} failed to load ({error or 'no detail'}); the next load may be "
-                           f"tried in {retry_after_s} s (backoff after failed loads)", code="load_failed",
-                           retry_after_s=retry_after_s)
+                           f"tried in {retry_after_s} s (backoff after failed loads)", retry_after_s=retry_after_s)
 
 
 NO_WORKER_GRACE_S = 1.0
@@ -197,10 +196,10 @@ async def no_worker_coming(ctx: AsyncContext) -> bool:
     return True
 
 
-def no_live_worker_error(model_id: str) -> ServerBusy:
+def no_live_worker_error(model_id: str) -> NoWorker:
     """The 503 ``no_worker`` of a load attempted while no worker is alive and none is being started (R7.4)."""
-    return ServerBusy(f"model {model_id!r} cannot load: no GPU worker is alive and none is being started "
-                      "(GET /health reports \"degraded\"); retry once a worker runs", code="no_worker")
+    return NoWorker(f"model {model_id!r} cannot load: no GPU worker is alive and none is being started "
+                    "(GET /health reports \"degraded\"); retry once a worker runs")
 
 
 @dataclass(frozen=True)
@@ -374,7 +373,7 @@ class SingleFlightLoad:
         outcome = json.loads(raw or '{"ok": false, "error": "lost"}')
         if not outcome["ok"]:
             retry_in_ms = (await ctx.scheduler.snapshot([model_id]))[model_id]["retry_in_ms"]
-            raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}", code="load_failed",
+            raise ModelLoadFailed(f"model {model_id!r} failed to load: {outcome['error']}",
                                   retry_after_s=max(1, math.ceil(retry_in_ms / 1000)))  # the backoff (R6.7)
         return None  # loaded: begin_load says where
 
@@ -406,8 +405,8 @@ class SingleFlightLoad:
         if pickup_left_s > 0:
             return min(LIVENESS_CHECK_S, NO_WORKER_CHECK_S, pickup_left_s)
         await ctx.scheduler.finish_load(model_id, token, LoadEnd.NO_WORKER, error=LoadLost.NOT_PICKED_UP)
-        raise ServerBusy(f"model {model_id!r}: no worker started its load within "
-                         f"{self.pickup_timeout_s:.0f} s; is a GPU worker running?", code="no_worker")
+        raise NoWorker(f"model {model_id!r}: no worker started its load within "
+                       f"{self.pickup_timeout_s:.0f} s; is a GPU worker running?")
 
     async def _expired(self, token: str, status: ClaimStatus) -> NoReturn:
         """The loading worker is gone (R7.4): nobody will answer. End the load for everyone, and raise."""

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 
-from audiosite.errors import ServerBusy
+from audiosite.errors import ServerBusy, WorkerLost
 
 from .context import KEYS, AsyncContext
 from .loads import LIVENESS_CHECK_S, Placement, next_check_s, worker_alive_for_s
@@ -82,8 +82,7 @@ class WorkerStream:
                     # Look again just after the worker's liveness would lapse (R7.4, as for runs).
                     left_s = await worker_alive_for_s(self.ctx, self.placement.owner, self.placement.boot)
                     if left_s is None:
-                        raise ServerBusy(f"model {self.model_id!r}: its worker stopped responding mid-stream",
-                                         code="worker_lost")
+                        raise WorkerLost(f"model {self.model_id!r}: its worker stopped responding mid-stream")
                     self._check_s = next_check_s(left_s)
             finally:
                 self.ctx.listener.forget(self._wake_key)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from audiosite.errors import InvalidRequest, PayloadTooLarge, ServerBusy, UnsupportedMedia
+from audiosite.errors import DecodeBudgetFull, InvalidRequest, PayloadTooLarge, UnsupportedMedia
 from audiosite.serverconfig import get_config
 from inference import audio
 from inference.runtime import decoding, runs
@@ -128,10 +128,10 @@ async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, spec:
     if reservation is None:
         log.info("decode budget: refused %d bytes, %d of %d in flight", needed_bytes, budget.in_flight_bytes,
                  budget.limit_bytes)
-        raise ServerBusy(
+        raise DecodeBudgetFull(
             f"this server process is busy decoding other audio: {_mib(budget.in_flight_bytes)} of decoded audio in "
             f"flight, this request needs {_mib(needed_bytes)} more, and at most {_mib(budget.limit_bytes)} may be "
-            "in flight (max_decoded_bytes_in_flight); retry", code="decode_budget", retry_after_s=1)
+            "in flight (max_decoded_bytes_in_flight); retry", retry_after_s=1)
     try:
         samples = await decoding.decode(audio_input.data, header, rate, get_config().max_audio_seconds)
     except audio.AudioError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from audiosite.errors import ServerBusy
+from audiosite.errors import WorkerLost
 from inference.runtime import runs
 from inference.runtime.context import AsyncContext
 from inference.scheduler import Lease
@@ -58,13 +58,13 @@ async def _decode_held(ctx: AsyncContext, model_id: str, lease: Lease, run_input
                                             held=True)
             if reply is None:
                 await ctx.scheduler.mark_unloaded(model_id, placement.boot, "worker lost")
-                raise ServerBusy(f"model {model_id!r}: its worker stopped responding; retry", code="worker_lost")
+                raise WorkerLost(f"model {model_id!r}: its worker stopped responding; retry")
             if reply.get("kind") == runs.RunFailure.NOT_LOADED:
                 await ctx.scheduler.mark_unloaded(model_id, placement.boot, "pool lost")
                 continue
             break
         else:
-            raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+            raise WorkerLost(f"model {model_id!r}: its pool was lost twice; retry later")
         error = reply_error(model_id, reply, "turn")
         if error is not None:
             raise error

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 
-from audiosite.errors import ApplicationError, InsufficientMemory, ServerBusy
+from audiosite.errors import ApplicationError, InsufficientMemory, ResidencyFull
 from audiosite.serverconfig import get_config
 from inference import specs
 from inference.runtime import leases, loads, metrics, published
@@ -189,10 +189,10 @@ async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None =
             return evicted
         left_s = None if deadline_s is None else deadline_s - time.monotonic()
         if left_s is not None and left_s <= 0:
-            raise ServerBusy(
+            raise ResidencyFull(
                 f"model {model_id!r} cannot load: max_loaded_models={config.max_loaded_models} models are loaded "
                 f"and none of them became idle within this request's busy timeout (each stayed busy, queued or "
-                f"loading)" + (f"; evicted {evicted}" if evicted else ""), code="residency_full", retry_after_s=1)
+                f"loading)" + (f"; evicted {evicted}" if evicted else ""), retry_after_s=1)
         await asyncio.sleep(ROOM_POLL_S if left_s is None else min(ROOM_POLL_S, left_s))
         metas = await published.meta_all(ctx)  # registrations may come and go while we wait
         if model_id not in metas:
@@ -212,7 +212,7 @@ async def _check_memory(ctx: AsyncContext, model_id: str, meta: dict, min_free_m
         raise InsufficientMemory(
             f"model {model_id!r} needs about {footprint_mb} MB plus the {min_free_memory_mb} MB "
             f"headroom (min_free_memory_mb), but the workers have {available_mb} MB available",
-            code="insufficient_memory", retry_after_s=5)
+            retry_after_s=5)
 
 
 async def _evict_lru(ctx: AsyncContext, model_id: str, snapshot: dict, max_loaded_models: int,

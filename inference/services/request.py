@@ -12,7 +12,8 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from audiosite.errors import ApplicationError, Conflict, InvalidRequest, NotFound, ServerBusy
+from audiosite.errors import (ApplicationError, Conflict, InvalidRequest, NotFound, RunCancelled, RunExpired,
+                              ServerBusy, WorkerLost)
 from audiosite.serverconfig import get_config
 from inference import audio, specs
 from inference.runtime import leases, loads, published, runs
@@ -238,7 +239,7 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease: Lease, timeout_ms: 
             # and answer 503 (R7.4).
             handover.sent = False
             await ctx.scheduler.mark_unloaded(model_id, placement.boot, "worker lost")
-            raise ServerBusy(f"model {model_id!r}: its worker stopped responding; retry", code="worker_lost")
+            raise WorkerLost(f"model {model_id!r}: its worker stopped responding; retry")
         if reply.get("kind") == runs.RunFailure.NOT_LOADED:
             # The owner never took the run (its pool is gone): the lease is still ours alone; forget the
             # pool and load again once.
@@ -246,7 +247,13 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease: Lease, timeout_ms: 
             await ctx.scheduler.mark_unloaded(model_id, placement.boot, "pool lost")
             continue
         return reply, load_ms
-    raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+    raise WorkerLost(f"model {model_id!r}: its pool was lost twice; retry later")
+
+
+RUN_FAILURE_BUSY: dict[str, type[ServerBusy]] = {runs.RunFailure.EXPIRED: RunExpired,
+                                                 runs.RunFailure.CANCELLED: RunCancelled}
+"""The 503 of each failed run ``kind`` that is neither the input's fault nor a bug (``runs.RunFailure``;
+``not_loaded`` never reaches :func:`reply_error`: its callers load again, or answer ``worker_lost``)."""
 
 
 def reply_error(model_id: str, reply: dict, serving: str) -> ApplicationError | None:
@@ -256,7 +263,7 @@ def reply_error(model_id: str, reply: dict, serving: str) -> ApplicationError | 
     Returns:
         ``invalid_input`` → InvalidRequest (400, ``param`` from the adapter); ``error`` (an adapter failed
         on valid input: a bug, reported as such) → ApplicationError (500); any other kind (``expired``,
-        ...) → ServerBusy with that kind as its code (503).
+        ``cancelled``) → the ServerBusy whose code is that kind (503, :data:`RUN_FAILURE_BUSY`).
     """
     if reply["ok"]:
         return None
@@ -264,4 +271,4 @@ def reply_error(model_id: str, reply: dict, serving: str) -> ApplicationError | 
         return InvalidRequest(reply["message"], param=reply.get("param"))
     if reply["kind"] == runs.RunFailure.ERROR:
         return ApplicationError(f"model {model_id!r} failed: {reply['message']}")
-    return ServerBusy(f"model {model_id!r} could not serve the {serving}: {reply['message']}", code=reply["kind"])
+    return RUN_FAILURE_BUSY[reply["kind"]](f"model {model_id!r} could not serve the {serving}: {reply['message']}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from audiosite.errors import ApplicationError, Conflict, InvalidRequest, NotFound, ServerBusy
+from audiosite.errors import ApplicationError, Conflict, InvalidRequest, NotFound, RunExpired, WorkerLost
 from inference import specs
 from inference.runtime import leases, published, runs, streams
 from inference.runtime.context import AsyncContext
@@ -157,13 +157,13 @@ async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Le
             continue
         break
     else:
-        raise ServerBusy(f"model {model_id!r}: its pool was lost twice; retry later", code="worker_lost")
+        raise WorkerLost(f"model {model_id!r}: its pool was lost twice; retry later")
     if final is not None and not final["ok"]:
         await stream.discard()
         if final["kind"] == runs.RunFailure.INVALID_INPUT:
             raise InvalidRequest(final["message"], param=final.get("param"))
         if final["kind"] == runs.RunFailure.EXPIRED:
-            raise ServerBusy(f"model {model_id!r} could not serve the request: {final['message']}", code="expired")
+            raise RunExpired(f"model {model_id!r} could not serve the request: {final['message']}")
         raise ApplicationError(f"model {model_id!r} failed: {final['message']}")
     return stream, first, current, load_ms
 
