@@ -60,18 +60,18 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
 
     Raises:
         ModelLoadFailed, ServerBusy, InsufficientMemory: the load failed; the
-            entry stays registered and unloaded (R4.2, R4.4, R4.6).
+            entry stays registered and unloaded (R4.2, R4.4, R4.6): a new error of the load's
+            class, ``committed`` (``ApplicationError.entry_committed``).
     """
     if is_lazy(meta):
         return False
     try:
         await inference_services.ensure_loaded(ctx, model_id, force=True)  # explicit: no backoff (R6.7)
     except ApplicationError as exc:
-        exc.committed = True  # the entry is registered; only its load failed
-        exc.message += "; the entry is registered and stays unloaded (the next request retries the load)"
+        failed = exc.entry_committed()  # the entry is registered; only its load failed
         if not isinstance(exc, ModelLoadFailed):  # a worker's failed load writes its own event
-            await sync_to_async(records.lifecycle_event_create)(model_id, "load", False, detail=exc.message)
-        raise
+            await sync_to_async(records.lifecycle_event_create)(model_id, "load", False, detail=failed.message)
+        raise failed from exc
     return True
 
 
@@ -367,6 +367,24 @@ async def model_unregister(ctx: AsyncContext, model_id: str, actor: str) -> dict
     return await leases.run_as_manager(ctx, model_id, ceiling_ms(meta), transition)
 
 
+async def _first_loads_under_way(ctx: AsyncContext, model_ids: list[str]) -> list[str]:
+    """The ids of ``model_ids`` (in that order) whose first load is still running, which a bulk unload on
+    the legacy runtime skips (R5.4): never loaded (not ``ready``), someone holds it (a request or a
+    registration loading it, perhaps still waiting on the cold-load guard, or state ``loading``), and no
+    first load recorded as published (``registration_first_load_published``). One scheduler snapshot."""
+    skipped: list[str] = []
+    snapshot = await ctx.scheduler.snapshot(model_ids)
+    for model_id in model_ids:
+        status = snapshot[model_id]
+        # A first load is under way when the model was never loaded and someone holds it
+        # (a request or a registration loading it, perhaps still waiting on the cold-load guard).
+        busy = status["state"] == ModelState.LOADING or status["active_leases"] or status["manager_leases"]
+        if status["state"] != ModelState.READY and busy and \
+                not await sync_to_async(registration_first_load_published)(model_id):
+            skipped.append(model_id)
+    return skipped
+
+
 async def models_bulk_unload(ctx: AsyncContext, model_ids: list[str] | None, actor: str) -> dict:
     """Bulk unload (R5): ``POST /v1/tasks/unload_models`` (a selection) or ``unload_all_models`` (None).
 
@@ -388,15 +406,7 @@ async def models_bulk_unload(ctx: AsyncContext, model_ids: list[str] | None, act
     not_found = [m for m in wanted if m not in metas]
     skipped: list[str] = []
     if get_config().runtime == "legacy" and selected:
-        snapshot = await ctx.scheduler.snapshot(selected)
-        for model_id in selected:
-            status = snapshot[model_id]
-            # A first load is under way when the model was never loaded and someone holds it
-            # (a request or a registration loading it, perhaps still waiting on the cold-load guard).
-            busy = status["state"] == ModelState.LOADING or status["active_leases"] or status["manager_leases"]
-            if status["state"] != ModelState.READY and busy and \
-                    not await sync_to_async(registration_first_load_published)(model_id):
-                skipped.append(model_id)
+        skipped = await _first_loads_under_way(ctx, selected)
         selected = [m for m in selected if m not in skipped]
     tickets: dict[str, str] = {}
     futures = await ctx.scheduler.acquire_many(ctx.listener, selected, tickets) if selected else {}
