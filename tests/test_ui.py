@@ -183,7 +183,9 @@ def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
     def presets() -> set[str]:
         with ustack.client() as c:
             return {v["id"] for v in c.get("/v1/audio/voices", params={"model": "piper-joe"}).json()["voices"]}
-    before = presets()
+    def reconfigures() -> int:
+        return sum(1 for event in events_of(ustack, "piper-joe") if event[0] == "reconfigure")
+    before, reconfigured = presets(), reconfigures()
     assert {"alloy", "nova"} <= before
     page = _page(browser, ustack, "operator")
     _open_dashboard(page)
@@ -192,7 +194,30 @@ def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
     playwright_api.expect(row.locator("output.msg")).to_contain_text("piper-joe", timeout=LIVE_S * 1000)
     assert "error" not in (row.locator("output.msg").get_attribute("class") or "")
     assert presets() == before
-    assert not [e for e in events_of(ustack, "piper-joe") if e[0] == "reconfigure"]
+    assert reconfigures() == reconfigured
+    page.context.close()
+
+
+def test_the_model_pages_configuration_form_changes_only_the_keys_it_sends(ustack, browser, users):
+    """R4.4 from the model page: the entry edited in its form (here only ``default_voice_preset``) is
+    applied to the registration, every other key (the voice presets) kept; a bad value shows the 400."""
+    page = _page(browser, ustack, "operator")
+    page.goto("/ui/models/piper-joe")
+    form = page.locator("#configure")
+    form.locator("textarea").fill('{"default_voice_preset": "nova"}')
+    form.get_by_role("button", name="Save and load").click()
+    playwright_api.expect(form.locator("output.msg")).to_contain_text("piper-joe: reconfigured",
+                                                                      timeout=LIVE_S * 1000)
+    with ustack.client() as c:
+        voices = c.get("/v1/audio/voices", params={"model": "piper-joe"}).json()["voices"]
+    assert {"alloy", "nova"} <= {v["id"] for v in voices}
+    assert ("reconfigure", "ok", "operator") in events_of(ustack, "piper-joe")
+    form.locator("textarea").fill('{"default_voice_preset": "nobody"}')
+    form.get_by_role("button", name="Save and load").click()
+    playwright_api.expect(form.locator("output.msg")).to_contain_text("400", timeout=LIVE_S * 1000)
+    form.locator("textarea").fill('{"default_voice_preset": "alloy"}')  # back as the module's stack had it
+    form.get_by_role("button", name="Save and load").click()
+    playwright_api.expect(form.locator("output.msg")).to_contain_text("reconfigured", timeout=LIVE_S * 1000)
     page.context.close()
 
 
