@@ -395,14 +395,7 @@ def _speech_options(meta: dict, voice: str | None, extra: dict) -> dict:
     Raises:
         InvalidRequest: an unknown voice (400, ``param`` "voice"; the message names the voices).
     """
-    resolved = voices.resolve_voice(meta, voice)
-    if resolved is None:
-        names = ", ".join(v["id"] for v in voices.model_voices(meta))
-        raise InvalidRequest(f"voice {voice!r} does not exist for model {meta['id']!r}; voices: {names}",
-                             param="voice")
-    _voice_id, options = resolved
-    options.update(extra)
-    return options
+    return {**voices.voice_options(meta, voice), **extra}
 
 
 def _usage(text: str, final: dict | None) -> dict:

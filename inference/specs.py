@@ -379,6 +379,12 @@ def slots_value_problem(slots) -> str | None:
     return None
 
 
+def largest_slot_count(family: str, task: str, mode: str, backend: str) -> int:
+    """N such that slot counts 1..N may be configured here (R9.1, R9.2): the advertised capacity and the
+    admission table's consecutive validated counts together (what :func:`slots_count_problem` enforces)."""
+    return min(advertised_capacity(family, backend), admitted_counts(family, task, mode, backend))
+
+
 def slots_count_problem(family: str, task: str, mode: str, slots: int, backend: str) -> str | None:
     """Why a valid count cannot run here (R9.1, R9.2): above the advertised capacity (message has
     ``capacity=N``) or above the largest consecutively validated count of the admission table."""

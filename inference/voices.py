@@ -9,6 +9,7 @@ when a request sends none (else the model's first voice).
 """
 from __future__ import annotations
 
+from audiosite.errors import InvalidRequest
 from inference import specs
 
 
@@ -33,3 +34,18 @@ def resolve_voice(meta: dict, voice: str | None) -> tuple[str, dict] | None:
         if entry["id"] == voice:
             return entry.get("preset_of", entry["id"]), dict(entry.get("options", {}))
     return None
+
+
+def voice_options(meta: dict, voice: str | None) -> dict:
+    """The request options a speech request's ``voice`` brings (a preset's options; ``{}`` for a
+    checkpoint voice), for ``/v1/audio/speech``, ``/v1/tasks/run`` and the Wyoming server alike.
+
+    Raises:
+        InvalidRequest: an unknown voice (400, ``param`` "voice"; the message names the model's voices).
+    """
+    resolved = resolve_voice(meta, voice)
+    if resolved is None:
+        names = ", ".join(v["id"] for v in model_voices(meta))
+        raise InvalidRequest(f"voice {voice!r} does not exist for model {meta['id']!r}; voices: {names}",
+                             param="voice")
+    return resolved[1]

@@ -395,12 +395,7 @@ class Connection:
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not speech synthesis",
                                  param="voice")
-        resolved = voices.resolve_voice(meta, voice)
-        if resolved is None:
-            names = ", ".join(v["id"] for v in voices.model_voices(meta))
-            raise InvalidRequest(f"voice {voice!r} does not exist for model {meta['id']!r}; voices: {names}",
-                                 param="voice")
-        stream = await services.speech_open(ctx, meta, text, resolved[1], None)
+        stream = await services.speech_open(ctx, meta, text, voices.voice_options(meta, voice), None)
         try:
             rate = stream.sample_rate_hz
             await self.write(AudioStart(rate=rate, width=2, channels=1).event())

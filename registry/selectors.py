@@ -126,13 +126,6 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
                      for alias, target in sorted(shown_aliases.items())]
 
 
-def _admitted_slots(meta: dict, backend: str) -> int:
-    """The largest slot count ``meta``'s model may be given here: counts 1..N are admitted (R9.1, R9.2:
-    at most the advertised capacity and the admission table's consecutive validated counts)."""
-    capacity = specs.advertised_capacity(meta["family"], backend)
-    return min(capacity, specs.admitted_counts(meta["family"], meta["task"], meta["mode"], backend))
-
-
 async def model_board(ctx: AsyncContext) -> list[dict]:
     """The UI's status board: every model's ``/v1/models`` entry plus what an operator watches, from
     the same one atomic snapshot (R4.7); never the private fields.
@@ -157,7 +150,8 @@ async def model_board(ctx: AsyncContext) -> list[dict]:
             active_slots=status["active_leases"],
             queued_requests=status["queued"],
             max_parallel_slots=status["loaded_capacity"] or None,
-            admitted_slots=_admitted_slots(metas[model_id], backend),
+            admitted_slots=specs.largest_slot_count(metas[model_id]["family"], metas[model_id]["task"],
+                                                   metas[model_id]["mode"], backend),
             queued_managers=status["queued_managers"],
             worker=status["worker"] or None,
             last_used_at=_utc(status["last_used_ms"]) if status["last_used_ms"] else None,
