@@ -79,7 +79,7 @@ class EarlyProbe:
     @staticmethod
     async def _probe(model_id: str, timeout_ms: int | None) -> tuple[AsyncContext, AdmissionProbe]:
         ctx = await async_context()
-        return ctx, await services.probe_for_request(ctx, model_id, timeout_ms)
+        return ctx, await services.request_probe(ctx, model_id, timeout_ms)
 
     @staticmethod
     def what_to_probe(body, query_params) -> tuple[str, int | None] | None:
@@ -127,7 +127,7 @@ async def _model(model_id: str, request_timeout_ms: int | None,
                  view: APIView | None = None,
                  early: EarlyProbe | None = None) -> tuple[dict, AsyncContext, AdmissionProbe]:
     """``(meta, ctx, probe)``: the published metadata of ``model_id`` (checked by an input serializer),
-    the context, and the admission probe that found it (``services.run``'s ``probe``).
+    the context, and the admission probe that found it (``services.request_run``'s ``probe``).
 
     Args:
         view: a view counted in the metrics: its ``metrics_model`` becomes ``model_id`` once the
@@ -143,13 +143,13 @@ async def _model(model_id: str, request_timeout_ms: int | None,
             ctx, probe = await early.task
         else:
             ctx = await async_context()
-            probe = await services.probe_for_request(ctx, model_id, request_timeout_ms)
+            probe = await services.request_probe(ctx, model_id, request_timeout_ms)
     except ServerBusy:  # a refusal of a registered model
         if view is not None:
             view.metrics_model = model_id
         raise
     meta = probe.entry
-    assert meta is not None  # probe_for_request refuses a missing entry
+    assert meta is not None  # request_probe refuses a missing entry
     if view is not None:
         view.metrics_model = meta["id"]
     return meta, ctx, probe
@@ -263,7 +263,7 @@ class TranscriptionApi(APIView):
     Raises:
         InvalidRequest: bad input, a model of another task, options the model refuses (400).
         NotFound: unknown model (404). PayloadTooLarge (413), UnsupportedMedia (415): see
-            ``inference.services.inspect_audio`` and ``decode_audio``.
+            ``inference.services.audio_inspect`` and ``audio_decode``.
         ServerBusy: from the runtime (503), ``decode_budget`` included.
     """
 
@@ -291,7 +291,7 @@ class TranscriptionApi(APIView):
             response = StreamingHttpResponse(_transcription_events(stream), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"
             return response
-        outcome = await services.run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, probe)
+        outcome = await services.request_run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, probe)
         metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
         result = outcome.result
         timing = _timing(started, outcome)
@@ -333,7 +333,7 @@ class TranscriptionDetailsApi(APIView):
         pipeline = None
         if data.get("diarization_model"):
             try:
-                pipeline = await services.model_for_request(ctx, data["diarization_model"], timeout_ms)
+                pipeline = await services.request_model_resolve(ctx, data["diarization_model"], timeout_ms)
             except NotFound:
                 raise NotFound(f"model {data['diarization_model']!r} is not registered",
                                param="diarization_model") from None
@@ -344,7 +344,7 @@ class TranscriptionDetailsApi(APIView):
         _check_options(meta["family"], options, DetailsInputSerializer.option_param)
         param, source = data["source"]
         raw = _read_local(source, param) if isinstance(source, str) else source.read()
-        outcome = await services.transcribe_with_speakers(ctx, meta, pipeline, services.AudioInput(raw, param),
+        outcome = await services.transcription_with_speakers_run(ctx, meta, pipeline, services.AudioInput(raw, param),
                                                           options, timeout_ms)
         metrics.record_soon(*(metrics.audio(m["id"], m["task"], outcome.audio_ms / 1000)
                               for m in (meta, pipeline) if m))  # the pipeline processed the same audio
@@ -355,7 +355,7 @@ class TranscriptionDetailsApi(APIView):
 class TaskRunApi(APIView):
     """``POST /v1/tasks/run``: generic task input (VAD, ASR, TTS, music transcription, speaker embedding,
     diarization; input: :class:`TaskRunInputSerializer`). A pipeline family (diarization) is served by
-    ``inference.services.diarize``, every other by ``inference.services.run``.
+    ``inference.services.diarization_run``, every other by ``inference.services.request_run``.
 
     Responds ``{"model", "task", <the task's outputs>, "timing"}``; errors as :class:`TranscriptionApi`.
     """
@@ -381,9 +381,9 @@ class TaskRunApi(APIView):
         raw = source if isinstance(source, bytes) else _read_local(source, param)
         audio_input = services.AudioInput(raw, param)
         if specs.is_pipeline(meta["family"]):
-            outcome = await services.diarize(ctx, meta, audio_input, options, timeout_ms)
+            outcome = await services.diarization_run(ctx, meta, audio_input, options, timeout_ms)
         else:
-            outcome = await services.run(ctx, meta, audio_input, options, timeout_ms, probe)
+            outcome = await services.request_run(ctx, meta, audio_input, options, timeout_ms, probe)
         metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)

@@ -775,7 +775,7 @@ class LiveSession:
                                               "(audio.input.transcription.model)", param="model"))
             return
         try:
-            meta = await services.model_for_request(self.ctx, settings.model, None)
+            meta = await services.request_model_resolve(self.ctx, settings.model, None)
             turn.model = meta["id"]
             if meta["task"] != "asr":
                 raise InvalidRequest(f"model {settings.model!r} no longer serves transcription", param="model")
@@ -836,7 +836,7 @@ class LiveSession:
                 audio = self._buffer.slice(turn.start, self._buffer.end)
                 decoded_len = length
                 t0 = time.monotonic()
-                result = await services.decode_held(self.ctx, settings.model or "", lease, audio, MODEL_RATE_HZ,
+                result = await services.live_turn_decode(self.ctx, settings.model or "", lease, audio, MODEL_RATE_HZ,
                                                     {**options, "beam_size": 1}, timeout_ms)
                 metrics.record_soon(metrics.realtime_partial(turn.model))
                 log.debug("partial decode of %d ms of audio took %.0f ms: %r", length * 1000 // MODEL_RATE_HZ,
@@ -858,7 +858,7 @@ class LiveSession:
         assert turn.audio is not None
         # The transcript: one decode of the whole turn with the file route's options (no beam_size: the
         # model's default), so it is the text POST /v1/audio/transcriptions gives for these samples.
-        result = await services.decode_held(self.ctx, settings.model or "", lease, turn.audio, MODEL_RATE_HZ,
+        result = await services.live_turn_decode(self.ctx, settings.model or "", lease, turn.audio, MODEL_RATE_HZ,
                                             options, timeout_ms)
         transcript = result["text"]
         rest = words_after(sent, transcript.split())

@@ -1,7 +1,7 @@
 """A Wyoming protocol server (Home Assistant's voice pipeline) on the same models and scheduler as HTTP.
 
 ``manage.py wyoming --uri tcp://0.0.0.0:10300`` runs it. Every request goes through the inference
-services the HTTP views call (``inference.services``: ``probe_for_request``, ``run``, ``speech_open``),
+services the HTTP views call (``inference.services``: ``request_probe``, ``run``, ``speech_open``),
 so a Wyoming request queues in the model's FIFO, holds one slot, obeys the model's ``busy_timeout_ms``
 ceiling and the server's ``busy_timeout_ms`` (Wyoming has no field for a per-request timeout), and gives
 its lease back on every path, exactly as an HTTP request does.
@@ -364,15 +364,15 @@ class Connection:
         if not model_id:
             raise Refusal("no model named and no default speech recognition model configured", "model_not_found")
         ctx = await async_context()
-        probe = await services.probe_for_request(ctx, model_id, None)
+        probe = await services.request_probe(ctx, model_id, None)
         meta = probe.entry
-        assert meta is not None  # probe_for_request refuses a missing entry
+        assert meta is not None  # request_probe refuses a missing entry
         if meta["task"] != "asr":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not transcription", param="model")
         options = {"language": audio.language.split("-")[0].lower()} if audio.language else {}
         wav = _wav(audio)
         del audio
-        outcome = await services.run(ctx, meta, services.AudioInput(wav, "audio"), options, None, probe)
+        outcome = await services.request_run(ctx, meta, services.AudioInput(wav, "audio"), options, None, probe)
         result = outcome.result
         await self.write(Transcript(text=result["text"], language=result.get("language")).event())
 
@@ -391,7 +391,7 @@ class Connection:
         model_id = model_id or get_config().default_model("tts")
         if not model_id:
             raise NotFound("no default speech synthesis model is configured", param="voice")
-        meta = await services.model_for_request(ctx, model_id, None)
+        meta = await services.request_model_resolve(ctx, model_id, None)
         if meta["task"] != "tts":
             raise InvalidRequest(f"model {meta['id']!r} serves task {meta['task']!r}, not speech synthesis",
                                  param="voice")

@@ -66,7 +66,7 @@ async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
     if is_lazy(meta):
         return False
     try:
-        await inference_services.ensure_loaded(ctx, model_id, force=True)  # explicit: no backoff (R6.7)
+        await inference_services.model_ensure_loaded(ctx, model_id, force=True)  # explicit: no backoff (R6.7)
     except ApplicationError as exc:
         failed = exc.entry_committed()  # the entry is registered; only its load failed
         if not isinstance(exc, ModelLoadFailed):  # a worker's failed load writes its own event

@@ -223,10 +223,10 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
 
     async def scenario(ctx):
         await ctx.scheduler.publish_entry(meta, 1)
-        probe = await inference_services.probe_for_request(ctx, "eager", None)
+        probe = await inference_services.request_probe(ctx, "eager", None)
         holder = await ctx.scheduler.acquire(ctx.listener, "eager", 0)  # someone else gets there first
         budget = decoding.budget()
-        request = asyncio.ensure_future(inference_services.run(
+        request = asyncio.ensure_future(inference_services.request_run(
             ctx, probe.entry, inference_services.AudioInput(wav, "file"), {}, 0, probe=probe))
         queued = None
         for _ in range(200):
@@ -240,8 +240,8 @@ def test_audio_decoded_before_queueing_gives_its_budget_back_when_the_request_qu
             await request
         after = (await ctx.scheduler.snapshot(["eager"]))["eager"]
         with pytest.raises(UnsupportedMedia):
-            await inference_services.run(ctx, probe.entry, inference_services.AudioInput(b"RIFF" + b"x" * 64, "file"),
-                                         {}, 0, probe=probe)
+            await inference_services.request_run(
+                ctx, probe.entry, inference_services.AudioInput(b"RIFF" + b"x" * 64, "file"), {}, 0, probe=probe)
         refused = (await ctx.scheduler.snapshot(["eager"]))["eager"]
         await ctx.scheduler.release("eager", holder.lease_id)
         return probe, queued, held_while_queued, after, refused, budget.in_flight_bytes
@@ -320,11 +320,11 @@ def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_
 
     async def scenario(ctx):
         await ctx.scheduler.publish_entry(meta, 1)
-        probe = await inference_services.probe_for_request(ctx, "asis", None)
+        probe = await inference_services.request_probe(ctx, "asis", None)
         holder = await ctx.scheduler.acquire(ctx.listener, "asis", 0)
         budget = decoding.budget()
         before = budget.in_flight_bytes
-        request = asyncio.ensure_future(inference_services.run(
+        request = asyncio.ensure_future(inference_services.request_run(
             ctx, probe.entry, inference_services.AudioInput(data, "file"), {}, 0, probe=probe))
         await until(lambda: budget.in_flight_bytes > before, 10)
         held = budget.in_flight_bytes - before

@@ -1,6 +1,6 @@
 """Pipeline families (``diarization``): registrations without weights of their own.
 
-A pipeline is served by the web process (``inference.services.diarize``),
+A pipeline is served by the web process (``inference.services.diarization_run``),
 which calls its component models through their own slots. On a worker the
 pipeline's pool is empty: loading it makes the registration ``ready`` like any
 other model (so it appears loaded in ``/v1/models`` and counts toward the

@@ -1,25 +1,25 @@
 """Decisions about inference: run a request, make sure a model is loaded, make room, evict, retire, tear down.
 
-Views and Celery tasks call these (``from inference import services``, then ``services.run(...)``);
+Views and Celery tasks call these (``from inference import services``, then ``services.request_run(...)``);
 they use the mechanism of ``inference.runtime`` and record lifecycle steps through
 ``registry.records`` (the only writer of the database). One module per concern:
 
 =====================  ==================================================================================
 concern                module (its public names, re-exported here)
 =====================  ==================================================================================
-audio input            ``audio_input``: :class:`AudioInput`, :func:`inspect_audio`,
-                       :func:`inspect_and_decode_audio`, :func:`decode_audio` (and
+audio input            ``audio_input``: :class:`AudioInput`, :func:`audio_inspect`,
+                       :func:`audio_inspect_and_decode`, :func:`audio_decode` (and
                        ``decoded_bytes_needed``, which lives beside the budget in
                        ``inference.runtime.decoding``)
 the one teardown path  ``teardown``: :func:`model_teardown`, :func:`model_retire_if_idle`
-loading and residency  ``loading``: :func:`ensure_loaded`, :func:`models_preload` (:class:`PreloadResult`),
-                       :func:`make_room`, ``COUNTED_STATES``, ``ROOM_POLL_S``
-one request            ``request``: :func:`probe_for_request`, :func:`model_for_request`, :func:`run`
+loading and residency  ``loading``: :func:`model_ensure_loaded`, :func:`models_preload` (:class:`PreloadResult`),
+                       :func:`residency_make_room`, ``COUNTED_STATES``, ``ROOM_POLL_S``
+one request            ``request``: :func:`request_probe`, :func:`request_model_resolve`, :func:`request_run`
                        (:class:`Outcome`), :func:`reply_error`
-pipelines              ``pipelines``: :func:`diarize`, :func:`transcribe_with_speakers`
+pipelines              ``pipelines``: :func:`diarization_run`, :func:`transcription_with_speakers_run`
 streams                ``streams``: :func:`speech_open` (:class:`SpeechStream`), :func:`transcription_open`
                        (:class:`TranscriptionStream`)
-live decode            ``live_decode``: :func:`decode_held` (one decode of a live transcription turn)
+live decode            ``live_decode``: :func:`live_turn_decode` (one decode of a live transcription turn)
 =====================  ==================================================================================
 
 Imports run one way inside the package: audio_input, teardown → loading → request → pipelines;
@@ -56,38 +56,39 @@ from __future__ import annotations
 
 from inference.runtime.decoding import decoded_bytes_needed
 
-from .audio_input import AudioInput, decode_audio, inspect_and_decode_audio, inspect_audio
-from .live_decode import decode_held
-from .loading import COUNTED_STATES, ROOM_POLL_S, PreloadResult, ensure_loaded, make_room, models_preload
-from .pipelines import diarize, transcribe_with_speakers
-from .request import Outcome, model_for_request, probe_for_request, reply_error, run
+from .audio_input import AudioInput, audio_decode, audio_inspect_and_decode, audio_inspect
+from .live_decode import live_turn_decode
+from .loading import (COUNTED_STATES, ROOM_POLL_S, PreloadResult, model_ensure_loaded, models_preload,
+                      residency_make_room)
+from .pipelines import diarization_run, transcription_with_speakers_run
+from .request import Outcome, request_model_resolve, request_probe, reply_error, request_run
 from .streams import SpeechStream, TranscriptionStream, speech_open, transcription_open
 from .teardown import model_retire_if_idle, model_teardown
 
 __all__ = [
-    "COUNTED_STATES",
-    "ROOM_POLL_S",
     "AudioInput",
+    "COUNTED_STATES",
     "Outcome",
     "PreloadResult",
+    "ROOM_POLL_S",
     "SpeechStream",
     "TranscriptionStream",
-    "decode_audio",
-    "decode_held",
+    "audio_decode",
+    "audio_inspect",
+    "audio_inspect_and_decode",
     "decoded_bytes_needed",
-    "diarize",
-    "ensure_loaded",
-    "inspect_and_decode_audio",
-    "inspect_audio",
-    "make_room",
-    "model_for_request",
+    "diarization_run",
+    "live_turn_decode",
+    "model_ensure_loaded",
     "model_retire_if_idle",
     "model_teardown",
     "models_preload",
-    "probe_for_request",
     "reply_error",
-    "run",
+    "request_model_resolve",
+    "request_probe",
+    "request_run",
+    "residency_make_room",
     "speech_open",
-    "transcribe_with_speakers",
     "transcription_open",
+    "transcription_with_speakers_run",
 ]

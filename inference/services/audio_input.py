@@ -43,7 +43,7 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-async def inspect_audio(audio_input: AudioInput, spec: dict) -> audio.AudioHeader:
+async def audio_inspect(audio_input: AudioInput, spec: dict) -> audio.AudioHeader:
     """Check an upload's container header before the request queues; decode nothing (the header is read
     in the quick pool, or on the event loop for a WAV that needs no decoding: ``decoding.read_header``).
 
@@ -71,7 +71,7 @@ async def inspect_audio(audio_input: AudioInput, spec: dict) -> audio.AudioHeade
 
 def _check_decodable(header: audio.AudioHeader, rate_hz: int, param: str) -> None:
     """Refuse (413) audio whose decode at ``rate_hz`` needs more than the whole decode budget (see
-    :func:`inspect_audio`)."""
+    :func:`audio_inspect`)."""
     needed_bytes = decoded_bytes_needed(header, rate_hz)
     budget = decoding.budget()
     if not budget.fits_alone(needed_bytes):
@@ -82,16 +82,16 @@ def _check_decodable(header: audio.AudioHeader, rate_hz: int, param: str) -> Non
             param=param)
 
 
-async def inspect_and_decode_audio(audio_input: AudioInput, spec: dict,
+async def audio_inspect_and_decode(audio_input: AudioInput, spec: dict,
                                    options: dict) -> tuple[audio.AudioHeader, runs.RunInput | None]:
-    """:func:`inspect_audio` and, for small audio that fits in the decode budget now, :func:`decode_audio`
+    """:func:`audio_inspect` and, for small audio that fits in the decode budget now, :func:`audio_decode`
     too, in one pool hop (``inference.runtime.decoding.inspect_and_decode``; none for a WAV that needs no
     decoding): for a request that will most likely be granted at once. Returns the header and the run's
     input, or None when the audio is to be decoded after the grant as usual.
 
     Raises:
-        UnsupportedMedia, PayloadTooLarge, InvalidRequest: as :func:`inspect_audio` and
-            :func:`decode_audio` (no ticket is held yet).
+        UnsupportedMedia, PayloadTooLarge, InvalidRequest: as :func:`audio_inspect` and
+            :func:`audio_decode` (no ticket is held yet).
     """
     rate = spec["sample_rate_hz"]
     try:
@@ -104,7 +104,7 @@ async def inspect_and_decode_audio(audio_input: AudioInput, spec: dict,
     return inspected.header, runs.RunInput(inspected.samples, rate, options, on_release=inspected.reservation.release)
 
 
-async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, spec: dict,
+async def audio_decode(audio_input: AudioInput, header: audio.AudioHeader, spec: dict,
                        options: dict) -> runs.RunInput:
     """Reserve the decode's bytes in this process's budget, decode ``audio_input`` to mono float32
     ``(n,)`` at the family's rate (``spec["sample_rate_hz"]``), and return it as a run's input.
@@ -113,7 +113,7 @@ async def decode_audio(audio_input: AudioInput, header: audio.AudioHeader, spec:
     ``inference.runtime.runs.RunInput``), or here on any error or cancellation.
 
     Args:
-        header: the upload's header, from :func:`inspect_audio`.
+        header: the upload's header, from :func:`audio_inspect`.
 
     Raises:
         ServerBusy: (code ``decode_budget``, ``Retry-After``) the decode does not fit beside the

@@ -9,11 +9,11 @@ from inference.runtime import runs
 from inference.runtime.context import AsyncContext
 from inference.scheduler import Lease
 
-from .loading import ensure_loaded
+from .loading import model_ensure_loaded
 from .request import reply_error
 
 
-async def decode_held(ctx: AsyncContext, model_id: str, lease: Lease, samples, sample_rate_hz: int, options: dict,
+async def live_turn_decode(ctx: AsyncContext, model_id: str, lease: Lease, samples, sample_rate_hz: int, options: dict,
                       timeout_ms: int) -> dict:
     """Transcribe ``samples`` (float32 ``(n,)`` at ``sample_rate_hz``) on ``model_id``'s pool under a
     request ``lease`` that the caller holds and renews across several runs (a live turn, R8.3); the
@@ -37,7 +37,7 @@ async def decode_held(ctx: AsyncContext, model_id: str, lease: Lease, samples, s
         ApplicationError: the adapter failed on valid input (a bug).
     """
     run_input = runs.RunInput(samples, sample_rate_hz, options)
-    task = asyncio.ensure_future(_decode_held(ctx, model_id, lease, run_input, timeout_ms))
+    task = asyncio.ensure_future(_live_turn_decode(ctx, model_id, lease, run_input, timeout_ms))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
@@ -48,12 +48,12 @@ async def decode_held(ctx: AsyncContext, model_id: str, lease: Lease, samples, s
         raise
 
 
-async def _decode_held(ctx: AsyncContext, model_id: str, lease: Lease, run_input: runs.RunInput,
+async def _live_turn_decode(ctx: AsyncContext, model_id: str, lease: Lease, run_input: runs.RunInput,
                        timeout_ms: int) -> dict:
     try:
         for _attempt in range(2):
             left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
-            placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+            placement = await model_ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
             reply = await runs.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, runs.Handover(),
                                             held=True)
             if reply is None:

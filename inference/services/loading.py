@@ -40,7 +40,7 @@ async def _record_lost_load(model_id: str, host: str, error: str) -> None:
         log.exception("recording the lost load of %s failed", model_id)
 
 
-async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
+async def model_ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
                         room_timeout_ms: int | None = None) -> loads.Placement:
     """Where ``model_id``'s pool is loaded, loading it if needed (single flight, R4.2).
 
@@ -76,7 +76,7 @@ async def ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = False,
                 status = (await ctx.scheduler.snapshot([model_id]))[model_id]
                 if status["retry_in_ms"] and not force:  # failed while we waited for the guard (R6.7)
                     raise loads.backoff_error(model_id, status["retry_in_ms"], status["error"])
-                await make_room(ctx, model_id, deadline_s, guard)
+                await residency_make_room(ctx, model_id, deadline_s, guard)
                 await guard.check()
                 placement = await loads.load_single_flight(ctx, model_id, force=force, on_load_lost=lost)
                 if placement.load_ms:
@@ -101,7 +101,7 @@ async def models_preload(ctx: AsyncContext, model_ids: list[str] | None,
 
     ``model_ids`` None: every eager (non-lazy) published model. Each load first takes a request
     lease of its model without a bound (the same FIFO and busy guard as a request, so it queues
-    behind running work), then :func:`ensure_loaded` with ``force`` (an explicit load passes a
+    behind running work), then :func:`model_ensure_loaded` with ``force`` (an explicit load passes a
     failed load's backoff, R6.7) while the lease is kept alive, then gives the lease back. A
     failure is reported and the next model is loaded: the model stays registered and loads on its first request.
 
@@ -120,7 +120,7 @@ async def models_preload(ctx: AsyncContext, model_ids: list[str] | None,
             lease = await ctx.scheduler.acquire(ctx.listener, model_id, 0)
             try:
                 async with ctx.scheduler.keep_alive(model_id, lease.lease_id):  # a load may outlast the lease TTL
-                    placement = await ensure_loaded(ctx, model_id, force=True)
+                    placement = await model_ensure_loaded(ctx, model_id, force=True)
                 result = PreloadResult(model_id, placement.load_ms)
             except ApplicationError as exc:
                 result = PreloadResult(model_id, None, exc.message)
@@ -149,7 +149,7 @@ Only the holder of the cold-load guard polls (one per deployment), with one
 snapshot per poll: cheap, and simpler than a wake-up on every release."""
 
 
-async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None = None,
+async def residency_make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None = None,
                     guard: leases.GuardHeld | None = None) -> list[str]:
     """Apply the memory guard and evict LRU models so ``model_id`` may load (R6.1, R6.5).
 
@@ -200,7 +200,7 @@ async def make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None =
 
 
 async def _check_memory(ctx: AsyncContext, model_id: str, meta: dict, min_free_memory_mb: int) -> None:
-    """The memory guard of :func:`make_room` (R6.5).
+    """The memory guard of :func:`residency_make_room` (R6.5).
 
     Raises:
         InsufficientMemory: estimated footprint + ``min_free_memory_mb`` > available memory of the best
@@ -217,7 +217,7 @@ async def _check_memory(ctx: AsyncContext, model_id: str, meta: dict, min_free_m
 
 async def _evict_lru(ctx: AsyncContext, model_id: str, snapshot: dict, max_loaded_models: int,
                      guard: leases.GuardHeld | None, evicted: list[str]) -> int:
-    """One pass of :func:`make_room`'s eviction over ``snapshot``: tear down idle ready models, least
+    """One pass of :func:`residency_make_room`'s eviction over ``snapshot``: tear down idle ready models, least
     recently used first, until ``model_id`` fits within ``max_loaded_models``; each victim is appended to
     ``evicted``. Returns how many more must go (<= 0: room made)."""
     loaded = [m for m, status in snapshot.items() if m != model_id and status["state"] in COUNTED_STATES]

@@ -1,7 +1,7 @@
 """Pipelines (diarization): requests served in the web process through their component models' slots.
 
-``diarize`` serves a ``diarization`` pipeline (VAD component, embedding component, clustering);
-``transcribe_with_speakers`` a transcription labelled with speakers (``/v1/audio/transcriptions/details``).
+``diarization_run`` serves a ``diarization`` pipeline (VAD component, embedding component, clustering);
+``transcription_with_speakers_run`` a transcription labelled with speakers (``/v1/audio/transcriptions/details``).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from inference.runtime import leases, published
 from inference.runtime.context import AsyncContext
 from inference.scheduler import effective_timeout_ms
 
-from .audio_input import AudioInput, inspect_audio
-from .loading import ensure_loaded
-from .request import Outcome, model_for_request, run
+from .audio_input import AudioInput, audio_inspect
+from .loading import model_ensure_loaded
+from .request import Outcome, request_model_resolve, request_run
 
 # How a pipeline takes slots. A pipeline registration (family ``diarization``) has no weights; its
 # request runs in the web process and calls its component models (``load_options.vad_model`` and
@@ -37,9 +37,9 @@ from .request import Outcome, model_for_request, run
 
 async def _component(ctx: AsyncContext, pipeline_id: str, role: str, model_id: str, family: str,
                      request_timeout_ms: int | None) -> dict:
-    """The published registration of one component, checked (see :func:`diarize`)."""
+    """The published registration of one component, checked (see :func:`diarization_run`)."""
     try:
-        meta = await model_for_request(ctx, model_id, request_timeout_ms)
+        meta = await request_model_resolve(ctx, model_id, request_timeout_ms)
     except NotFound:
         raise Conflict(f"pipeline {pipeline_id!r} names {role} {model_id!r}, which is not registered",
                        param="model") from None
@@ -49,7 +49,7 @@ async def _component(ctx: AsyncContext, pipeline_id: str, role: str, model_id: s
     return meta
 
 
-async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
+async def diarization_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
                   request_timeout_ms: int | None) -> Outcome:
     """Serve one diarization request of pipeline ``meta`` (see the comment above for its slots).
 
@@ -70,13 +70,13 @@ async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, option
         includes the wait for the pipeline's own slot).
 
     Raises:
-        As :func:`run`; Conflict (409) when a component is not registered or
+        As :func:`request_run`; Conflict (409) when a component is not registered or
         is of the wrong family.
     """
     model_id = meta["id"]
     opts = {**specs.request_defaults(meta["family"]), **(meta.get("default_request_options") or {}), **options}
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
-    await inspect_audio(audio_input, specs.require_spec(meta["family"]))
+    await audio_inspect(audio_input, specs.require_spec(meta["family"]))
     lease = await leases.acquire(ctx, model_id, timeout_ms)
     try:
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
@@ -87,7 +87,7 @@ async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, option
                 raise Conflict(f"model {model_id!r} was reconfigured to {current['family']} while the request "
                                "waited; retry", param="model")
             left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
-            placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+            placement = await model_ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
             steps, regions, turns = await _speaker_turns(ctx, model_id, current["load_options"], audio_input, opts,
                                                          request_timeout_ms)
     finally:
@@ -105,12 +105,12 @@ async def diarize(ctx: AsyncContext, meta: dict, audio_input: AudioInput, option
 async def _speaker_turns(ctx: AsyncContext, pipeline_id: str, parts: dict, audio_input: AudioInput, opts: dict,
                          request_timeout_ms: int | None
                          ) -> tuple[list[Outcome], list[tuple[float, float]], list[dict]]:
-    """The component steps of :func:`diarize` (pipeline ``pipeline_id``, its ``load_options`` ``parts``):
+    """The component steps of :func:`diarization_run` (pipeline ``pipeline_id``, its ``load_options`` ``parts``):
     speech regions from the VAD component, then, when there are windows, their embeddings from the embedding
     component, clustered into speaker turns. Returns ``(steps' outcomes (VAD first), regions
     [(start_s, end_s)], turns)``."""
     vad_meta = await _component(ctx, pipeline_id, "vad_model", parts["vad_model"], "silero_vad", request_timeout_ms)
-    vad = await run(ctx, vad_meta, audio_input, {
+    vad = await request_run(ctx, vad_meta, audio_input, {
         "threshold": opts["vad_threshold"], "min_speech_duration_ms": opts["min_speech_duration_ms"],
         "min_silence_duration_ms": opts["min_silence_duration_ms"]}, request_timeout_ms)
     steps = [vad]
@@ -120,7 +120,7 @@ async def _speaker_turns(ctx: AsyncContext, pipeline_id: str, parts: dict, audio
     if windows:
         embed_meta = await _component(ctx, pipeline_id, "embedding_model", parts["embedding_model"],
                                       "speaker_embedding", request_timeout_ms)
-        embedded = await run(ctx, embed_meta, audio_input, {
+        embedded = await request_run(ctx, embed_meta, audio_input, {
             "whole": False, "segments": [{"start_s": s, "end_s": e} for s, e, _ in windows]},
             request_timeout_ms)
         steps.append(embedded)
@@ -153,7 +153,7 @@ def _embedding_windows(regions: list[tuple[float, float]], opts: dict) -> list:
     return windows
 
 
-async def transcribe_with_speakers(ctx: AsyncContext, asr_meta: dict, pipeline_meta: dict | None,
+async def transcription_with_speakers_run(ctx: AsyncContext, asr_meta: dict, pipeline_meta: dict | None,
                                    audio_input: AudioInput, options: dict,
                                    request_timeout_ms: int | None) -> Outcome:
     """Transcribe with word timestamps and, with a diarization pipeline, label words and segments
@@ -167,13 +167,13 @@ async def transcribe_with_speakers(ctx: AsyncContext, asr_meta: dict, pipeline_m
         add up both steps.
 
     Raises:
-        As :func:`run` and :func:`diarize`.
+        As :func:`request_run` and :func:`diarization_run`.
     """
-    asr = await run(ctx, asr_meta, audio_input, {**options, "word_timestamps": True}, request_timeout_ms)
+    asr = await request_run(ctx, asr_meta, audio_input, {**options, "word_timestamps": True}, request_timeout_ms)
     steps = [asr]
     turns: list[dict] = []
     if pipeline_meta is not None:
-        diarized = await diarize(ctx, pipeline_meta, audio_input, {}, request_timeout_ms)
+        diarized = await diarization_run(ctx, pipeline_meta, audio_input, {}, request_timeout_ms)
         steps.append(diarized)
         turns = diarized.result["speaker_turns"]
     rate = int(specs.require_spec(asr_meta["family"])["sample_rate_hz"])

@@ -1,7 +1,7 @@
 """One request: the admission probe, then the lease, the decode, the load and the run on a worker.
 
 Flow of one request (web process, async, no thread held while waiting; the package doc has the rest):
-probe (:func:`probe_for_request`), inspect the audio (``inference.services.audio_input``), acquire the
+probe (:func:`request_probe`), inspect the audio (``inference.services.audio_input``), acquire the
 lease (:func:`_acquire`), check the registration it is bound to (:func:`_bind`), decode, make sure the
 model is loaded and hand the run to its worker (:func:`_dispatch`), and map the worker's reply to an
 answer or an error (:func:`reply_error`).
@@ -20,8 +20,8 @@ from inference.runtime import leases, loads, published, runs
 from inference.runtime.context import AsyncContext
 from inference.scheduler import AdmissionOverdue, AdmissionProbe, Lease, ProbeVerdict, effective_timeout_ms
 
-from .audio_input import AudioInput, decode_audio, inspect_and_decode_audio, inspect_audio
-from .loading import ensure_loaded
+from .audio_input import AudioInput, audio_decode, audio_inspect_and_decode, audio_inspect
+from .loading import model_ensure_loaded
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ async def _give_back(ctx: AsyncContext, model_id: str, lease_id: str, run_input:
         await runs.drop_input(ctx, run_input)
 
 
-async def probe_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> AdmissionProbe:
+async def request_probe(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> AdmissionProbe:
     """The admission probe of ``model_id`` for a request, refusing it at once when it would be (R3.3).
 
     ``model_id`` may be an alias (``ServerConfig.aliases``: OpenAI's names, the configured ones) when no
@@ -62,7 +62,7 @@ async def probe_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms
 
     Returns:
         The probe: ``entry`` (the published registration, never None here) and ``free`` (pass it to
-        :func:`run` as ``probe``).
+        :func:`request_run` as ``probe``).
 
     Raises:
         NotFound: not registered (404, ``param`` "model").
@@ -79,24 +79,24 @@ async def probe_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms
     return probe
 
 
-async def model_for_request(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> dict:
-    """The published entry of ``model_id`` for a request (:func:`probe_for_request`'s ``entry``).
+async def request_model_resolve(ctx: AsyncContext, model_id: str, request_timeout_ms: int | None) -> dict:
+    """The published entry of ``model_id`` for a request (:func:`request_probe`'s ``entry``).
 
     Raises:
-        NotFound, ServerBusy: see :func:`probe_for_request`.
+        NotFound, ServerBusy: see :func:`request_probe`.
     """
-    probe = await probe_for_request(ctx, model_id, request_timeout_ms)
-    assert probe.entry is not None  # probe_for_request refuses a missing entry
+    probe = await request_probe(ctx, model_id, request_timeout_ms)
+    assert probe.entry is not None  # request_probe refuses a missing entry
     return probe.entry
 
 
-async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
+async def request_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
               request_timeout_ms: int | None, probe: AdmissionProbe | None = None) -> Outcome:
     """Serve one request (either runtime).
 
     The short path (issue 8 item 7), when the admission probe found a free slot and nobody
     queued: small audio is decoded with its header before the request queues
-    (:func:`inspect_and_decode_audio`: one pool hop instead of two; should the request queue
+    (:func:`audio_inspect_and_decode`: one pool hop instead of two; should the request queue
     after all, it holds its decoded samples, counted in the decode budget, while it waits), and
     the run is offered with the enqueue (``runs.offer_run``): granted at once on a model ready on a
     live worker whose registration is still the probed one, it is on that worker's queue in the
@@ -108,13 +108,13 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
             queues, above).
         options: validated request options (merged with defaults on the worker).
         request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
-        probe: the request's admission probe (:func:`probe_for_request`), for the short path.
+        probe: the request's admission probe (:func:`request_probe`), for the short path.
 
     Raises:
         ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), the
             worker was lost, or the decode budget is full (``decode_budget``).
         UnsupportedMedia, PayloadTooLarge, InvalidRequest: the audio (see
-            :func:`inspect_audio`, before queueing, and :func:`decode_audio`,
+            :func:`audio_inspect`, before queueing, and :func:`audio_decode`,
             after the grant; the lease is then given back).
         ModelLoadFailed: the model could not be loaded.
         InvalidRequest: the adapter refused the request's options.
@@ -131,7 +131,7 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
             await _bind(ctx, meta, lease)
             if run_input is None:
-                run_input = await decode_audio(audio_input, header, spec, options)
+                run_input = await audio_decode(audio_input, header, spec, options)
             reply, load_ms = await _dispatch(ctx, model_id, lease, timeout_ms, run_input, offered, handover)
         error = reply_error(model_id, reply, "request")
         if error is not None:
@@ -148,13 +148,13 @@ async def run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: d
 async def _prepare_input(ctx: AsyncContext, meta: dict, spec: dict, audio_input: AudioInput, options: dict,
                          probe: AdmissionProbe | None
                          ) -> tuple[audio.AudioHeader, runs.RunInput | None, runs.OfferedRun | None]:
-    """The upload's header and, on :func:`run`'s short path (a free slot at the probe), its samples decoded
+    """The upload's header and, on :func:`request_run`'s short path (a free slot at the probe), its samples decoded
     now and the run offered with the enqueue (None when not offered: large samples, or decoded later)."""
     if probe is not None and probe.free:
-        header, run_input = await inspect_and_decode_audio(audio_input, spec, options)
+        header, run_input = await audio_inspect_and_decode(audio_input, spec, options)
         offered = runs.offer_run(ctx, meta["id"], run_input, probe.entry_json) if run_input is not None else None
         return header, run_input, offered
-    return await inspect_audio(audio_input, spec), None, None
+    return await audio_inspect(audio_input, spec), None, None
 
 
 async def _acquire(ctx: AsyncContext, model_id: str, timeout_ms: int, run_input: runs.RunInput | None,
@@ -214,7 +214,7 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease: Lease, timeout_ms: 
 
     Raises:
         ServerBusy: (code ``worker_lost``) the worker stopped responding, or the pool was lost twice.
-        ModelLoadFailed, ServerBusy, InsufficientMemory: the load (:func:`ensure_loaded`).
+        ModelLoadFailed, ServerBusy, InsufficientMemory: the load (:func:`model_ensure_loaded`).
     """
     load_ms = 0.0
     ready_on = lease.ready_on
@@ -224,7 +224,7 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease: Lease, timeout_ms: 
             ready_on = None
         else:
             left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
-            placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+            placement = await model_ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
         load_ms += placement.load_ms
         if attempt == 0 and offered is not None:  # handed over with the grant
             try:

@@ -11,8 +11,8 @@ from inference.runtime import leases, published, runs, streams
 from inference.runtime.context import AsyncContext
 from inference.scheduler import Lease, effective_timeout_ms
 
-from .audio_input import AudioInput, decode_audio, inspect_audio
-from .loading import ensure_loaded
+from .audio_input import AudioInput, audio_decode, audio_inspect
+from .loading import model_ensure_loaded
 
 
 class _HeldStream:
@@ -126,7 +126,7 @@ async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Le
     worker took the run is loaded once more. Returns ``(stream, first frames, current meta, load_ms)``.
 
     Raises:
-        ServerBusy, ModelLoadFailed, NotFound, Conflict: as :func:`run`.
+        ServerBusy, ModelLoadFailed, NotFound, Conflict: as :func:`request_run`.
         InvalidRequest: the adapter refused the request (``param`` names the field).
         ApplicationError: the adapter failed on valid input (a bug).
     """
@@ -141,7 +141,7 @@ async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Le
     load_ms = 0.0
     for _attempt in range(2):
         left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
-        placement = await ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
+        placement = await model_ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
         load_ms += placement.load_ms
         stream = streams.WorkerStream(ctx, model_id, placement)
         try:
@@ -212,7 +212,7 @@ async def speech_open(ctx: AsyncContext, meta: dict, text: str, options: dict,
         options: validated request options (merged with defaults on the worker).
 
     Raises:
-        ServerBusy, ModelLoadFailed, NotFound, Conflict: as :func:`run`.
+        ServerBusy, ModelLoadFailed, NotFound, Conflict: as :func:`request_run`.
         InvalidRequest: the adapter refused the request (``param`` names the field).
         ApplicationError: the adapter failed on valid input (a bug).
     """
@@ -237,21 +237,21 @@ async def transcription_open(ctx: AsyncContext, meta: dict, audio_input: AudioIn
     before any response header.
 
     The audio is inspected before the request queues and decoded once it holds
-    its slot, as in :func:`run`; the samples go to the worker with the run's
+    its slot, as in :func:`request_run`; the samples go to the worker with the run's
     header, and each segment comes back as a frame as soon as it is decoded.
 
     Raises:
-        UnsupportedMedia, PayloadTooLarge, InvalidRequest: the audio (see :func:`inspect_audio`, :func:`decode_audio`).
-        ServerBusy, ModelLoadFailed, NotFound, Conflict: as :func:`run`.
+        UnsupportedMedia, PayloadTooLarge, InvalidRequest: the audio (see :func:`audio_inspect`, :func:`audio_decode`).
+        ServerBusy, ModelLoadFailed, NotFound, Conflict: as :func:`request_run`.
         InvalidRequest: the adapter refused the request's options (``param`` names the field).
         ApplicationError: the adapter failed on valid input (a bug).
     """
     spec = specs.require_spec(meta["family"])  # the family stays the same until the run starts (_stream_open)
-    header = await inspect_audio(audio_input, spec)
+    header = await audio_inspect(audio_input, spec)
     prepared: list[runs.RunInput] = []
 
     async def prepare(current: dict) -> None:
-        prepared.append(await decode_audio(audio_input, header, spec, options))
+        prepared.append(await audio_decode(audio_input, header, spec, options))
 
     async def start(stream: streams.WorkerStream, lease_id: str) -> None:
         await stream.start_transcription(lease_id, prepared[0])
