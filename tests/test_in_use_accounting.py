@@ -13,7 +13,9 @@ budget, ``max_audio_seconds`` 60).
 Models: ``fb`` (eager, 1 slot: budget tests and kills during a run), ``fl`` (lazy, 3 slots, every load held at
 the fixture barrier ``L``), ``fs`` (lazy, sync_config). Every budget scenario ends with
 :func:`drained`: no slot/ticket/input key/run queue left, then a FLAC whose reservation is the whole
-budget minus 1 MiB is served (so no reservation leaked).
+budget minus 1 MiB is served (so no reservation leaked). Each test starts from the same state (the
+``settled`` fixture: a live worker, ``fl`` unloaded, nothing held) and leaves the module's configuration
+as it found it, so the tests pass in any order.
 """
 from __future__ import annotations
 
@@ -74,6 +76,20 @@ def token(astack) -> str:
     done = astack.manage("issue_token", "operator")
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+@pytest.fixture(autouse=True)
+def settled(astack, token):
+    """Every test starts from the same state, whatever ran before it: one live worker (a test may have
+    killed the last one), ``fb`` loaded (it serves the near-whole-budget probe of :func:`drained`), ``fl``
+    unloaded, nothing held, queued or reserved."""
+    wait_for_live_worker(astack)
+    _unload_fl(astack, token)
+
+    async def nothing_held():
+        async with mclient(astack, None, timeout=MODEL_S) as c:
+            await drained(astack, c)
+    run(nothing_held())
 
 
 # -- audio and requests ------------------------------------------------------------------------------
@@ -337,6 +353,14 @@ def test_a_worker_frozen_past_liveness_during_a_load_is_recorded_once_and_the_mo
     run(scenario())
 
 
+def wait_for_live_worker(stack, timeout_s: float = 60.0) -> None:
+    """Wait until the stack has a worker whose liveness key exists (``serve`` restarts a killed one)."""
+    deadline = time.monotonic() + timeout_s
+    while not live_workers(stack):
+        assert time.monotonic() < deadline, "no live worker"
+        time.sleep(0.2)
+
+
 def _unload_fl(stack, token):
     async def scenario():
         async with mclient(stack, token, timeout=MODEL_S) as op:
@@ -351,7 +375,6 @@ def test_a_worker_killed_during_a_held_load_ends_it_for_every_caller_and_records
     that load: every caller gets 503 ``worker_lost`` within 3 s, /v1/models says unloaded, the database
     says so too (not ``loading``) with exactly one failed ``load`` row (docs/operations.md: a load whose
     claim was ended is recorded by whoever ended it); the replacement loads it on the next request."""
-    _unload_fl(astack, token)
 
     async def scenario():
         async with mclient(astack, None, timeout=MODEL_S) as c:
@@ -374,11 +397,8 @@ def test_a_worker_killed_during_a_held_load_ends_it_for_every_caller_and_records
     assert entry_of(astack, "fl")["state"] == "unloaded"
     state, new_rows = db_state(astack, "fl"), load_rows(astack, "fl")[len(rows0):]
 
-    async def reload():  # the replacement loads it again (also restores the module's state on failure)
-        deadline = time.monotonic() + 60
-        while not live_workers(astack):
-            assert time.monotonic() < deadline, "no replacement worker"
-            await asyncio.sleep(0.2)
+    async def reload():  # the replacement loads it again
+        await asyncio.to_thread(wait_for_live_worker, astack)
         async with mclient(astack, None, timeout=MODEL_S) as c:
             again = asyncio.create_task(task(c, "fl"))
             await asyncio.to_thread(astack.wait_arrived, "L", arrived + 2)
@@ -399,10 +419,6 @@ def test_a_worker_killed_during_a_run_unloads_once_and_sync_config_counts_the_mo
         version="after-kill"))
 
     async def scenario():
-        deadline = time.monotonic() + 60
-        while not live_workers(astack):
-            assert time.monotonic() < deadline, "no live worker"
-            await asyncio.sleep(0.2)
         async with mclient(astack, None, timeout=MODEL_S) as c:
             assert (await task(c, "fb")).status_code == 200
             unloads0 = astack.sql("SELECT count(*) FROM registry_lifecycleevent WHERE model_id='fb' AND event='unload'")
@@ -419,9 +435,23 @@ def test_a_worker_killed_during_a_run_unloads_once_and_sync_config_counts_the_mo
             assert db_state(astack, "fb") == "unloaded"
             done = await asyncio.to_thread(sync, astack, changed)
             assert done.returncode == 0, done.stderr
-            while not live_workers(astack):
-                assert time.monotonic() < deadline, "no replacement worker"
-                await asyncio.sleep(0.2)
+            await asyncio.to_thread(wait_for_live_worker, astack)
             resp = await task(c, "fb")
             assert resp.status_code == 200 and resp.json()["config_version"] == "after-kill", resp.text
-    run(scenario())
+    try:
+        run(scenario())
+    finally:
+        restore_module_config(astack, token)
+
+
+def restore_module_config(stack, token) -> None:
+    """Apply the module's own ``server.json`` again (``fb`` unloaded first: a loaded model the file changes
+    is in use and sync_config would refuse it), then load ``fb`` as the other tests expect it."""
+    async def unload_fb():
+        async with mclient(stack, token, timeout=MODEL_S) as op:
+            if entry_of(stack, "fb")["state"] != "unloaded":
+                await unload(op, "fb")
+    wait_for_live_worker(stack)
+    run(unload_fb())
+    done = sync(stack, stack.log_path.parent / "server.json")
+    assert done.returncode == 0, done.stderr
