@@ -14,7 +14,6 @@ import signal
 import time
 
 import httpx
-import psutil
 import pytest
 import redis.asyncio as aioredis
 
@@ -22,6 +21,7 @@ from inference.scheduler import Keys, LeaseKind, Listener, Scheduler
 
 from .support.bounds import QUICK_S, run, until, within
 from .support.clients import body, mclient
+from .support.processes import process_ended
 from .support.stacks import FIXTURE_ENV, run_stack, web_pid
 
 pytestmark = pytest.mark.stack
@@ -63,7 +63,7 @@ def test_a_web_process_whose_loop_stalls_is_killed_and_replaced_and_http_answers
         stopped_at = time.monotonic()
         new = _replacement(stack, old)
         replaced_s = time.monotonic() - stopped_at
-        assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+        assert process_ended(old)
         log = stack.log_path.read_text()
         assert f"web process (pid {old}) sent no heartbeat for" in log, stack.log_tail()
         assert f"started web process (pid {new})" in log

@@ -53,6 +53,15 @@ def kill_process_tree(proc: subprocess.Popen, also: Iterable[psutil.Process] = (
     proc.wait(timeout=QUICK_S)
 
 
+def process_ended(pid: int) -> bool:
+    """True when ``pid`` no longer runs: gone, or a zombie not yet reaped by its parent (psutil raises
+    ``ZombieProcess`` for some zombies instead of reporting their status)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return True
+
+
 def wait_listening(proc: subprocess.Popen, log_path: Path, timeout_s: float = SERVE_START_S) -> None:
     """Wait until ``serve`` (``proc``, its output in ``log_path``) logs ``listening on``.
 
