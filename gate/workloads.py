@@ -178,13 +178,16 @@ def inputs() -> dict[str, bytes]:
     - ``speech``: the whole sample; ``speech_2s``: its first 2.0 s;
     - ``speech_x2``: the sample twice (7.0 s); ``speech_pad``: 0.5 s of silence, then the sample from 0.5 s;
     - ``speech_quiet``: 1.0 s to the end at half the amplitude;
+    - ``speech_x10``: the sample ten times (35 s: two of Whisper's 30 s windows, so a stream of it has
+      a step left after its first segments);
     - ``melody``: :func:`melody` at 22,050 Hz.
     """
     x, rate = soundfile.read(SAMPLE, dtype="float32")
     return {"speech": _wav(x, rate), "speech_2s": _wav(x[: 2 * rate], rate),
             "speech_x2": _wav(np.concatenate([x, x]), rate),
             "speech_pad": _wav(np.concatenate([np.zeros(rate // 2, np.float32), x[rate // 2:]]), rate),
-            "speech_quiet": _wav(0.5 * x[rate:], rate), "melody": _wav(melody(22050), 22050)}
+            "speech_quiet": _wav(0.5 * x[rate:], rate), "speech_x10": _wav(np.tile(x, 10), rate),
+            "melody": _wav(melody(22050), 22050)}
 
 
 def fixtures_manifest(workload: Workload) -> dict:
