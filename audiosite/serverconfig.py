@@ -81,7 +81,10 @@ class ModelConfig(_Strict):
 
     ``busy_timeout_ms`` is this model's admission-timeout ceiling in
     milliseconds (R3.1); None means "use the server's". ``lazy`` None means
-    "use the server's ``lazy_load``".
+    "use the server's ``lazy_load``". ``mode`` is the mode whose admitted counts bound ``slots``
+    (R9.2); ``modes`` the modes the registration serves (None: its family's ``modes``; a stream is
+    refused by a registration without ``streaming``, and served at most at the streaming mode's
+    admitted count, ``inference.specs.stream_slot_count``).
     """
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
@@ -89,6 +92,7 @@ class ModelConfig(_Strict):
     path: str | None = Field(default=None, max_length=1024)
     task: str | None = Field(default=None, max_length=64)
     mode: Literal["offline", "streaming"] = "offline"
+    modes: list[Literal["offline", "streaming", "batch"]] | None = Field(default=None, min_length=1, max_length=3)
     lazy: bool | None = None
     slots: Any = None  # checked by specs.slots_problems (parallel runtime only)
     busy_timeout_ms: int | None = Field(default=None, ge=0, le=MAX_BUSY_TIMEOUT_MS)

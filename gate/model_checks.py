@@ -31,6 +31,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,8 @@ def _shrink(value: Any) -> Any:
 
 @dataclass
 class Outcome:
-    """One answered request: HTTP status, comparable-answer hash (None unless 200), latency in ms."""
+    """One answered request: HTTP status, comparable-answer hash (None unless 200), latency in ms;
+    for a streamed answer, ``steps_ms``: the time to its first frame, then between consecutive frames."""
 
     item: str
     status: int
@@ -86,6 +88,7 @@ class Outcome:
     ms: float
     payload: dict | None = None
     match: bool | None = None
+    steps_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Run:
     references: dict[str, str] = field(default_factory=dict)
     log_lines: int = 0
     mismatches: int = 0
+    notes: dict = field(default_factory=dict)  # what a mode's checks pass on (e.g. M1's serial step times)
 
     def log(self, **entry: Any) -> None:
         with open(self.run_dir / "requests.jsonl", "a") as handle:
@@ -135,6 +139,14 @@ class Client:
             return Outcome(item.name, resp.status_code, None, ms, payload)
         comparable = self.workload.comparable(payload)
         return Outcome(item.name, 200, digest(comparable), ms, comparable)
+
+    async def send_invalid(self, model_id: str) -> tuple[int, Any]:
+        """Send the workload's invalid request to ``model_id``: ``(HTTP status, its error or body text)``."""
+        resp = await self.http.post("/v1/tasks/run", json={"model": model_id, "request": self.workload.invalid})
+        try:
+            return resp.status_code, resp.json().get("error")
+        except ValueError:
+            return resp.status_code, resp.text[:300]
 
     async def entry(self, model_id: str) -> dict:
         """``GET /v1/models/<id>``; ``{"_status": code}`` when it is not 200 (e.g. 404 unknown)."""
@@ -403,7 +415,10 @@ async def _lazy_unload(run: Run, client: Client, n: int, model_id: str, bulk: bo
     reg = await client.manage("/v1/models/load", registration)
     if reg.status_code != 200:
         return {"register_status": reg.status_code, "body": reg.text[:500]}, [f"lazy registration {reg.status_code}"]
-    items = _pick(wl.items, n, 0)
+    # A realtime turn enters the FIFO only at its commit, after its session is set up, so it may queue
+    # behind the unload and load the model again (as it should): the check sends the items that enter
+    # the FIFO as they are sent (every offline item, the HTTP streams).
+    items = _pick(tuple(i for i in wl.items if i.route != "realtime") or wl.items, n, 0)
     tasks = [asyncio.create_task(client.ask(model_id, it)) for it in items]
     states_seen = set()
     state = None
@@ -472,7 +487,8 @@ async def _unload_during_first_load(run: Run, client: Client, n: int, base_id: s
     return {"overlapped_the_load": overlapped, "attempts": attempts}, problems
 
 
-async def _serving_recovers_from_failures(run: Run, client: Client, n: int, workdir: Path) -> dict:
+async def _serving_recovers_from_failures(run: Run, client: Client, n: int, workdir: Path,
+                                          extra: ExtraRecovery | None = None) -> dict:
     """M4 at ``n`` slots: the model keeps serving exact answers through what goes wrong around it.
 
     In order: an invalid request beside ``n - 1`` healthy ones (a 4xx for it, exact answers for them); a
@@ -480,29 +496,24 @@ async def _serving_recovers_from_failures(run: Run, client: Client, n: int, work
     than 503, a request to it is refused, and a good registration of the same id then serves exactly; a
     targeted and a bulk unload sent while a first lazy load runs (each must really meet the load, see
     :func:`_unload_during_first_load`); ``unload_all_models``, after which the main model serves exactly
-    again and the counters drain. Returns the M4 check (FAIL lists every problem).
+    again and the counters drain; then the mode's ``extra`` checks (``ModeChecks.m4_extra``: streams
+    that disconnect or reset mid-stream), if any. Returns the M4 check (FAIL lists every problem).
     """
     wl = run.workload
     problems: list[str] = []
     ev: dict = {}
     # invalid input beside healthy work
     healthy = _pick(wl.items, max(1, n - 1), 2)
-    invalid_body = {"model": MODEL_ID, "request": wl.invalid}
-
-    bad_task = asyncio.create_task(client.http.post("/v1/tasks/run", json=invalid_body))
+    bad_task = asyncio.create_task(client.send_invalid(MODEL_ID))
     good = list(await asyncio.gather(*[client.ask(MODEL_ID, it) for it in healthy]))
-    bad_resp = await bad_task
+    invalid_status, invalid_error = await bad_task
     for o in good:
         o.match = o.status == 200 and o.sha == run.references.get(o.item)
         run.log(phase="M4-beside-invalid", count=n, item=o.item, status=o.status, sha256=o.sha, match=o.match)
-    try:
-        invalid_error = bad_resp.json().get("error")
-    except ValueError:
-        invalid_error = bad_resp.text[:300]
-    ev["invalid_beside_healthy"] = {"invalid_status": bad_resp.status_code, "invalid_error": invalid_error,
+    ev["invalid_beside_healthy"] = {"invalid_status": invalid_status, "invalid_error": invalid_error,
                                     "healthy": [{"item": o.item, "status": o.status, "exact": o.match} for o in good]}
-    if not 400 <= bad_resp.status_code < 500:
-        problems.append(f"invalid input got HTTP {bad_resp.status_code}, not a 4xx")
+    if not 400 <= invalid_status < 500:
+        problems.append(f"invalid input got HTTP {invalid_status}, not a 4xx")
     problems += _problem_list(good, "beside invalid input")
     # load failure, then retry with a good registration
     bad_id = "val-badload"
@@ -568,6 +579,10 @@ async def _serving_recovers_from_failures(run: Run, client: Client, n: int, work
     ev["drained_after"] = await _drained(client)
     if not ev["drained_after"]["drained"]:
         problems.append(f"counters not drained after M4: {ev['drained_after']}")
+    if extra is not None:
+        extra_ev, more = await extra(run, client, n)
+        ev.update(extra_ev)
+        problems += more
     return check(FAIL if problems else PASS, ev, "; ".join(problems))
 
 
@@ -750,7 +765,23 @@ def framework_root(plan: Plan) -> Path:
     return evidence.EVIDENCE_DIR
 
 
-def run_admits_only_its_mode(plan: Plan, spec: dict) -> dict:
+ExtraRecovery = Callable[[Run, Client, int], Awaitable[tuple[dict, list[str]]]]
+"""More M4 checks of a mode: ``await extra(run, client, n)`` → ``(evidence entries, problems)``."""
+
+
+@dataclass(frozen=True)
+class ModeChecks:
+    """What differs between the modes of a run: the client that sends a workload item (``ask``), M1, more
+    M4 checks, and M6 (``m6(plan, spec, record)``, called once every count ran). :data:`OFFLINE` is the
+    offline procedure; ``gate/streaming.py`` gives the streaming one."""
+
+    client: type[Client]
+    m1: Callable[[Run, Path, Path], dict]
+    m6: Callable[[Plan, dict, dict], dict]
+    m4_extra: ExtraRecovery | None = None
+
+
+def run_admits_only_its_mode(plan: Plan, spec: dict, record: dict | None = None) -> dict:
     """M6: a run admits only the mode it ran (offline evidence admits offline only); modes the family does
     not serve (``spec["modes"]``) are NOT_APPLICABLE. UNSUPPORTED for a non-offline run (only offline
     workloads are built)."""
@@ -765,8 +796,13 @@ def run_admits_only_its_mode(plan: Plan, spec: dict) -> dict:
     return check(PASS, modes, "offline evidence admits offline only")
 
 
-def run_model_validation(plan: Plan, workload: Workload, print_line=print) -> tuple[Path, dict]:
-    """Run M1–M6 for ``plan`` and write one evidence record; returns (record path, record).
+OFFLINE = ModeChecks(Client, serial_answers_repeat_and_match_across_runtimes, run_admits_only_its_mode)
+
+
+def run_model_validation(plan: Plan, workload: Workload, print_line=print,
+                         checks: ModeChecks = OFFLINE) -> tuple[Path, dict]:
+    """Run M1–M6 for ``plan`` (with the mode's ``checks``) and write one evidence record; returns (record
+    path, record).
 
     Raises:
         CommandError (from :class:`Server`): a server did not start.
@@ -799,7 +835,7 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print) -> tu
         work = Path(tmp)
         admission = admission_table_for(plan, workload, work / "admission")
         print_line(f"M1: legacy runtime vs parallel one slot ({len(workload.items)} items x {SERIAL_REPEATS})")
-        m1 = serial_answers_repeat_and_match_across_runtimes(run, work, admission)
+        m1 = checks.m1(run, work, admission)
         record["model_checks"]["M1"] = m1
         print_line(f"  M1 {m1['status']} {m1['limits'][:300]}")
         perf: dict = {}
@@ -830,12 +866,13 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print) -> tu
 
                     async def one_start(server: Server = server, s: int = s, n: int = n,
                                         folder: Path = folder) -> tuple:
-                        client = Client(server, workload)
+                        client = checks.client(server, workload)
                         try:
                             m2, m3 = await _concurrent_answers_match_serial(run, client, n, s, n == max(plan.counts))
                             got4 = got5 = None
                             if s == 1:
-                                got4 = await _serving_recovers_from_failures(run, client, n, folder)
+                                got4 = await _serving_recovers_from_failures(run, client, n, folder,
+                                                                             checks.m4_extra)
                                 got5 = await _idle_memory_stabilises_over_load_cycles(run, client, n,
                                                                                       plan.memory_cycles)
                             return m2, m3, got4, got5
@@ -861,7 +898,7 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print) -> tu
             per_count["M4"] = m4 or check(FAIL, None, "not run")
             per_count["M5"] = m5 or check(FAIL, None, "not run")
             record["counts"][str(n)] = {"model_checks": per_count}
-        record["model_checks"]["M6"] = run_admits_only_its_mode(plan, spec)
+        record["model_checks"]["M6"] = checks.m6(plan, spec, record)
         for ident in ("M2", "M3", "M4", "M5"):
             failing = [n for n, e in record["counts"].items() if e["model_checks"][ident]["status"] != PASS]
             record["model_checks"][ident] = check(

@@ -11,9 +11,15 @@ never hidden):
 - ``n_requests``: for each N, the same N requests (different inputs/options) on the one-slot model
   (served one after the other by its FIFO: the measured serial time) and on an N-slot model (completion
   time), each the median of ``repeats`` warm repeats after one warm-up; time saved
-  ``100 * (serial - parallel) / serial`` (VALIDATION.md); the cold first wave of the N-slot model and
-  its load are reported separately;
+  ``100 * (serial - parallel) / serial`` (VALIDATION.md), the throughput of each (requests per second:
+  N over the median completion time) and the per-request latency's p50/p95 (nearest rank over every
+  request of the repeats; for streams also the time to the first frame); the cold first wave of the
+  N-slot model and its load are reported separately;
 - ``memory_mb``: the worker's RSS before any load and after each model's first wave.
+
+The mode is the workload's: a streaming workload (``workloads.STREAMING_WORKLOADS``) is sent as streams by
+``client`` (``gate.streaming.StreamClient``: SSE and realtime turns for whisper, speech streams for piper),
+and each stream's result is compared with the legacy runtime's streamed result of the same item.
 
 Rejection latency (a 503 while every slot is overdue, with and without a waiting manager) is measured
 by ``bench_slots`` without ``--family`` on the fixture family and reported on its own there: a quicker
@@ -22,6 +28,7 @@ by ``bench_slots`` without ``--family`` on the fixture family and reported on it
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from pathlib import Path
@@ -45,12 +52,33 @@ def _summary(times: list[float]) -> dict:
     return {"median": round(statistics.median(times), 1), "all": [round(t, 1) for t in times]}
 
 
-def family_report(workload: Workload, counts: list[int], backend: str, workdir: Path, repeats: int = REPEATS) -> dict:
-    """Measure the report above; returns it as a JSON-ready dict.
+def _rank(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile ``p`` (0..100) of ``values``; None when empty."""
+    ordered = sorted(values)
+    return round(ordered[max(0, math.ceil(len(ordered) * p / 100) - 1)], 1) if ordered else None
+
+
+def _latencies(outs: list[list[Outcome]], n: int, median_ms: float) -> dict:
+    """Throughput (requests/s over the median completion time) and latency p50/p95 (ms) of repeated waves;
+    for streams also the time to the first frame."""
+    every = [o.ms for wave in outs for o in wave]
+    first = [o.steps_ms[0] for wave in outs for o in wave if o.steps_ms]
+    out = {"throughput_rps": round(n / (median_ms / 1000), 3) if median_ms else None,
+           "latency_p50_ms": _rank(every, 50), "latency_p95_ms": _rank(every, 95)}
+    if first:
+        out.update(first_frame_p50_ms=_rank(first, 50), first_frame_p95_ms=_rank(first, 95))
+    return out
+
+
+def family_report(workload: Workload, counts: list[int], backend: str, workdir: Path, repeats: int = REPEATS,
+                  client: type[Client] = Client) -> dict:
+    """Measure the report above, sending every item with ``client`` (its ``ask``); returns it as a JSON-ready
+    dict.
 
     Raises:
         CommandError (from :class:`Server`): a server did not start.
     """
+    client_class = client
     plan = Plan(workload.family, workload.task, workload.mode, counts, 1, backend, workdir, 0)
     admission = admission_table_for(plan, workload, workdir / "admission")
     env = {specs.ADMISSION_DIR_ENV: str(admission)}
@@ -73,7 +101,7 @@ def family_report(workload: Workload, counts: list[int], backend: str, workdir: 
                     False, {"backend": backend}, env)
     try:
         async def on_legacy() -> dict:
-            client = Client(legacy, workload)
+            client = client_class(legacy, workload)
             try:
                 cold_ms, cold = await _timed(client, "m", [item])
                 judge(cold, "legacy cold")
@@ -103,7 +131,7 @@ def family_report(workload: Workload, counts: list[int], backend: str, workdir: 
         worker = par.worker()
 
         async def on_parallel() -> dict:
-            client = Client(par, workload)
+            client = client_class(par, workload)
             out: dict = {"server_start_s": round(par.start_s, 2)}
             memory = {"worker_before_any_load_mb": round(worker.memory_info().rss / 2**20, 1)}
             try:
@@ -128,14 +156,16 @@ def family_report(workload: Workload, counts: list[int], backend: str, workdir: 
                     row: dict = {"cold_first_wave_ms (includes the load)": round(first_ms, 1)}
                     for model, key in (("p1", "serial_on_one_slot_ms"), (f"p{n}", "on_n_slots_ms")):
                         await _timed(client, model, batch)  # warm-up
-                        times, latencies = [], []
+                        times, latencies, waves = [], [], []
                         for _ in range(repeats):
                             ms, outs = await _timed(client, model, batch)
                             judge(outs, f"{model} x{n}")
                             times.append(ms)
                             latencies.append([round(o.ms, 1) for o in outs])
+                            waves.append(outs)
                         row[key] = _summary(times)
                         row[key.replace("_ms", "_request_latencies_ms")] = latencies
+                        row[key.replace("_ms", "")] = _latencies(waves, n, row[key]["median"])
                     base, cand = row["serial_on_one_slot_ms"]["median"], row["on_n_slots_ms"]["median"]
                     row["time_saved_pct"] = round(100 * (base - cand) / base, 1)
                     rows[str(n)] = row

@@ -41,11 +41,16 @@ class Item:
         name: unique within the workload (used in raw-output file names).
         source: an input name of :func:`inputs` (audio families) or the text to speak (``tts``).
         options: ``request.options`` (validated against the family's ``request_options``).
+        route: how a streaming workload sends it (``gate/streaming.py``): ``"sse"`` (``POST
+            /v1/audio/transcriptions`` with ``stream=true``), ``"realtime"`` (a turn over ``/v1/realtime``),
+            ``"speech"`` (``POST /v1/audio/speech`` with ``stream_format=sse``); ``"run"`` (``POST
+            /v1/tasks/run``) for offline workloads.
     """
 
     name: str
     source: str
     options: dict = field(default_factory=dict)
+    route: str = "run"
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,15 @@ class Workload:
 
     def rule(self) -> dict:
         """The comparison rule as recorded in the manifest."""
+        if self.mode == "streaming":
+            return {"compare": "each stream's result (whisper: the final text of transcript.text.done or of the "
+                               "realtime turn's completed event; piper: SHA-256 and length of the PCM of every "
+                               "speech.audio.delta joined) equal byte for byte to the offline answer of the same "
+                               "input and options (whisper: POST /v1/audio/transcriptions without stream; piper: "
+                               "POST /v1/tasks/run, its WAV's PCM); the stream's deltas joined in order must equal "
+                               "its final text (else the result carries stream_problem and differs)",
+                    "volatile_fields": {"timing": TIMING_REASON, "usage": "not compared"},
+                    "relaxed_after_mismatch": False}
         return {"compare": "JSON answer of POST /v1/tasks/run minus the volatile fields, equal byte for byte "
                            "(canonical JSON, sorted keys); HTTP status 200 required",
                 "identity_field": {"model": "echoes the registration id; the gate sends the same workload to "
@@ -164,13 +178,16 @@ def inputs() -> dict[str, bytes]:
     - ``speech``: the whole sample; ``speech_2s``: its first 2.0 s;
     - ``speech_x2``: the sample twice (7.0 s); ``speech_pad``: 0.5 s of silence, then the sample from 0.5 s;
     - ``speech_quiet``: 1.0 s to the end at half the amplitude;
+    - ``speech_x10``: the sample ten times (35 s: two of Whisper's 30 s windows, so a stream of it has
+      a step left after its first segments);
     - ``melody``: :func:`melody` at 22,050 Hz.
     """
     x, rate = soundfile.read(SAMPLE, dtype="float32")
     return {"speech": _wav(x, rate), "speech_2s": _wav(x[: 2 * rate], rate),
             "speech_x2": _wav(np.concatenate([x, x]), rate),
             "speech_pad": _wav(np.concatenate([np.zeros(rate // 2, np.float32), x[rate // 2:]]), rate),
-            "speech_quiet": _wav(0.5 * x[rate:], rate), "melody": _wav(melody(22050), 22050)}
+            "speech_quiet": _wav(0.5 * x[rate:], rate), "speech_x10": _wav(np.tile(x, 10), rate),
+            "melody": _wav(melody(22050), 22050)}
 
 
 def fixtures_manifest(workload: Workload) -> dict:
@@ -261,13 +278,39 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def get_workload(family: str) -> Workload:
-    """The workload of ``family``.
+#: Streaming workloads (``validate_slots --mode streaming``). Options are those each route takes (the SSE
+#: route: language, prompt, temperature; a realtime session: language, prompt; speech: speed, seed), so the
+#: offline answer of the same input (``gate/streaming.py``, ``offline``) is defined with the same options.
+STREAMING_WORKLOADS: dict[str, Workload] = {
+    "whisper": Workload(
+        "whisper", "asr", mode="streaming",
+        items=(Item("sse_speech", "speech", {}, "sse"),
+               Item("rt_short_en", "speech_2s", {"language": "en"}, "realtime"),
+               Item("sse_long_en", "speech_x2", {"language": "en"}, "sse"),
+               Item("rt_pad_prompt", "speech_pad", {"prompt": "Concorde, tents."}, "realtime"),
+               Item("sse_quiet_prompt", "speech_quiet", {"prompt": "Concorde.", "temperature": 0}, "sse")),
+        volatile={}, bad_load="directory"),
+    "piper": Workload(
+        "piper", "tts", text_input=True, mode="streaming",
+        items=(Item("concorde", _TEXTS[0], {"seed": 1}, "speech"),
+               Item("hello_slow", _TEXTS[1], {"seed": 2, "speed": 0.8}, "speech"),
+               Item("long_pause", _TEXTS[2], {"seed": 3}, "speech"),
+               Item("clause_fast", _TEXTS[3], {"seed": 4, "speed": 1.25}, "speech"),
+               Item("four", _TEXTS[4], {"seed": 5}, "speech")),
+        volatile={}, invalid={"text": "", "options": {}}),
+}
+
+
+def get_workload(family: str, mode: str = "offline") -> Workload:
+    """The workload of ``family`` in ``mode`` (``offline``: :data:`WORKLOADS`; ``streaming``:
+    :data:`STREAMING_WORKLOADS`).
 
     Raises:
-        KeyError: no workload for that family (the message lists the known ones).
+        KeyError: no workload for that family and mode (the message lists the known ones).
     """
+    table = STREAMING_WORKLOADS if mode == "streaming" else WORKLOADS
     try:
-        return WORKLOADS[family]
+        return table[family]
     except KeyError:
-        raise KeyError(f"no validation workload for family {family!r}; known: {', '.join(sorted(WORKLOADS))}") from None
+        raise KeyError(f"no {mode} validation workload for family {family!r}; known: "
+                       f"{', '.join(sorted(table))}") from None

@@ -780,7 +780,7 @@ class LiveSession:
             if meta["task"] != "asr":
                 raise InvalidRequest(f"model {settings.model!r} no longer serves transcription", param="model")
             timeout_ms = effective_timeout_ms(None, published.ceiling_ms(meta))
-            lease = await leases.acquire(self.ctx, settings.model, timeout_ms)
+            lease = await services.stream_lease_acquire(self.ctx, meta, timeout_ms)
         except ApplicationError as exc:
             await self._until_committed(turn)
             await self._failed(turn, exc)

@@ -141,6 +141,10 @@ def check_model_entry(entry: dict) -> list[EntryProblem]:
     if entry.get("mode", "offline") not in spec["modes"]:
         problems.append(EntryProblem("mode", f"family {spec['family']!r} supports modes {spec['modes']}, "
                                              f"not {entry['mode']!r}"))
+    for mode in entry.get("modes") or []:
+        if mode not in spec["modes"]:
+            problems.append(EntryProblem("modes", f"family {spec['family']!r} serves modes {spec['modes']}, "
+                                                  f"not {mode!r}"))
     for block in ("load_options", "session_options"):
         problems.extend(_schema_problems(spec[block], entry.get(block) or {}, block))
     problems.extend(
@@ -383,6 +387,19 @@ def largest_slot_count(family: str, task: str, mode: str, backend: str) -> int:
     """N such that slot counts 1..N may be configured here (R9.1, R9.2): the advertised capacity and the
     admission table's consecutive validated counts together (what :func:`slots_count_problem` enforces)."""
     return min(advertised_capacity(family, backend), admitted_counts(family, task, mode, backend))
+
+
+def registration_modes(entry: dict) -> list[str]:
+    """The modes a registration serves (``offline``, ``streaming``, ``batch``): its ``modes`` when it states
+    them, else its family's ``modes`` (the documented default)."""
+    return list(entry.get("modes") or require_spec(entry["family"])["modes"])
+
+
+def stream_slot_count(family: str, task: str, slots: int, backend: str) -> int:
+    """How many streams of a registration with ``slots`` slots may hold slots at once (R9.2): ``slots``, but
+    never more than the largest consecutively admitted count of mode ``streaming`` (1 without evidence).
+    A stream beyond it waits in the model's FIFO (``inference.scheduler.LeaseKind.STREAM``)."""
+    return max(1, min(slots, admitted_counts(family, task, "streaming", backend)))
 
 
 def slots_count_problem(family: str, task: str, mode: str, slots: int, backend: str) -> str | None:

@@ -15,19 +15,26 @@ from inference import specs
 
 def model_voices(meta: dict) -> list[dict]:
     """Every voice a request to ``meta``'s model may name: the built-in ones, then the presets
-    (``{"id", "name", "language", "sample_rate", "preset_of", "options"}``)."""
-    voices = specs.builtin_voices(meta["family"], meta.get("path"))
+    (``{"id", "name", "language", "sample_rate", "preset_of", "options"}``). A checkpoint whose voice
+    file cannot be read has no built-in voice here (its load fails and says why: 503 ``load_failed``)."""
+    try:
+        voices = specs.builtin_voices(meta["family"], meta.get("path"))
+    except (OSError, KeyError, ValueError):  # no or a broken <voice>.onnx.json: the load reports it
+        voices = []
     by_id = {v["id"]: v for v in voices}
     for name, preset in (meta.get("voice_presets") or {}).items():
-        base = by_id.get(preset["voice"], voices[0])
+        base = by_id.get(preset["voice"], voices[0] if voices else {})
         voices.append({**base, "id": name, "name": name, "preset_of": preset["voice"],
                        "options": preset.get("options", {})})
     return voices
 
 
 def resolve_voice(meta: dict, voice: str | None) -> tuple[str, dict] | None:
-    """``(voice id, preset options)`` for a request's ``voice`` (None = the default); None when unknown."""
+    """``(voice id, preset options)`` for a request's ``voice`` (None = the default); None when unknown.
+    A model with no readable voice at all takes any voice without options: its load fails first."""
     voices = model_voices(meta)
+    if not voices:
+        return voice or "", {}
     if voice is None:
         voice = meta.get("default_voice_preset") or voices[0]["id"]
     for entry in voices:

@@ -25,7 +25,8 @@ class ModelRegistration(models.Model):
 
     ``busy_timeout_ms`` is the model's admission ceiling in ms (null = the
     server's); ``lazy`` null = the server's ``lazy_load``. ``options`` holds
-    ``load_options``, ``session_options`` and ``default_request_options``.
+    ``load_options``, ``session_options`` and ``default_request_options``, the voice presets, and
+    ``modes`` when the registration states the modes it serves (absent: its family's).
     """
 
     class Source(models.TextChoices):
@@ -68,6 +69,7 @@ class ModelRegistration(models.Model):
             "default_request_options": self.options.get("default_request_options", {}),
             "voice_presets": self.options.get("voice_presets", {}),
             "default_voice_preset": self.options.get("default_voice_preset"),
+            "modes": self.options.get("modes"),
             "busy_timeout_ms": self.busy_timeout_ms,
             "slots": self.slots,
             "lazy": self.lazy,

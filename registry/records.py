@@ -42,6 +42,7 @@ def _entry_fields(entry: ModelConfig) -> dict:
             "default_request_options": entry.default_request_options,
             "voice_presets": {name: preset.model_dump() for name, preset in entry.voice_presets.items()},
             "default_voice_preset": entry.default_voice_preset,
+            **({"modes": list(entry.modes)} if entry.modes else {}),
         },
         "busy_timeout_ms": entry.busy_timeout_ms,
         "slots": entry.slots,

@@ -26,7 +26,7 @@ async def deployment_census(ctx: AsyncContext) -> Census:
     return await ctx.scheduler.census()
 
 
-ENTRY_KEYS = ("id", "family", "path", "task", "mode", "slots", "busy_timeout_ms", "lazy",
+ENTRY_KEYS = ("id", "family", "path", "task", "mode", "modes", "slots", "busy_timeout_ms", "lazy",
                      "load_options", "session_options", "default_request_options", "voice_presets",
                      "default_voice_preset")
 """The keys of a management entry: every key a model entry of the config file can set (``ModelConfig``)."""
@@ -50,7 +50,7 @@ def _utc(epoch_ms: int) -> str:
 
 #: Fields of a status entry that only callers passing the management gate see: the rest of the entry as a
 #: management body sets it (``path`` describes the server's filesystem; option blocks may too).
-PRIVATE_FIELDS = tuple(key for key in ENTRY_KEYS if key not in ("id", "family", "task", "mode", "slots"))
+PRIVATE_FIELDS = tuple(key for key in ENTRY_KEYS if key not in ("id", "family", "task", "mode", "modes", "slots"))
 
 
 def _entry(meta: dict, status: ModelStatus, parallel: bool, private: bool) -> dict:
@@ -62,6 +62,7 @@ def _entry(meta: dict, status: ModelStatus, parallel: bool, private: bool) -> di
         "family": meta["family"],
         "task": meta["task"],
         "mode": meta["mode"],
+        "modes": specs.registration_modes(meta),
         "state": str(status["state"]),
         "loaded": status["state"] == ModelState.READY,
         "last_error": status["error"] or None,
@@ -77,15 +78,30 @@ def _entry(meta: dict, status: ModelStatus, parallel: bool, private: bool) -> di
             active_slots=status["active_leases"],
             queued_requests=status["queued"],
             max_parallel_slots=status["loaded_capacity"] or None,
+            **mode_counts(meta),
         )
     return entry
+
+
+def mode_counts(meta: dict) -> dict:
+    """Per mode the registration serves, the largest slot count admitted here (``admitted_slots_by_mode``,
+    R9.1/R9.2: capacity and admission table together), and, when it serves streams, ``max_streams``:
+    how many of its streams hold slots at once (``inference.specs.stream_slot_count``)."""
+    backend = resolve_backend(get_config().backend)  # cached after the first call
+    modes = specs.registration_modes(meta)
+    out: dict = {"admitted_slots_by_mode": {mode: specs.largest_slot_count(meta["family"], meta["task"], mode, backend)
+                                            for mode in modes}}
+    if "streaming" in modes:
+        out["max_streams"] = specs.stream_slot_count(meta["family"], meta["task"], meta.get("slots") or 1, backend)
+    return out
 
 
 async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
                             private: bool = False) -> list[dict]:
     """Status entries from one atomic snapshot (R4.7).
 
-    Every entry: ``id, object, owned_by, family, task, mode, state, loaded``,
+    Every entry: ``id, object, owned_by, family, task, mode, modes`` (the modes it serves: its own or
+    its family's), ``state, loaded``,
     ``last_error`` (the last failed load's or lost worker's error, else null) and
     ``retry_at`` (ISO 8601 UTC end of a failed load's backoff, R6.7, else null);
     with ``private`` (the caller passes the management gate) also
@@ -96,8 +112,9 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     (R1.2). Parallel runtime: also ``slots``
     (configured), ``active_slots`` (request leases, including requests
     admitted while the model loads), ``queued_requests`` (waiting requests;
-    managers not counted) and ``max_parallel_slots`` (the loaded pool's
-    advertised capacity; null when not loaded).
+    managers not counted), ``max_parallel_slots`` (the loaded pool's
+    advertised capacity; null when not loaded) and :func:`mode_counts`
+    (``admitted_slots_by_mode``, ``max_streams``).
 
     Every entry has ``created`` (Unix seconds of the registration; 0 when unknown), as OpenAI's model
     object does. After the registered models come the aliases (``ServerConfig.aliases``, those whose
@@ -135,7 +152,7 @@ async def model_board(ctx: AsyncContext) -> list[dict]:
     ``max_parallel_slots`` (null while not loaded), ``admitted_slots`` (N: slot counts 1..N may be
     configured here, the advertised capacity and the admission table together), ``queued_managers``, ``worker`` (Celery
     hostname holding or loading the pool, else null) and ``last_used_at`` (ISO 8601 UTC end of
-    the last work, else null). Ordered by id.
+    the last work, else null), and :func:`mode_counts`. Ordered by id.
     """
     metas = await model_meta_all(ctx)
     ids = sorted(metas)
@@ -153,6 +170,7 @@ async def model_board(ctx: AsyncContext) -> list[dict]:
             admitted_slots=specs.largest_slot_count(metas[model_id]["family"], metas[model_id]["task"],
                                                    metas[model_id]["mode"], backend),
             queued_managers=status["queued_managers"],
+            **mode_counts(metas[model_id]),
             worker=status["worker"] or None,
             last_used_at=_utc(status["last_used_ms"]) if status["last_used_ms"] else None,
         )

@@ -130,10 +130,12 @@ def test_family_task_mode_and_options_are_checked_against_the_spec():
     found = problems_of({"models": [
         {"id": "x", "family": "nope"},
         {"id": "y", "family": "whisper", "task": "vad"},
-        {"id": "z", "family": "whisper", "mode": "streaming"},
+        {"id": "z", "family": "silero_vad", "mode": "streaming"},
         {"id": "w", "family": "whisper", "load_options": {"compute_type": "int3"}},
         {"id": "v", "family": "silero_vad", "default_request_options": {"threshold": 2}},
         {"id": "u", "family": "silero_vad", "path": "/no/such/file.onnx"},
+        {"id": "t", "family": "speaker_embedding", "modes": ["offline", "streaming"]},
+        {"id": "s", "family": "whisper", "modes": ["offline", "streaming"]},
     ]})
     joined = "\n".join(found)
     assert "models[0] (id 'x'): key 'family': unknown family 'nope'" in joined
@@ -142,6 +144,9 @@ def test_family_task_mode_and_options_are_checked_against_the_spec():
     assert "models[3] (id 'w'): key 'load_options.compute_type'" in joined
     assert "models[4] (id 'v'): key 'default_request_options.threshold'" in joined
     assert "models[5] (id 'u'): key 'path'" in joined
+    assert ("models[6] (id 't'): key 'modes': family 'speaker_embedding' serves modes ['offline'], "
+            "not 'streaming'") in joined
+    assert "(id 's')" not in joined  # whisper serves offline and streaming
 
 
 def test_keys_of_later_features_are_refused_not_ignored():

@@ -68,8 +68,9 @@ def test_models_list_has_the_legacy_shape(stack):
     assert set(entries) == {"whisper", "whisper-unbounded", "vad", "vad-lazy", "vad-broken"}
     assert set(aliases) == {"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"}  # no speech model here
     for entry in entries.values():
-        assert set(entry) == {"id", "object", "created", "owned_by", "family", "task", "mode", "state", "loaded",
-                              "last_error", "retry_at"}  # R6.7's fields, on every entry
+        assert set(entry) == {"id", "object", "created", "owned_by", "family", "task", "mode", "modes", "state",
+                              "loaded", "last_error", "retry_at"}  # R6.7's fields, on every entry
+    assert entries["whisper"]["modes"] == ["offline", "streaming"] and entries["vad"]["modes"] == ["offline"]
     for alias in aliases.values():
         assert alias == {**entries["whisper"], "id": alias["id"], "alias_of": "whisper"}
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True

@@ -39,9 +39,10 @@ def busy_error(exc: Exception) -> ServerBusy:
 
 
 async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
-                  kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None) -> Lease:
-    """Take a request slot or the manager lease of ``model_id`` under ``timeout_ms`` (0 = unbounded),
-    handing ``offer`` to the worker in the same step when it can (``inference.scheduler.Scheduler.acquire``).
+                  kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None, stream_cap: int = 0) -> Lease:
+    """Take a request slot, a stream slot (``stream_cap``: the most streams of the model at once) or the
+    manager lease of ``model_id`` under ``timeout_ms`` (0 = unbounded), handing ``offer`` to the worker in
+    the same step when it can (``inference.scheduler.Scheduler.acquire``).
 
     A granted request's wait is observed in ``audiosite_queue_wait_seconds``.
 
@@ -49,10 +50,10 @@ async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
         ServerBusy: admission timeout, fail-fast or an expired grant (R3.2–R3.4).
     """
     try:
-        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind, offer)
+        lease = await ctx.scheduler.acquire(ctx.listener, model_id, timeout_ms, kind, offer, stream_cap)
     except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise busy_error(exc) from None
-    if kind is LeaseKind.REQUEST:
+    if kind is not LeaseKind.MANAGER:
         metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
     return lease
 

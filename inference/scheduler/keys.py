@@ -51,6 +51,14 @@ class Keys:
         """HASH ticket -> 'manager' for queued manager tickets."""
         return self.model(model_id) + ":kind"
 
+    def streams(self, model_id: str) -> str:
+        """HASH stream lease -> granted_at_ms (the streams among the request leases, ``LeaseKind.STREAM``)."""
+        return self.model(model_id) + ":streams"
+
+    def queued_streams(self, model_id: str) -> str:
+        """HASH queued stream ticket -> its stream cap."""
+        return self.model(model_id) + ":squeue"
+
     def request_stats(self, model_id: str) -> str:
         """HASH ``requests`` (request leases released) and ``held_ms`` (their summed hold time, ms)."""
         return self.model(model_id) + ":stats"

@@ -426,7 +426,8 @@ class Scheduler:
 
     # -- async admission (web processes) --------------------------------------
     async def acquire(self, listener: Listener, model_id: str, timeout_ms: int,
-                      kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None) -> Lease:
+                      kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None,
+                      stream_cap: int = 0) -> Lease:
         """Enter the model's FIFO queue and wait for a slot (request) or the whole model (manager).
 
         Args:
@@ -438,6 +439,8 @@ class Scheduler:
             offer: a request's run, pushed on its worker's queue in the same step when the
                 grant comes at once and the model is ready (:class:`RunOffer`); the lease
                 then says ``dispatched`` and the worker releases it.
+            stream_cap: for ``STREAM`` (>= 1): the most streams of the model that may hold
+                slots at once; the stream waits in the FIFO until fewer do.
 
         Returns:
             The granted :class:`Lease` (the caller must release it on every path).
@@ -452,13 +455,16 @@ class Scheduler:
         by ``cancel.lua`` (atomic), which reports 'granted'; the lease is then used.
         """
         kind = LeaseKind(kind)
+        if (kind is LeaseKind.STREAM) != (stream_cap >= 1):
+            raise ValueError(f"a stream lease needs a stream cap >= 1, and only a stream has one "
+                             f"({kind}, {stream_cap})")
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeout_ms / 1000 if timeout_ms > 0 else None
         ticket = uuid.uuid4().hex
         grant_key = f"grant:{ticket}"
         future = listener.expect(grant_key)
-        reply = await self._enqueue(listener, grant_key, model_id, ticket, timeout_ms, kind, offer)
+        reply = await self._enqueue(listener, grant_key, model_id, ticket, timeout_ms, kind, offer, stream_cap)
         status = _text(reply[0])
         if status == "granted":
             listener.forget(grant_key)
@@ -474,7 +480,7 @@ class Scheduler:
                                        started, deadline, reap_in_s)
 
     async def _enqueue(self, listener: Listener, grant_key: str, model_id: str, ticket: str, timeout_ms: int,
-                       kind: LeaseKind, offer: RunOffer | None) -> list:
+                       kind: LeaseKind, offer: RunOffer | None, stream_cap: int = 0) -> list:
         """:meth:`acquire`'s first step: ``enqueue.lua`` puts ``ticket`` in ``model_id``'s FIFO queue (and
         pushes ``offer``'s run on its worker's queue when the grant comes at once); returns the script's
         reply (``[status, ...]``: 'granted', 'overdue' or 'queued').
@@ -484,7 +490,8 @@ class Scheduler:
                 grant wake-up is forgotten and what the enqueue did is undone (no ticket or lease survives).
         """
         keys = [self.keys.model(model_id), self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix]
-        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id]
+        kind_arg = f"{kind}:{stream_cap}" if kind is LeaseKind.STREAM else str(kind)
+        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, kind_arg, model_id]
         if offer is not None:
             keys.append(self.keys.run_queue_prefix)
             args += [offer.expected_meta, offer.element_for(ticket), offer.queue_ttl_ms]

@@ -31,10 +31,14 @@ class ModelState(StrEnum):
 
 
 class LeaseKind(StrEnum):
-    """``request``: one slot (R2.2). ``manager``: the whole model, a barrier for later tickets."""
+    """``request``: one slot (R2.2). ``manager``: the whole model, a barrier for later tickets.
+    ``stream``: one slot, granted only while fewer than its stream cap (the streaming mode's admitted
+    count, R9.2) of the model's streams hold slots; a stream waiting for that cap is a barrier like a
+    manager (FIFO: nothing behind it overtakes it)."""
 
     REQUEST = "request"
     MANAGER = "manager"
+    STREAM = "stream"
 
 
 class LoadAction(StrEnum):

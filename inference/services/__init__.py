@@ -62,7 +62,7 @@ from .loading import (COUNTED_STATES, ROOM_POLL_S, PreloadResult, model_ensure_l
                       residency_make_room)
 from .pipelines import diarization_run, transcription_with_speakers_run
 from .request import Outcome, request_model_resolve, request_probe, reply_error, request_run
-from .streams import SpeechStream, TranscriptionStream, speech_open, transcription_open
+from .streams import SpeechStream, TranscriptionStream, speech_open, stream_lease_acquire, transcription_open
 from .teardown import model_retire_if_idle, model_teardown
 
 __all__ = [
@@ -89,6 +89,7 @@ __all__ = [
     "request_run",
     "residency_make_room",
     "speech_open",
+    "stream_lease_acquire",
     "transcription_open",
     "transcription_with_speakers_run",
 ]

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 from audiosite.errors import ApplicationError, Conflict, InvalidRequest, NotFound, RunExpired, WorkerLost
+from audiosite.serverconfig import get_config
 from inference import specs
+from inference.backend import resolve_backend
 from inference.runtime import leases, published, runs, streams
 from inference.runtime.context import AsyncContext
-from inference.scheduler import Lease, effective_timeout_ms
+from inference.scheduler import Lease, LeaseKind, effective_timeout_ms
 
 from .audio_input import AudioInput, audio_decode, audio_inspect
 from .loading import model_ensure_loaded
@@ -118,6 +120,24 @@ class TranscriptionStream(_HeldStream):
                 yield delta
 
 
+async def stream_lease_acquire(ctx: AsyncContext, meta: dict, timeout_ms: int) -> Lease:
+    """Take a stream's slot of the published registration ``meta``: a lease of kind ``stream``, of which at
+    most ``inference.specs.stream_slot_count`` (its slots, capped by the streaming mode's admitted count,
+    R9.2) are held at once; the others wait in the model's FIFO under ``timeout_ms`` as usual.
+
+    Raises:
+        InvalidRequest: the registration does not serve streams (its ``modes``; ``param`` ``model``).
+        ServerBusy: admission timeout, fail-fast or an expired grant (R3.2–R3.4).
+    """
+    modes = specs.registration_modes(meta)
+    if "streaming" not in modes:
+        raise InvalidRequest(f"model {meta['id']!r} does not serve streams (its modes: {', '.join(modes)})",
+                             param="model")
+    backend = resolve_backend(get_config().backend)  # cached after the first call
+    cap = specs.stream_slot_count(meta["family"], meta["task"], int(meta.get("slots") or 1), backend)
+    return await leases.acquire(ctx, meta["id"], timeout_ms, LeaseKind.STREAM, stream_cap=cap)
+
+
 async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Lease,
                        prepare, start) -> tuple[streams.WorkerStream, list[bytes], dict, float]:
     """Start a streamed run under ``lease`` (its keep-alive entered): check the model did not change
@@ -182,7 +202,7 @@ async def _opened(ctx: AsyncContext, meta: dict, request_timeout_ms: int | None,
     the lease is given back before the error propagates."""
     model_id = meta["id"]
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
-    lease = await leases.acquire(ctx, model_id, timeout_ms)
+    lease = await stream_lease_acquire(ctx, meta, timeout_ms)
     keep_alive = ctx.scheduler.keep_alive(model_id, lease.lease_id)
     await keep_alive.__aenter__()
     try:

@@ -19,7 +19,8 @@ PASSING_F = {ident: evidence.check(evidence.PASS, "framework record") for ident 
 
 
 def record(root: Path, family: str, task: str, counts: dict[int, bool], finished_at: str, *,
-           backend: str = "cpu", framework: dict | None = None, failing_check: str = "M2") -> Path:
+           backend: str = "cpu", framework: dict | None = None, failing_check: str = "M2",
+           mode: str = "offline") -> Path:
     """Write a model record of a full run (3 starts, 20 memory cycles): M1 and M6 PASS for the run, per
     count M2-M5 PASS when ``ready``, else ``failing_check`` FAIL."""
     per_count = {}
@@ -29,9 +30,9 @@ def record(root: Path, family: str, task: str, counts: dict[int, bool], finished
             checks[failing_check] = evidence.check(evidence.FAIL, {"mismatch": "slot 1"}, "outputs differ")
         per_count[str(n)] = {"model_checks": checks, "admission_ready": ready}
     rec = {"procedure_version": evidence.PROCEDURE_VERSION, "kind": "model",
-           "run_id": f"{finished_at.replace(':', '').replace('-', '')}-{family}-{task}-offline-{backend}",
+           "run_id": f"{finished_at.replace(':', '').replace('-', '')}-{family}-{task}-{mode}-{backend}",
            "started_at": finished_at, "finished_at": finished_at, "duration_s": 1.0,
-           "manifest": {"backend": backend, "family": family, "task": task, "mode": "offline",
+           "manifest": {"backend": backend, "family": family, "task": task, "mode": mode,
                         "counts": sorted(counts), "starts": 3, "memory_cycles": 20,
                         "gpu": ["a GPU (test record)"] if backend == "cuda" else []},
            "framework_checks": framework if framework is not None else PASSING_F,

@@ -49,13 +49,14 @@ class Rig:
         await self.listener.close()
         await self.redis.aclose()
 
-    async def acquire(self, model_id: str, timeout_ms: int, kind: str = "request"):
+    async def acquire(self, model_id: str, timeout_ms: int, kind: str = "request", stream_cap: int = 0):
         """The scheduler's ``acquire`` through this rig's listener, bounded: a grant (or refusal) that never
         comes fails the test after the request's own timeout plus ``GRANT_MARGIN_S`` (``QUICK_S`` for an
         unbounded request, ``timeout_ms`` 0) with an AssertionError naming the bound, not at the
         scenario's or pytest's limit."""
         bound_s = QUICK_S if timeout_ms == 0 else timeout_ms / 1000 + GRANT_MARGIN_S
-        return await within(self.scheduler.acquire(self.listener, model_id, timeout_ms, kind), bound_s)
+        return await within(self.scheduler.acquire(self.listener, model_id, timeout_ms, kind, stream_cap=stream_cap),
+                            bound_s)
 
     async def counts(self, model_id: str) -> tuple[int, int]:
         """``(active leases, queued)`` of ``model_id``."""

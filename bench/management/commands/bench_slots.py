@@ -53,7 +53,9 @@ from inference.runtime.context import KEYS
 from inference.scheduler import Keys, Listener, Scheduler
 from gate.servers import Server
 from gate import evidence
+from gate.model_checks import Client
 from gate.performance import family_report
+from gate.streaming import StreamClient
 from gate.workloads import get_workload
 
 REPEATS = 3
@@ -68,6 +70,8 @@ class Command(BaseCommand):
         parser.add_argument("--family", help="the performance report of one family with the validation gate's "
                                              "workload (gate/workloads.py)")
         parser.add_argument("--counts", type=int, nargs="+", default=[2, 4], help="with --family: N of the N-slot runs")
+        parser.add_argument("--mode", default="offline", choices=("offline", "streaming"),
+                            help="with --family: the workload's mode (streaming: SSE, realtime turns, speech streams)")
         parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
         parser.add_argument("--repeats", type=int, default=REPEATS, help="warm repeats (at least 3)")
 
@@ -82,22 +86,26 @@ class Command(BaseCommand):
         ``<out>/<backend>/<family>/<task>-<mode>/performance-<stamp>/performance.json`` (beside the
         evidence records, never read by admission)."""
 
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         if opts["repeats"] < 3:
             raise CommandError("--repeats must be at least 3 (VALIDATION.md)")
         if specs.get_spec(opts["family"]) is None:
             raise CommandError(f"unknown family {opts['family']!r}")
         try:
-            workload = get_workload(opts["family"])
+            workload = get_workload(opts["family"], opts["mode"])
         except KeyError as exc:
             raise CommandError(str(exc.args[0])) from None
+        if opts["mode"] not in specs.require_spec(opts["family"])["modes"]:
+            raise CommandError(f"family {opts['family']} serves modes {specs.require_spec(opts['family'])['modes']}")
         counts = sorted({n for n in opts["counts"] if n > 1})
         cap = specs.advertised_capacity(workload.family, opts["backend"])
         if not counts or max(counts) > cap:
             raise CommandError(f"--counts must be 2..{cap} (the advertised capacity of {workload.family})")
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-            report = family_report(workload, counts, opts["backend"], Path(tmp), opts["repeats"])
+            report = family_report(workload, counts, opts["backend"], Path(tmp), opts["repeats"],
+                                   StreamClient if opts["mode"] == "streaming" else Client)
         report["manifest"] = evidence.manifest(opts["backend"], family=workload.family, task=workload.task,
                                                mode=workload.mode)
         report["duration_s"] = round(time.monotonic() - started, 1)
@@ -111,10 +119,14 @@ class Command(BaseCommand):
           f"(cold {report['legacy']['cold_first_request_ms']} ms); parallel one slot "
           f"{report['parallel_one_slot']['warm_one_request_ms']['median']} ms "
           f"(cold {report['parallel_one_slot']['cold_first_request_ms']} ms)")
-        w(f"{'N':>3} {'serial ms':>10} {'N slots ms':>11} {'saved %':>8}")
+        w(f"{'N':>3} {'serial ms':>10} {'N slots ms':>11} {'saved %':>8} {'serial req/s':>13} {'N slots req/s':>14} "
+          f"{'serial p50/p95 ms':>18} {'N slots p50/p95 ms':>19}")
         for n, row in report["n_requests"].items():
+            s, p = row["serial_on_one_slot"], row["on_n_slots"]
             w(f"{n:>3} {row['serial_on_one_slot_ms']['median']:>10} {row['on_n_slots_ms']['median']:>11} "
-              f"{row['time_saved_pct']:>8}")
+              f"{row['time_saved_pct']:>8} {s['throughput_rps']:>13} {p['throughput_rps']:>14} "
+              f"{str(s['latency_p50_ms']) + '/' + str(s['latency_p95_ms']):>18} "
+              f"{str(p['latency_p50_ms']) + '/' + str(p['latency_p95_ms']):>19}")
         w(f"memory (worker RSS MiB): {report['memory_mb']}")
         w(f"failures: {len(report['failures'])}" + (f" ({report['failures'][:3]})" if report["failures"] else ""))
         w("rejection latency is reported on its own by bench_slots without --family")

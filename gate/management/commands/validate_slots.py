@@ -25,7 +25,8 @@ from django.core.management.base import BaseCommand, CommandError
 from inference import specs
 from inference.backend import resolve_backend
 from gate import evidence
-from gate.model_checks import MEMORY_WINDOW, Plan, run_model_validation
+from gate.model_checks import MEMORY_WINDOW, OFFLINE, Plan, run_model_validation
+from gate.streaming import STREAMING
 from gate.workloads import get_workload
 
 MODEL_ROWS = ("M1", "M2", "M3", "M4", "M5", "M6")
@@ -55,7 +56,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         opts["out"] = str(Path(opts["out"]) if opts["out"] else evidence.EVIDENCE_DIR)
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        for name in ("httpx", "httpx2"):  # the openai SDK logs every request of a streaming run through httpx2
+            logging.getLogger(name).setLevel(logging.WARNING)
         if opts["framework"]:
             # the framework checks F1-F6 are their own command; this flag is the spelling of issue 15
             try:
@@ -76,7 +78,7 @@ class Command(BaseCommand):
         if spec is None:
             raise CommandError(f"unknown family {family!r}; known: {', '.join(sorted(specs.all_specs()))}")
         try:
-            workload = get_workload(family)
+            workload = get_workload(family, opts["mode"] if opts["mode"] in spec.get("modes", []) else "offline")
         except KeyError as exc:
             raise CommandError(str(exc.args[0])) from None
         task = opts["task"] or spec["tasks"][0]
@@ -102,7 +104,8 @@ class Command(BaseCommand):
         # SIGTERM (a CI timeout, kill, systemd) unwinds like Ctrl-C, so the servers of the run are stopped
         previous = signal.signal(signal.SIGTERM, _interrupt)
         try:
-            path, record = run_model_validation(plan, workload, print_line=self.stdout.write)
+            path, record = run_model_validation(plan, workload, print_line=self.stdout.write,
+                                                checks=STREAMING if opts["mode"] == "streaming" else OFFLINE)
         except evidence.EvidenceError as exc:
             raise CommandError(f"an evidence record cannot be read: {exc}") from None
         except KeyboardInterrupt:

@@ -13,6 +13,7 @@ local base, ticket, ttl_ms = KEYS[1], ARGV[1], tonumber(ARGV[2])
 if redis.call('ZREM', base .. ':queue', ticket) == 1 then
   redis.call('HDEL', base .. ':chan', ticket)
   redis.call('HDEL', base .. ':kind', ticket)
+  redis.call('HDEL', base .. ':squeue', ticket)
   grant_pass(base, now_ms(), ttl_ms)
   changed(base)
   return 'cancelled'

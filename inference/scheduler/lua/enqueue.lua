@@ -6,7 +6,8 @@
 -- ARGV[2] reply channel of the waiting process (receives 'grant:<ticket>')
 -- ARGV[3] effective busy timeout in ms (0 = unbounded: no fail-fast)
 -- ARGV[4] lease TTL in ms
--- ARGV[5] kind: 'request' (one slot) or 'manager' (the whole model)
+-- ARGV[5] kind: 'request' (one slot), 'manager' (the whole model) or 'stream:<cap>' (one slot, granted
+--         only while fewer than <cap> streams of the model hold slots: its mode's admitted count)
 -- ARGV[6] the model id (its field in KEYS[3])
 -- A request may offer its run, to be handed to the worker in the grant's own step:
 -- KEYS[5] run queue key prefix (the worker's queue is KEYS[5] .. owner .. ':' .. boot)
@@ -28,20 +29,23 @@
 --                                         occupied slot has run longer than the
 --                                         timeout (unoccupied slots are ignored);
 --                                         for a manager, some occupied slot or
---                                         held manager lease has
+--                                         held manager lease has; for a stream, also
+--                                         when <cap> streams run and every one has
 --   {'queued', next_lease_expiry_ms|-1, position (1 = head), now_ms}
 -- Clock: redis TIME.
 local base, seq_key = KEYS[1], KEYS[2]
 local ticket, chan = ARGV[1], ARGV[2]
 local timeout_ms, ttl_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
-local is_manager = ARGV[5] == 'manager'
+local kind, cap = string.match(ARGV[5], '^(%a+):?(%d*)$')
+local is_manager = kind == 'manager'
+local stream_cap = kind == 'stream' and tonumber(cap) or nil
 local now = now_ms()
 -- A grant pass when leases were reclaimed, or when tickets wait (R7.5: tickets of dead
 -- processes are dropped, so a live caller never queues behind them alone).
 if reap(base, now) > 0 or redis.call('ZCARD', base .. ':queue') > 0 then grant_pass(base, now, ttl_ms) end
 
-if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager) then
-  grant(base, ticket, now, ttl_ms, is_manager, chan)
+if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager, stream_cap) then
+  grant(base, ticket, now, ttl_ms, is_manager, chan, stream_cap ~= nil)
   local meta = redis.call('HGET', KEYS[3], ARGV[6]) or ''
   local owner, boot = '', ''
   local load = redis.call('HMGET', base .. ':load', 'state', 'owner', 'boot')
@@ -65,6 +69,9 @@ if timeout_ms > 0 then
     if any_overdue or m_any then return {'overdue', math.max(youngest, m_youngest)} end
   elseif n > 0 and all_overdue then
     return {'overdue', youngest}
+  elseif stream_cap then
+    local sn, s_all, _, s_youngest = overdue_stats(base .. ':streams', now, timeout_ms)
+    if sn >= stream_cap and s_all then return {'overdue', s_youngest} end
   end
 end
 
@@ -72,5 +79,6 @@ local seq = redis.call('INCR', seq_key)
 redis.call('ZADD', base .. ':queue', seq, ticket)
 redis.call('HSET', base .. ':chan', ticket, chan)
 if is_manager then redis.call('HSET', base .. ':kind', ticket, 'manager') end
+if stream_cap then redis.call('HSET', base .. ':squeue', ticket, stream_cap) end
 changed(base)
 return {'queued', next_expiry(base), redis.call('ZCARD', base .. ':queue'), now}

@@ -19,6 +19,7 @@ for i = 2, #KEYS do
       redis.call('ZREM', base .. ':queue', waiting[j])
       redis.call('HDEL', base .. ':chan', waiting[j])
       redis.call('HDEL', base .. ':kind', waiting[j])
+      redis.call('HDEL', base .. ':squeue', waiting[j])
       dropped = dropped + 1
     end
   end

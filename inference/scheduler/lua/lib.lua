@@ -10,6 +10,10 @@
 --                           '<channel>:live' exists while that process lives (R7.5)
 --   base..':leases'   HASH  request lease -> granted_at_ms (one slot each)
 --   base..':mleases'  HASH  manager lease -> granted_at_ms (the whole model)
+--   base..':squeue'   HASH  queued stream ticket -> its stream cap (absent = not a stream): a stream is
+--                           granted only while fewer than that many streams of the model hold slots
+--   base..':streams'  HASH  stream lease -> granted_at_ms (a stream's lease is a request lease, in
+--                           ':leases' too; this hash counts the streams among them)
 --   base..':expiry'   ZSET  lease (either kind) -> expires_at_ms (renewed by the holder)
 --   base..':holder'   HASH  lease (either kind) -> pub/sub channel of the process it was granted to
 --                           (absent for a lease taken without a channel: try_acquire); lets
@@ -59,6 +63,7 @@ local function reap(base, now)
     redis.call('ZREM', base .. ':expiry', lease)
     redis.call('HDEL', base .. ':leases', lease)
     redis.call('HDEL', base .. ':mleases', lease)
+    redis.call('HDEL', base .. ':streams', lease)
     redis.call('HDEL', base .. ':holder', lease)
   end
   if #expired > 0 then changed(base) end
@@ -69,8 +74,10 @@ local function capacity(base)
   return tonumber(redis.call('GET', base .. ':cap') or '1')
 end
 
-local function grant(base, ticket, now, ttl_ms, is_manager, chan)
+-- is_stream: a request lease that also counts among the model's streams (':streams').
+local function grant(base, ticket, now, ttl_ms, is_manager, chan, is_stream)
   redis.call('HSET', base .. (is_manager and ':mleases' or ':leases'), ticket, now)
+  if is_stream then redis.call('HSET', base .. ':streams', ticket, now) end
   redis.call('ZADD', base .. ':expiry', now + ttl_ms, ticket)
   if chan then redis.call('HSET', base .. ':holder', ticket, chan) end
   changed(base)
@@ -78,16 +85,19 @@ end
 
 -- Can a ticket of this kind be granted now (ignoring queue position)? R2.2:
 -- a request needs no management lease and a free slot; a manager needs no
--- lease of any kind.
-local function grantable(base, is_manager)
+-- lease of any kind; a stream (stream_cap given) is a request that also needs
+-- fewer than stream_cap streams holding slots (its mode's admitted count, R9.2).
+local function grantable(base, is_manager, stream_cap)
   if redis.call('HLEN', base .. ':mleases') > 0 then return false end
   if is_manager then return redis.call('HLEN', base .. ':leases') == 0 end
+  if stream_cap and redis.call('HLEN', base .. ':streams') >= stream_cap then return false end
   return redis.call('HLEN', base .. ':leases') < capacity(base)
 end
 
 -- Walk the queue from its head and grant until the first ticket that cannot
 -- be granted (R2.2): consecutive requests fill spare slots; a queued manager
--- is a barrier for everything behind it. Each grant is pushed to the waiter's
+-- is a barrier for everything behind it, and so is a stream waiting for its
+-- stream cap (FIFO: nothing overtakes it). Each grant is pushed to the waiter's
 -- channel as 'grant:<ticket>'. Returns the number granted.
 --
 -- R7.5: a ticket whose waiting process is dead (its channel's liveness key
@@ -102,12 +112,14 @@ local function grant_pass(base, now, ttl_ms)
     local chan = redis.call('HGET', base .. ':chan', ticket)
     local orphan = chan and redis.call('EXISTS', chan .. ':live') == 0
     local is_manager = redis.call('HEXISTS', base .. ':kind', ticket) == 1
-    if not orphan and not grantable(base, is_manager) then break end
+    local stream_cap = tonumber(redis.call('HGET', base .. ':squeue', ticket) or '')
+    if not orphan and not grantable(base, is_manager, stream_cap) then break end
     redis.call('ZREM', base .. ':queue', ticket)
     redis.call('HDEL', base .. ':kind', ticket)
+    redis.call('HDEL', base .. ':squeue', ticket)
     redis.call('HDEL', base .. ':chan', ticket)
     if not orphan then
-      grant(base, ticket, now, ttl_ms, is_manager, chan)
+      grant(base, ticket, now, ttl_ms, is_manager, chan, stream_cap ~= nil)
       if chan then redis.call('PUBLISH', chan, 'grant:' .. ticket) end
       granted = granted + 1
       if is_manager then break end
@@ -210,6 +222,7 @@ end
 local function release_lease(base, lease, now, ttl_ms)
   local granted_at = tonumber(redis.call('HGET', base .. ':leases', lease) or '-1')
   local held = redis.call('HDEL', base .. ':leases', lease) + redis.call('HDEL', base .. ':mleases', lease)
+  redis.call('HDEL', base .. ':streams', lease)
   redis.call('ZREM', base .. ':expiry', lease)
   redis.call('HDEL', base .. ':holder', lease)
   if held > 0 and redis.call('EXISTS', base .. ':load') == 1 then
