@@ -55,6 +55,10 @@ _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}
             for name in _SCRIPT_NAMES}
 
 
+USE_HALF_LIFE_MS = 10000
+"""Default half-life of a model's recent-use count (``lua/lib.lua``'s ``use_now``), in ms: the server's
+``use_half_life_ms`` (``audiosite.serverconfig``) overrides it."""
+
 TICKET_CHECK_S = LIVENESS_TTL_MS / 1000
 """A queued waiter looks at its ticket (``reap.lua``) at least this often, in seconds (R7.5)."""
 
@@ -174,15 +178,18 @@ class Scheduler:
         keys: key layout.
         lease_ttl_ms: a lease whose holder does not renew it for this long is
             reclaimed (R2.5).
+        use_half_life_ms: half-life of each model's recent-use count (the decayed
+            count of requests admitted, R6.1), in ms.
 
     Script sources are read once per process; each instance binds them to
     its client (one instance per client: see ``inference.runtime.context``).
     """
 
-    def __init__(self, redis, keys: Keys, lease_ttl_ms: int):
+    def __init__(self, redis, keys: Keys, lease_ttl_ms: int, use_half_life_ms: int = USE_HALF_LIFE_MS):
         self.redis = redis
         self.keys = keys
         self.lease_ttl_ms = lease_ttl_ms
+        self.use_half_life_ms = use_half_life_ms
         self._scripts = {name: redis.register_script(source) for name, source in _SOURCES.items()}
         self._release_loaded = False  # release_in: loaded on this client's server (sync clients only)
 
@@ -484,7 +491,8 @@ class Scheduler:
                 grant wake-up is forgotten and what the enqueue did is undone (no ticket or lease survives).
         """
         keys = [self.keys.model(model_id), self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix]
-        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id]
+        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, str(kind), model_id,
+                           self.use_half_life_ms]
         if offer is not None:
             keys.append(self.keys.run_queue_prefix)
             args += [offer.expected_meta, offer.element_for(ticket), offer.queue_ttl_ms]
@@ -581,19 +589,25 @@ class Scheduler:
                                               json.loads(_text(r[1])) if _text(r[1]) else None,
                                               int(r[2]), int(r[3]), bool(int(r[4])), _text(r[1])))
 
-    def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0):
+    def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0,
+                    min_resident_ms: int = 0, below_use: float | None = None):
         """Take the model's manager lease only if it is free right now (R6.1, R6.4).
 
         Never waits and never interrupts: the result is None when the model is
         not in ``state``, holds any lease, has anything queued, or (``idle_ms``
         > 0) finished its last work less than ``idle_ms`` ms ago (Redis clock).
+        Eviction by recent use (R6.1) also asks, in the same step, that its pool has
+        been ready for at least ``min_resident_ms`` ms and that its recent-use count
+        (decayed requests, ``ModelStatus.use``) is below ``below_use`` (None = any).
 
         Returns:
             :class:`Lease` or None; with an async client, an awaitable of it.
         """
         lease = Lease(model_id, uuid.uuid4().hex, 0, 0.0, LeaseKind.MANAGER)
+        bound = "" if below_use is None else repr(float(below_use))
         return _then(self._run("try_acquire", [self.keys.model(model_id)],
-                               [lease.lease_id, self.lease_ttl_ms, str(state), idle_ms]),
+                               [lease.lease_id, self.lease_ttl_ms, str(state), idle_ms, min_resident_ms, bound,
+                                self.use_half_life_ms]),
                      lambda granted: lease if int(granted) else None)
 
     async def acquire_many(self, listener: Listener, model_ids: list[str],
@@ -749,7 +763,7 @@ class Scheduler:
         if not model_ids:
             return {}
         keys = [self.keys.model(m) for m in model_ids] + [self.keys.worker_live_prefix]
-        result = self._run("snapshot", keys, [])
+        result = self._run("snapshot", keys, [self.use_half_life_ms])
         if inspect.isawaitable(result):
             result = await result
         return {
@@ -757,6 +771,6 @@ class Scheduler:
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
                        "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
                        "last_used_ms": int(row[8]), "retry_at_ms": int(row[9]), "retry_in_ms": int(row[10]),
-                       "worker": _text(row[11])}
+                       "worker": _text(row[11]), "use": float(_text(row[12])), "resident_ms": int(row[13])}
             for model_id, row in zip(model_ids, result, strict=True)
         }

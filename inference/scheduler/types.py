@@ -258,7 +258,10 @@ class ModelStatus(TypedDict):
     ``retry_at_ms``: when a failed load's backoff ends (0 = no failed load,
     R6.7; ``state`` then reads ``failed``); ``retry_in_ms``: how long until
     then (0 = a load may be tried now). ``worker``: the Celery hostname holding the
-    pool (ready) or running the load (loading), else ''.
+    pool (ready) or running the load (loading), else ''. ``use``: the model's
+    recent use, the count of requests admitted for it each decayed by half every
+    ``use_half_life_ms`` (a float, in requests; R6.1); ``resident_ms``: how long its
+    pool has been ready (0 when not ready).
     """
 
     state: ModelState
@@ -273,6 +276,8 @@ class ModelStatus(TypedDict):
     retry_at_ms: int
     retry_in_ms: int
     worker: str
+    use: float
+    resident_ms: int
 
 
 class RequestStats(NamedTuple):

@@ -137,7 +137,7 @@ class Command(BaseCommand):
         parser.add_argument("--ui-management", action="store_true", dest="ui_management", default=None,
                             help="enable the management routes (token or session auth with registry.manage_models)")
         parser.add_argument("--max-loaded-models", type=int, dest="max_loaded_models",
-                            help="residency limit: models loaded at once, LRU eviction (0 = unlimited)")
+                            help="residency limit: models loaded at once, evicting by eviction_policy (0 = unlimited)")
         parser.add_argument("--idle-unload-ms", type=int, dest="idle_unload_ms",
                             help="unload a model idle this long, in ms (0 = never)")
         parser.add_argument("--workers", type=int, default=1, help="Celery GPU worker processes (default 1)")
