@@ -48,7 +48,7 @@ _SCRIPT_NAMES = (
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
-    "census", "forget_worker", "forget_departed", "worker_leave", "forget_process",
+    "census", "forget_worker", "forget_departed", "worker_leave", "forget_process", "run_left", "run_reply",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -216,6 +216,45 @@ class Scheduler:
         """Extend a lease by the TTL. Returns True, or False when it was already reclaimed (an awaitable of it
         with an async client)."""
         return _then(self._run("renew", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms]), _held)
+
+    def run_left(self, model_id: str, request_id: str, lease_id: str, stop_ttl_ms: int):
+        """The client of run ``request_id`` left while its web process waited for the reply (R8.2), in one
+        step with the worker's reply (``run_left.lua``; :meth:`run_reply` is the other side).
+
+        Args:
+            lease_id: the sender's request lease of ``model_id``, still its own until a worker takes the
+                run ('' for a held run, whose lease the sender releases itself).
+            stop_ttl_ms: expiry of the stop marker set when no reply is there yet.
+
+        Returns:
+            'answered' (a reply was there, unread: deleted; a ``not_loaded`` one also gave the lease and the
+            input back) or 'marked' (``Keys.stop`` set, naming the lease); an awaitable of it with an
+            async client.
+        """
+        keys = [self.keys.result(request_id), self.keys.stop(request_id), self.keys.input(request_id),
+                self.keys.model(model_id)]
+        return _then(self._run("run_left", keys, [lease_id, stop_ttl_ms, self.lease_ttl_ms]), _text)
+
+    def run_reply(self, request_id: str, channel: str, reply_json: str, wake_message: str, ttl_ms: int,
+                  release: tuple[str, str] | None, taken: bool = True):
+        """A worker's reply to run ``request_id`` (``run_reply.lua``), unless its client left (R8.2).
+
+        Args:
+            channel: the sender's pub/sub channel; ``wake_message`` is published there.
+            reply_json: the reply, stored at ``Keys.result(request_id)`` for ``ttl_ms``.
+            release: ``(model_id, lease_id)`` released first (a run's end), or None.
+            taken: False for a run the worker never took (``not_loaded``): its lease is still the
+                sender's, so when the client left the lease its stop marker names is given back, with
+                the run's input.
+
+        Returns:
+            True when the reply was stored and published, False when its client had left (nothing
+            stored; the stop marker deleted). An awaitable of it with an async client.
+        """
+        model_key, lease_id = (self.keys.model(release[0]), release[1]) if release else ("", "")
+        keys = [self.keys.result(request_id), self.keys.stop(request_id), self.keys.input(request_id), model_key]
+        return _then(self._run("run_reply", keys, [reply_json, wake_message, channel, ttl_ms, lease_id,
+                                                   self.lease_ttl_ms, "0" if taken else "1"]), _held)
 
     def keep_alive(self, model_id: str, lease_id: str) -> KeepAlive:
         """A :class:`KeepAlive` renewing ``lease_id`` every third of the TTL (``async with`` or ``with``)."""
