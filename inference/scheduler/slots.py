@@ -39,6 +39,7 @@ from .types import (
     ReapResult,
     RunOffer,
     RequestStats,
+    SettledPools,
     TicketStatus,
 )
 
@@ -49,6 +50,7 @@ _SCRIPT_NAMES = (
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
     "census", "forget_worker", "forget_departed", "worker_leave", "forget_process", "run_left", "run_reply",
+    "settle_lost_pools",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -330,6 +332,22 @@ class Scheduler:
                                                  self.keys.worker_memory, *bases],
                                [hostname, "worker lost", self.lost_load_error(hostname)]),
                      lambda r: ForgottenWorker([bases[_text(b)] for b in r[0]], [bases[_text(b)] for b in r[1]]))
+
+    def settle_lost_pools(self, model_ids: list[str]):
+        """Write down in Redis what dead workers left on ``model_ids`` (``settle_lost_pools.lua``, R7.4): a
+        ``ready`` pool whose worker's liveness key is gone (or names another boot) becomes unloaded, a load
+        whose worker is gone ends ``worker_lost`` (waiters woken, no backoff; error :meth:`lost_load_error`).
+        Each change is made once, by whoever sees it first, so the caller that gets it records it.
+
+        Returns:
+            :class:`SettledPools` (an awaitable of it with an async client).
+        """
+        bases = {self.keys.model(model_id): model_id for model_id in model_ids}
+
+        def settled(reply) -> SettledPools:
+            return SettledPools(*([(bases[_text(base)], _text(host)) for base, host in group] for group in reply))
+        return _then(self._run("settle_lost_pools", [self.keys.worker_live_prefix, *bases], ["worker lost"]),
+                     settled)
 
     def forget_process(self, channel: str, model_ids: list[str]):
         """Give back at once what a dead web process held (``forget_process.lua``, R7.5/R2.5): its liveness

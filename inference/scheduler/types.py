@@ -237,6 +237,14 @@ class ForgottenWorker(NamedTuple):
     loads: list[str]
 
 
+class SettledPools(NamedTuple):
+    """Result of ``settle_lost_pools.lua``: ``(model id, worker hostname)`` pairs of the pools found on dead
+    workers (now unloaded) and of the loads whose worker was gone (now ended ``worker_lost``)."""
+
+    pools: list[tuple[str, str]]
+    loads: list[tuple[str, str]]
+
+
 class Census(NamedTuple):
     """Result of ``census.lua``: ``live_workers`` (started workers whose liveness key exists),
     ``worker_starting`` (a supervisor is starting a worker, ``Keys.worker_starting``) and
