@@ -193,6 +193,39 @@ def test_a_model_in_steady_use_is_never_evicted_for_two_models_taking_turns(rsta
     assert rows and ("steadyA",) not in rows, rows
 
 
+def test_a_cold_request_waits_rather_than_evict_a_model_in_steady_use(rstack):
+    """R6.1: limit 1, model A asked every 200 ms of think time (idle in each pause, so least-recently-
+    used eviction took it): a cold request for C, with fewer recent requests than A, does not evict
+    it; it waits for room and gets 503 ``residency_full`` when its 1.5 s busy timeout ends. A keeps
+    its one pool and every answer is 200."""
+    if rstack.limit != 1:
+        pytest.skip("with room for two models nothing needs evicting")
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            for name in ("steadyA1", "coldC1"):
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+            stop, steady = asyncio.Event(), []
+
+            async def client_a():
+                while not stop.is_set():
+                    steady.append(await post(op, "steadyA1"))
+                    await asyncio.sleep(0.2)
+            a = asyncio.create_task(client_a())
+            await asyncio.sleep(1.5)
+            cold, started, ended = await post(op, "coldC1", busy_timeout_ms=1500)
+            stop.set()
+            await within(a, 10)
+            return cold, ended - started, steady
+    cold, waited_s, steady = run(scenario())
+    assert cold.status_code == 503 and cold.json()["error"]["code"] == "residency_full", cold.text
+    assert 1.4 <= waited_s < 5, waited_s
+    assert [r.status_code for r, _, _ in steady] == [200] * len(steady)
+    assert len({r.json()["pool_id"] for r, _, _ in steady}) == 1
+    assert entry_of(rstack, "coldC1")["state"] == "unloaded"
+
+
 def test_no_model_is_evicted_for_a_load_in_backoff(rstack):
     """R6.7 with R6.1: a broken model's first load evicts the LRU model (nobody knew it would fail);
     during its backoff, requests for it get 503 load_failed at once and evict nothing (before:
