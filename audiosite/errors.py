@@ -195,7 +195,8 @@ class GrantExpired(ServerBusy):
 
 
 class ResidencyFull(ServerBusy):
-    """503 ``residency_full``: ``max_loaded_models`` are loaded and none became idle in time, or this
+    """503 ``residency_full``: ``max_loaded_models`` are loaded and none could be evicted in time (busy, or
+    under ``eviction_policy`` ``recent_use`` in more use or inside its minimum residency, R6.1), or this
     process lost its turn for a cold load (R6.6)."""
 
     code = "residency_full"

@@ -190,6 +190,16 @@ class ServerConfig(_Strict):
     server's own origin; a handshake with any other ``Origin`` gets 403 (one without ``Origin``, from a
     program rather than a browser, is accepted). Default: same origin only."""
     max_loaded_models: int = Field(default=0, ge=0)
+    eviction_policy: Literal["recent_use", "lru"] = "recent_use"
+    """How ``max_loaded_models`` picks a model to unload (R6.1, ``inference.services.loading``):
+    ``recent_use`` evicts the idle model with the fewest recent requests, only once it has been
+    loaded ``min_residency_ms`` and only when it has fewer recent requests than the model asking;
+    ``lru`` (the policy before it) evicts the least recently used idle model at once."""
+    use_half_life_ms: int = Field(default=10000, ge=100, le=MAX_BUSY_TIMEOUT_MS)
+    """Half-life of a model's recent-use count (each admitted request counts 1, halving every
+    ``use_half_life_ms``); used by ``recent_use`` eviction."""
+    min_residency_ms: int = Field(default=2000, ge=0, le=MAX_BUSY_TIMEOUT_MS)
+    """``recent_use`` eviction: a model loaded less than this long ago is not evicted."""
     idle_unload_ms: int = Field(default=0, ge=0)
     min_free_memory_mb: int = Field(default=0, ge=0)
     live_ingest: LiveIngest = Field(default_factory=LiveIngest)

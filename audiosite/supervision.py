@@ -18,6 +18,13 @@ killer, ``kill -9``, even a clean exit nobody asked for) is replaced:
 3. after a delay (:class:`RestartBackoff`) it starts a replacement under a new
    Celery hostname (so a new ``worker_direct`` queue and run queue).
 
+A worker that stops beating without exiting (frozen past ``LIVENESS_TTL_MS``,
+or not serve's own) is settled too: every ``SETTLE_EVERY_S`` the supervisor
+runs ``settle_lost_pools.lua``, which marks unloaded the ready pools whose
+worker's liveness key is gone and ends the loads whose worker is gone, and
+hands what it found to ``on_settled`` (serve records it in the database), so
+the database follows Redis when a worker dies.
+
 While a worker is being started, ``Keys.worker_starting`` exists (a short TTL,
 refreshed every tick): from the spawn until its first liveness beat (at most
 ``WORKER_BOOT_TIMEOUT_S``), and from ``RESTART_GRACE_S`` before a scheduled
@@ -43,7 +50,7 @@ from typing import Any
 import psutil
 import redis
 
-from inference.scheduler import ForgottenWorker, Keys, Scheduler
+from inference.scheduler import ForgottenWorker, Keys, Scheduler, SettledPools
 
 TICK_S = 0.2
 """How often serve calls :meth:`WorkerSupervisor.tick`, in seconds (serve's main loop period)."""
@@ -57,6 +64,9 @@ STARTING_TTL_MS = 5000
 """TTL of ``Keys.worker_starting``: it lapses this soon after serve stops refreshing it (serve killed)."""
 STARTING_REFRESH_S = 1.0
 """How often serve refreshes ``Keys.worker_starting`` while a worker is being started, in seconds."""
+SETTLE_EVERY_S = 2.0
+"""How often the worker supervisor settles the pools and loads of workers whose liveness key is gone
+(``Scheduler.settle_lost_pools``), in seconds: one worker beat."""
 
 
 class RestartBackoff:
@@ -128,12 +138,15 @@ class WorkerSupervisor:
         on_lost: ``on_lost(hostname, returncode, forgotten)`` after a worker exited and what it held
             was settled in Redis (``forgotten``: a :class:`ForgottenWorker`, its pools and its load).
         clock: monotonic seconds (``time.monotonic``).
+        on_settled: ``on_settled(settled)`` after pools and loads of workers whose liveness key is gone
+            were settled in Redis (:class:`SettledPools`; see the module docstring); None = not settled.
     """
 
     def __init__(self, count: int, spawn: Callable[[int, str], subprocess.Popen],
                  new_hostname: Callable[[int], str], redis_client: Any, keys: Keys, lease_ttl_ms: int,
                  first_delay_s: float, max_delay_s: float, say: Callable[[str], None],
-                 on_lost: Callable[[str, int, ForgottenWorker], None], clock: Callable[[], float] = time.monotonic):
+                 on_lost: Callable[[str, int, ForgottenWorker], None], clock: Callable[[], float] = time.monotonic,
+                 on_settled: Callable[[SettledPools], None] | None = None):
         self._spawn = spawn
         self._new_hostname = new_hostname
         self._redis = redis_client
@@ -145,6 +158,8 @@ class WorkerSupervisor:
         self._slots = [_Slot(index, RestartBackoff(first_delay_s, max_delay_s)) for index in range(count)]
         self._advertised_at: float | None = None
         self._redis_failing = False
+        self._on_settled = on_settled
+        self._settle_at = 0.0
 
     # -- processes ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -178,7 +193,15 @@ class WorkerSupervisor:
                 self._start(slot, now)
         self._watch_boots(now)
         self._advertise(now)
+        self._settle(now)
         return exits
+
+    def live_hostnames(self) -> list[str]:
+        """The hostnames of this supervisor's workers whose liveness key exists now (beating; [] when
+        Redis cannot be reached)."""
+        hosts = [slot.hostname for slot in self._slots if slot.proc is not None]
+        found = self._redis_call(lambda: [host for host in hosts if self._redis.exists(self._keys.worker_live(host))])
+        return found or []
 
     def close(self) -> None:
         """Stop announcing a worker start (serve is stopping); best effort."""
@@ -251,6 +274,24 @@ class WorkerSupervisor:
         def forget() -> ForgottenWorker:
             return self._scheduler.forget_worker(hostname, sorted(self._redis.hkeys(self._keys.models_meta)))
         return self._redis_call(forget) or ForgottenWorker([], [])
+
+    def _settle(self, now: float) -> None:
+        """Every ``SETTLE_EVERY_S``: settle what workers whose liveness key is gone left (one script,
+        ``Scheduler.settle_lost_pools``), say it, and hand it to ``on_settled``."""
+        if self._on_settled is None or now < self._settle_at:
+            return
+        self._settle_at = now + SETTLE_EVERY_S
+        settled = self._redis_call(lambda: self._scheduler.settle_lost_pools(
+            sorted(self._redis.hkeys(self._keys.models_meta))))
+        if not settled or not (settled.pools or settled.loads):
+            return
+        self._say("workers stopped beating: " + "; ".join(
+            [f"model {model_id} on {host or '?'} is unloaded" for model_id, host in settled.pools]
+            + [f"the load of {model_id} on {host} is ended" for model_id, host in settled.loads]))
+        try:
+            self._on_settled(settled)
+        except Exception as exc:  # the record is informative; supervision goes on
+            self._say(f"recording the models of workers that stopped beating failed: {exc}")
 
     def _watch_boots(self, now: float) -> None:
         for slot in self._slots:

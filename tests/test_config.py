@@ -56,6 +56,7 @@ def test_defaults_follow_api_md():
     assert (config.host, config.backend, config.threads, config.lazy_load) == ("127.0.0.1", "auto", 1, False)
     assert config.max_request_body_bytes == 104857600 and config.shutdown_timeout_ms == 30000
     assert (config.max_loaded_models, config.idle_unload_ms, config.min_free_memory_mb) == (0, 0, 0)
+    assert (config.eviction_policy, config.use_half_life_ms, config.min_residency_ms) == ("recent_use", 10000, 2000)
     assert not config.residency_limited
 
 
@@ -67,9 +68,12 @@ def test_an_empty_model_list_needs_ui_management():
 
 
 @pytest.mark.parametrize("key, value", [("max_loaded_models", -1), ("idle_unload_ms", "1000"),
-                                        ("min_free_memory_mb", 1.5), ("ui_management", "yes")])
+                                        ("min_free_memory_mb", 1.5), ("ui_management", "yes"),
+                                        ("eviction_policy", "mru"), ("use_half_life_ms", 10),
+                                        ("min_residency_ms", -1)])
 def test_residency_and_management_keys_are_typed(key, value):
-    """R6: residency limits are non-negative integers; ui_management is a boolean."""
+    """R6: residency limits are non-negative integers, the eviction policy one of its names (a half-life of
+    at least 100 ms); ui_management is a boolean."""
     found = problems_of({key: value, "ui_management": True, "models": []} if key != "ui_management"
                         else {key: value, "models": [{"id": "v", "family": "silero_vad"}]})
     assert any(p.startswith(f"key '{key}'") for p in found), found

@@ -361,6 +361,37 @@ def wait_for_live_worker(stack, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def test_the_database_follows_redis_when_a_worker_stops_beating_with_an_idle_pool(astack):
+    """R7.4: the worker freezes (SIGSTOP) past its liveness TTL while ``fb``'s pool is idle on it and no
+    request comes: the database stops saying ``ready`` within the TTL plus a few seconds (serve settles
+    the lost pool: state ``unloaded``, ``last_error`` naming the worker, an ``unload`` row), as Redis and
+    the status API say; after SIGCONT the eager ``fb`` loads again by itself and is served."""
+    async def scenario():
+        async with mclient(astack, None, timeout=MODEL_S) as c:
+            assert (await task(c, "fb")).status_code == 200
+            assert db_state(astack, "fb") == "ready"
+            pid = worker_pid(astack)
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                while db_state(astack, "fb") == "ready":
+                    assert time.monotonic() - stopped < 10 + 5, "the database still says ready"
+                    await asyncio.sleep(0.2)
+                settled_after_s = time.monotonic() - stopped
+                assert entry_of(astack, "fb")["state"] == "unloaded"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert db_state(astack, "fb") == "unloaded" and settled_after_s > 8, settled_after_s
+            row = astack.sql("SELECT last_error FROM registry_modelregistration WHERE model_id = 'fb'")[0][0]
+            assert "stopped beating" in row, row
+            deadline = time.monotonic() + 30
+            while db_state(astack, "fb") != "ready":  # eager: serve loads it again once the worker beats
+                assert time.monotonic() < deadline, "fb was not loaded again"
+                await asyncio.sleep(0.2)
+            assert (await task(c, "fb")).status_code == 200
+    run(scenario())
+
+
 def _unload_fl(stack, token):
     async def scenario():
         async with mclient(stack, token, timeout=MODEL_S) as op:

@@ -1,5 +1,5 @@
-"""Residency limits end to end (CONTRACT R6): ``max_loaded_models`` with LRU eviction by
-try-acquire, the cold-load guard, the memory guard and idle retirement, on parallel
+"""Residency limits end to end (CONTRACT R6): ``max_loaded_models`` with eviction by recent use
+through try-acquire, the cold-load guard, the memory guard and idle retirement, on parallel
 ``--ui-management`` stacks with the fixture family (Redis dbs 10 and 9).
 """
 from __future__ import annotations
@@ -42,9 +42,9 @@ async def reset(op, stack) -> None:
     assert loaded(stack) == set()
 
 
-def test_lru_eviction_picks_the_least_recently_used_idle_model(rstack):
-    """R6.1: at the limit, a cold load evicts the least recently used ready, idle model (one), and
-    no more than needed."""
+def test_eviction_picks_the_idle_model_with_the_least_recent_use(rstack):
+    """R6.1: at the limit, a cold load evicts the ready, idle model with the least recent use (one, once
+    its minimum residency has passed), and no more than needed."""
     limit = rstack.limit
 
     async def scenario():
@@ -95,7 +95,7 @@ def test_a_cold_load_waits_for_room_and_never_evicts_a_busy_or_queued_model(rsta
             assert resp.status_code == 503, resp.text
             error = resp.json()["error"]
             assert error["type"] == "server_busy" and error["code"] == "residency_full"
-            assert "became idle" in error["message"] and resp.headers["retry-after"]
+            assert "could be evicted" in error["message"] and resp.headers["retry-after"]
             assert 0.5 <= waited_s < 5, waited_s  # it waited for room until its deadline
             assert loaded(rstack) == set(busy) and entry_of(rstack, "cold")["state"] == "unloaded"
             assert rstack.counters("cold") == {"leases": 0, "queued": 0}
@@ -141,6 +141,89 @@ def test_a_wave_of_requests_for_more_models_than_fit_loads_each_model_once(rstac
     loads = rstack.sql("SELECT model_id, count(*) FROM registry_lifecycleevent WHERE event = 'load' "
                        "AND model_id LIKE 'wave%%' AND outcome = 'ok' GROUP BY model_id")
     assert sorted(loads) == [(f"wave{i}", 1) for i in range(limit + 1)]
+
+
+def test_a_model_in_steady_use_is_never_evicted_for_two_models_taking_turns(rstack):
+    """R6.1 (eviction by recent use, no thrash): 3 models, limit 2. Client A sends a request every
+    200 ms of think time; client BC asks B, then C, then B... 50 ms after each answer (so B is always
+    used more recently than A when C comes: least-recently-used eviction took A). A is never evicted
+    (one pool serves all its requests, no eviction row names it, every answer 200), while B and C
+    evict each other and each of their requests is served within its busy timeout or gets 503
+    ``residency_full``."""
+    if rstack.limit < 2:
+        pytest.skip("the scenario has one steady model beside two taking turns")
+
+    async def client_a(op, stop) -> list:
+        answers = []
+        while not stop.is_set():
+            answers.append(await post(op, "steadyA", tag="A"))
+            await asyncio.sleep(0.2)
+        return answers
+
+    async def client_bc(op) -> list:
+        answers = []
+        for turn in range(8):
+            model = ("turnB", "turnC")[turn % 2]
+            answers.append((model, await post(op, model, busy_timeout_ms=3000)))
+            await asyncio.sleep(0.05)
+        return answers
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            for name in ("steadyA", "turnB", "turnC"):
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+            stop = asyncio.Event()
+            steady = asyncio.create_task(client_a(op, stop))
+            await asyncio.sleep(1)  # A is in steady use before B and C start taking turns
+            turns = await within(client_bc(op), 60)
+            stop.set()
+            return await steady, turns
+    steady, turns = run(scenario())
+    assert [a[0].status_code for a in steady] == [200] * len(steady), [a[0].text for a in steady]
+    assert len({a[0].json()["pool_id"] for a in steady}) == 1  # one pool: A was never evicted nor reloaded
+    for model, (resp, started, ended) in turns:
+        if resp.status_code != 200:
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "residency_full", resp.text
+        assert ended - started < 3 + 1.5, (model, ended - started)  # its busy timeout, plus the HTTP round trip
+    served = {model for model, (resp, _, _) in turns if resp.status_code == 200}
+    assert served == {"turnB", "turnC"}  # the two took turns in the second slot
+    rows = rstack.sql("SELECT model_id FROM registry_lifecycleevent WHERE event = 'teardown' "
+                      "AND actor LIKE 'eviction for %%' AND model_id IN ('steadyA', 'turnB', 'turnC')")
+    assert rows and ("steadyA",) not in rows, rows
+
+
+def test_a_cold_request_waits_rather_than_evict_a_model_in_steady_use(rstack):
+    """R6.1: limit 1, model A asked every 200 ms of think time (idle in each pause, so least-recently-
+    used eviction took it): a cold request for C, with fewer recent requests than A, does not evict
+    it; it waits for room and gets 503 ``residency_full`` when its 1.5 s busy timeout ends. A keeps
+    its one pool and every answer is 200."""
+    if rstack.limit != 1:
+        pytest.skip("with room for two models nothing needs evicting")
+
+    async def scenario():
+        async with mclient(rstack, rstack.token) as op:
+            await reset(op, rstack)
+            for name in ("steadyA1", "coldC1"):
+                assert (await op.post("/v1/models/load", json=fx(name, 1) | {"lazy": True})).status_code == 200
+            stop, steady = asyncio.Event(), []
+
+            async def client_a():
+                while not stop.is_set():
+                    steady.append(await post(op, "steadyA1"))
+                    await asyncio.sleep(0.2)
+            a = asyncio.create_task(client_a())
+            await asyncio.sleep(1.5)
+            cold, started, ended = await post(op, "coldC1", busy_timeout_ms=1500)
+            stop.set()
+            await within(a, 10)
+            return cold, ended - started, steady
+    cold, waited_s, steady = run(scenario())
+    assert cold.status_code == 503 and cold.json()["error"]["code"] == "residency_full", cold.text
+    assert 1.4 <= waited_s < 5, waited_s
+    assert [r.status_code for r, _, _ in steady] == [200] * len(steady)
+    assert len({r.json()["pool_id"] for r, _, _ in steady}) == 1
+    assert entry_of(rstack, "coldC1")["state"] == "unloaded"
 
 
 def test_no_model_is_evicted_for_a_load_in_backoff(rstack):

@@ -18,11 +18,12 @@ from inference.runtime.context import KEYS, async_context
 from inference.runtime.published import legacy_slots_ignored
 from inference import audio
 from inference.runtime.loads import load_single_flight
-from inference.runtime.runs import INPUT_TTL_MS, inline_element, split_element
+from inference.runtime.loads import Placement
+from inference.runtime.runs import INPUT_TTL_MS, Handover, RunInput, inline_element, run_on_worker, split_element
 from inference.scheduler import LoadEnd, Scheduler
 from inference.worker.runs import POP_TIMEOUT_S, RunDispatcher
 from inference.worker.state import CapacityExceeded, WorkerState
-from inference.worker.work import INLINE_REPLY_TTL_MS, destroy_pool
+from inference.worker.work import INLINE_REPLY_TTL_MS, destroy_pool, reply
 
 from .support.bounds import run, within
 
@@ -341,3 +342,96 @@ def test_a_legacy_start_names_the_registrations_whose_slots_it_does_not_run():
     assert warning is not None and warning.endswith(": vad2 (slots=4)"), warning
     assert legacy_slots_ignored(metas, "parallel") is None
     assert legacy_slots_ignored({"vad": {"slots": None}}, "legacy") is None
+
+
+# -- a run whose client leaves (R8.2): the lease and the reply key ----------------------------------
+async def _left_run(ctx, redis_client, worker: WorkerState, request_first: bool, answer) -> tuple[str, dict, bool]:
+    """Hand a run to ``worker``'s queue through the web side (``run_on_worker``), then its client leaves
+    and the worker answers (``answer(queue_key)``, blocking, the worker's own code), in either order:
+    ``request_first`` = the client leaves before the answer, else after the answer was sent but before
+    the web process read it (the loop is blocked while the worker answers). Returns the request id,
+    the model's snapshot right after, and whether the web side's wait ended in a cancellation."""
+    queue_key = KEYS.run_queue(worker.hostname, worker.boot)
+    lease = await ctx.scheduler.acquire(ctx.listener, "m", 0)
+    run_input = RunInput(np.zeros(1600, dtype="<f4"), 16000, {})
+    handover = Handover()
+    task = asyncio.create_task(run_on_worker(ctx, "m", lease.lease_id, Placement(worker.hostname, worker.boot, 0.0),
+                                             run_input, handover))
+    deadline = time.monotonic() + 5
+    while redis_client.llen(queue_key) == 0:
+        assert time.monotonic() < deadline, "the run never reached the worker's queue"
+        await asyncio.sleep(0.01)
+    if request_first:
+        task.cancel()
+        cancelled = await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(answer, queue_key)
+    else:
+        answer(queue_key)  # blocks the loop: the reply is in Redis, unread, when the client leaves
+        task.cancel()
+        cancelled = await asyncio.gather(task, return_exceptions=True)
+    assert handover.sent  # the run was on the worker's queue: the web process no longer releases the lease itself
+    return run_input.request_id, (await ctx.scheduler.snapshot(["m"]))["m"], isinstance(cancelled[0],
+                                                                                       asyncio.CancelledError)
+
+
+@pytest.mark.parametrize("request_first", [True, False], ids=["client-leaves-first", "worker-answers-first"])
+def test_a_client_that_leaves_while_its_run_waits_on_a_stopping_worker_gives_its_lease_back_at_once(
+        redis_client, request_first):
+    """R8.2 with a warm shutdown: a run waits on a worker's queue, its client leaves, and the stopping
+    worker answers it ``not_loaded`` (it never took the run, so the lease is still the sender's, and
+    the sender is gone): in either order the lease is given back at once (not after lease_ttl_ms),
+    and neither the reply, the input nor the stop marker stays in Redis."""
+    worker = WorkerState()
+    worker.hostname = "gpu0@stopping-" + ("late" if request_first else "early")
+    redis_client.set(KEYS.worker_live(worker.hostname), worker.boot, px=30000)
+    dispatcher = RunDispatcher(worker, threads=2)  # never started: the run stays queued until stop()
+    refused = []
+
+    async def scenario():
+        ctx = await async_context()
+        outcome = await _left_run(ctx, redis_client, worker, request_first,
+                                  lambda _queue: refused.append(dispatcher.stop()))
+        await ctx.listener.close()
+        return outcome
+    request_id, status, cancelled = run(scenario())
+    assert refused == [1] and cancelled
+    assert status["active_leases"] == 0 and status["queued"] == 0, status
+    for key in (KEYS.result(request_id), KEYS.input(request_id), KEYS.stop(request_id)):
+        assert redis_client.exists(key) == 0, key
+
+
+@pytest.mark.parametrize("request_first", [True, False], ids=["client-leaves-first", "worker-answers-first"])
+def test_the_reply_of_a_run_whose_client_left_is_not_kept(redis_client, request_first):
+    """R8.2: a worker that took a run answers after its client left (or the client leaves after the
+    answer was sent but before it was read): the lease is released with the answer, and no reply key
+    (``as:out:<id>``) stays in Redis waiting for its TTL, nor the stop marker."""
+    worker = WorkerState()
+    worker.hostname = "gpu0@answering-" + ("late" if request_first else "early")
+    redis_client.set(KEYS.worker_live(worker.hostname), worker.boot, px=30000)
+
+    def answer(queue_key: str) -> None:  # the worker took the run and answers as serve_run does
+        header, _samples = split_element(_raw_pop(redis_client, queue_key))
+        reply(header["channel"], KEYS.result(header["request_id"]), f"done:{header['request_id']}",
+              {"ok": True, "result": {"text": "x" * 9000}}, release=(header["model_id"], header["lease_id"]),
+              inline=True)
+
+    async def scenario():
+        ctx = await async_context()
+        outcome = await _left_run(ctx, redis_client, worker, request_first, answer)
+        await ctx.listener.close()
+        return outcome
+    request_id, status, cancelled = run(scenario())
+    assert cancelled
+    assert status["active_leases"] == 0 and status["queued"] == 0, status
+    for key in (KEYS.result(request_id), KEYS.stop(request_id)):
+        assert redis_client.exists(key) == 0, key
+
+
+def _raw_pop(redis_client, queue_key: str) -> bytes:
+    """Pop one run queue element as bytes (a worker's run thread pops it so)."""
+    raw = redis.Redis(connection_pool=redis.ConnectionPool(**{**redis_client.connection_pool.connection_kwargs,
+                                                              "decode_responses": False}))
+    try:
+        return raw.rpop(queue_key)
+    finally:
+        raw.close()

@@ -13,9 +13,11 @@ from inference.scheduler import (
     AdmissionTimeout,
     ForgottenWorker,
     Keys,
+    LeaseKind,
     LoadEnd,
     LoadEndRecord,
     ModelState,
+    Scheduler,
     effective_timeout_ms,
 )
 
@@ -809,6 +811,40 @@ def test_try_acquire_takes_only_a_ready_idle_model_and_never_waits(redis_client)
             assert not blocked.done()  # the evicting manager holds the model
             await rig.scheduler.release("m", lease.lease_id)
             await rig.scheduler.release("m", (await within(blocked)).lease_id)
+    run(scenario())
+
+
+def test_recent_use_counts_admitted_requests_decays_and_bounds_eviction_by_try_acquire(redis_client):
+    """R6.1 (eviction by recent use): each request admitted for a registered model adds one to its
+    recent use, which halves every ``use_half_life_ms``; managers and unregistered models count
+    nothing. try_acquire for an eviction refuses a model whose pool is younger than the minimum
+    residency, or whose use is not below the asker's demand, and takes it once both hold."""
+    async def scenario():
+        keys = Keys(unique_prefix())
+        async with Rig(keys) as rig:
+            scheduler = Scheduler(rig.redis, keys, rig.ttl_ms, use_half_life_ms=1000)
+            await rig.redis.hset(keys.models_meta, "m", "{}")
+            await rig.redis.set(keys.worker_live("w"), "boot1", px=30000)
+            assert (await scheduler.begin_load(rig.listener, "m", "tok")).action == "load"
+            assert await scheduler.finish_load("m", "tok", LoadEnd.READY, "w", "boot1", capacity=1) == "ok"
+            for _ in range(3):
+                lease = await within(scheduler.acquire(rig.listener, "m", 0))
+                await scheduler.release("m", lease.lease_id)
+            manager = await within(scheduler.acquire(rig.listener, "m", 0, LeaseKind.MANAGER))
+            await scheduler.release("m", manager.lease_id)
+            unregistered = await within(scheduler.acquire(rig.listener, "other", 0))
+            await scheduler.release("other", unregistered.lease_id)
+            status = (await scheduler.snapshot(["m", "other"]))
+            assert 2.8 < status["m"]["use"] <= 3.0 and status["other"]["use"] == 0, status
+            assert status["m"]["state"] == "ready" and 0 <= status["m"]["resident_ms"] < 1000
+            assert await scheduler.try_acquire("m", min_resident_ms=60000) is None  # too recently loaded
+            assert await scheduler.try_acquire("m", below_use=2.5) is None  # in more use than the asker
+            await asyncio.sleep(0.6)  # 3 requests decay to about 3 * 2^-0.6 = 1.98
+            later = (await scheduler.snapshot(["m"]))["m"]
+            assert 1.6 < later["use"] < 2.1 and later["resident_ms"] >= 600, later
+            lease = await scheduler.try_acquire("m", min_resident_ms=500, below_use=2.5)
+            assert lease is not None and lease.kind == "manager"
+            await scheduler.release("m", lease.lease_id)
     run(scenario())
 
 

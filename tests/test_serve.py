@@ -25,7 +25,7 @@ from .support.bounds import MODEL_S, QUICK_S, run, until, within
 from .support.clients import body, mclient
 from .support.processes import (ROOT, embedded_env, free_port, kill_process_tree, mode_of, start_embedded,
                                 start_serve)
-from .support.stacks import FIXTURE_ENV, events_of, live_workers, run_stack, worker_pids
+from .support.stacks import FIXTURE_ENV, entry_of, events_of, live_workers, run_stack, worker_pids
 
 
 @pytest.mark.stack
@@ -384,5 +384,37 @@ def test_a_worker_killed_during_a_load_frees_the_load_at_once_and_the_replacemen
         assert stack.arrived("cold") == 2
         assert [p.pid for p in psutil.Process(stack.proc.pid).children() if p.pid not in worker_pids(stack)] \
             == web_before, "only the worker was restarted"
+    finally:
+        next(stacks, None)
+
+
+def test_after_a_worker_restart_the_eager_models_it_held_load_again_by_themselves(tmp_path):
+    """R7.4 with serve's restart: a worker holding an eager and a lazy model is killed (``kill -9``); once
+    its replacement beats, serve loads the eager model again on it without any request (logged, a new
+    ``load`` row, state ``ready`` in Redis and the database), while the lazy one stays unloaded until
+    asked."""
+    models = [{"id": "eager", "family": "fixture"}, {"id": "lazy", "family": "fixture", "lazy": True}]
+    stacks = run_stack(tmp_path, models, redis_db=8, name="sup4", extra_env=FIXTURE_ENV)
+    stack = next(stacks)
+    try:
+        with stack.client() as c:
+            for model_id in ("eager", "lazy"):
+                assert c.post("/v1/tasks/run", json=body(model_id)).status_code == 200
+        loads_before = events_of(stack, "eager").count(("load", "ok", stack.redis.hget(KEYS.load("eager"), "owner")))
+        [old_pid] = worker_pids(stack)
+        old_host = _worker_hostname(stack, old_pid)
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (stack.redis.hget(KEYS.load("eager"), "state") == "ready"
+                   and stack.redis.hget(KEYS.load("eager"), "owner") not in (None, old_host)):
+            assert time.monotonic() < deadline, stack.log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        new_host = stack.redis.hget(KEYS.load("eager"), "owner")
+        assert new_host == _worker_hostname(stack, worker_pids(stack)[0])
+        assert "loading again the eager model(s) a lost worker held: eager" in stack.log_path.read_text()
+        assert loads_before == 1 and ("load", "ok", new_host) in events_of(stack, "eager")
+        assert stack.sql("SELECT state FROM registry_modelregistration WHERE model_id = 'eager'") == [("ready",)]
+        assert stack.redis.hget(KEYS.load("lazy"), "state") == "unloaded"
+        assert entry_of(stack, "lazy")["state"] == "unloaded"
     finally:
         next(stacks, None)

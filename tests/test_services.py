@@ -34,6 +34,7 @@ from inference.scheduler import (
     RunOffer,
     effective_timeout_ms,
 )
+from inference.worker import tasks as worker_tasks
 from inference.worker import work
 from inference.worker.state import WorkerState
 from registry import records
@@ -393,3 +394,41 @@ def test_a_run_offered_with_its_enqueue_goes_to_the_ready_worker_only_when_grant
     assert 0 < ttl <= 60000
     assert not later.dispatched and after_queueing == 1  # granted after queueing: the caller stages it
     assert held == 1
+
+
+def test_a_starting_worker_settles_what_dead_workers_left_in_redis_and_the_database(redis_client):
+    """R7.4 without serve: a worker, as it starts, settles the pools whose worker's liveness key is gone
+    and the loads whose worker is gone, once: Redis and the database say ``unloaded`` (an ``unload`` row
+    naming the dead worker in ``last_error``; a failed ``load`` row whose actor is the dead worker); a
+    pool on a live worker is untouched; a second look changes nothing."""
+    ids = ("on-dead", "on-live", "loading-dead")
+    records.registration_sync_config(parse_config({"models": [{"id": i, "family": "silero_vad"} for i in ids]}))
+    metas = {model_id: ModelRegistration.objects.get(model_id=model_id).as_meta() for model_id in ids}
+    live_boot = live_worker(redis_client, "w@live")
+    for model_id in ("on-dead", "on-live"):
+        records.registration_record_state(model_id, "ready")
+    records.registration_record_state("loading-dead", "loading")
+
+    async def publish(ctx):
+        for meta in metas.values():
+            await ctx.scheduler.publish_entry(meta, 1)
+    _run(publish)
+    redis_client.hset(KEYS.load("on-dead"), mapping={"state": "ready", "owner": "w@dead", "boot": "b1"})
+    redis_client.hset(KEYS.load("on-live"), mapping={"state": "ready", "owner": "w@live", "boot": live_boot})
+    redis_client.hset(KEYS.load("loading-dead"), mapping={"state": "loading", "loader": "tok", "loader_host": "w@dead",
+                                                          "loader_boot": "b1", "loader_expires_ms": 2 ** 50})
+    worker_tasks._settle_lost_pools()
+    worker_tasks._settle_lost_pools()  # nothing left to settle: no second row
+    assert redis_client.hget(KEYS.load("on-dead"), "state") == "unloaded"
+    assert redis_client.hget(KEYS.load("on-live"), "state") == "ready"
+    assert redis_client.hmget(KEYS.load("loading-dead"), "state", "ended") == ["unloaded", "worker_lost"]
+    states = dict(ModelRegistration.objects.values_list("model_id", "state"))
+    assert (states["on-dead"], states["on-live"], states["loading-dead"]) == ("unloaded", "ready", "unloaded")
+    assert "w@dead stopped beating" in ModelRegistration.objects.get(model_id="on-dead").last_error
+
+    def rows(model_id):
+        return list(LifecycleEvent.objects.filter(model_id=model_id).exclude(event="register")
+                    .values_list("event", "outcome"))
+    assert rows("on-dead") == [("unload", "ok")] and rows("on-live") == []
+    assert list(LifecycleEvent.objects.filter(model_id="loading-dead", event="load")
+                .values_list("outcome", "actor")) == [("failed", "w@dead")]

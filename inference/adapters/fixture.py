@@ -2,7 +2,8 @@
 ``AUDIOSITE_ENABLE_FIXTURE_FAMILY=1``).
 
 Load options: ``version`` (echoed as ``config_version``), ``load_barrier``
-(hold the load there), ``teardown_barrier`` (hold the unload there),
+(hold the load there), ``load_ms`` (the load sleeps that long: a real model's
+load time, without its CPU), ``teardown_barrier`` (hold the unload there),
 ``fail_load`` (raise while loading), ``fail_session`` (raise while creating
 that slot's session). Request options: ``barrier`` (hold the run there),
 ``fail`` (raise inside the run), ``tag`` (echoed), ``sleep_ms`` (busy time).
@@ -91,6 +92,8 @@ class FixtureAdapter:
             raise InjectedFailure(f"injected load failure at barrier {opts['load_barrier']!r}")
         if opts.get("fail_load"):
             raise InjectedFailure("injected load failure")
+        if opts.get("load_ms"):
+            time.sleep(opts["load_ms"] / 1000)
         return Shared(uuid.uuid4().hex[:12], opts.get("version", "v0"), ctx.barrier, opts.get("teardown_barrier"),
                       opts.get("fail_session"))
 

@@ -69,7 +69,7 @@ def sync_redis_bytes() -> Any:
 @functools.cache
 def sync_scheduler() -> Scheduler:
     """Scheduler on the synchronous client (worker threads, management commands)."""
-    return Scheduler(sync_redis(), KEYS, get_config().lease_ttl_ms)
+    return Scheduler(sync_redis(), KEYS, get_config().lease_ttl_ms, get_config().use_half_life_ms)
 
 
 @dataclass
@@ -116,6 +116,7 @@ async def async_context() -> AsyncContext:
     if ctx is not None and ctx.listener.loop is loop:  # another coroutine won the race
         await listener.close()
         return ctx
-    ctx = AsyncContext(client, client_bytes, Scheduler(client, KEYS, get_config().lease_ttl_ms), listener)
+    scheduler = Scheduler(client, KEYS, get_config().lease_ttl_ms, get_config().use_half_life_ms)
+    ctx = AsyncContext(client, client_bytes, scheduler, listener)
     _contexts[id(loop)] = ctx
     return ctx

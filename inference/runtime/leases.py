@@ -135,7 +135,8 @@ async def cold_load_guard(ctx: AsyncContext, deadline_s: float | None = None):
         lease = await waiting
     else:
         try:
-            lease = await asyncio.wait_for(waiting, max(0.0, deadline_s - time.monotonic()))
+            async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())):
+                lease = await waiting
         except TimeoutError:  # the ticket is gone (the cancelled acquire withdrew it, R8.1)
             raise ResidencyFull("the server is at max_loaded_models and the cold loads ahead of this request "
                                 "did not finish within its busy timeout") from None

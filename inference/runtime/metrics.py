@@ -111,7 +111,7 @@ MODEL_LOADS = Stored("model_loads_total", Kind.COUNTER, ("model", "outcome"),
                      "Model loads finished by a worker, by outcome (ok, failed).",
                      lambda model_id, task: [(model_id, "ok"), (model_id, "failed")])
 EVICTIONS = Stored("evictions_total", Kind.COUNTER, ("model",),
-                   "Models unloaded to make room under max_loaded_models (least recently used first).")
+                   "Models unloaded to make room under max_loaded_models (by eviction_policy).")
 AUDIO_SECONDS = Stored("audio_seconds_total", Kind.COUNTER, ("model", "task"),
                        "Seconds of audio processed: the decoded input of answered requests (asr, vad, embedding, "
                        "diarization, music) and of completed realtime turns; for tts the speech synthesised.",

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 INPUT_TTL_MS = 600000  # a request's input waits at most 10 min for its worker
 CANCEL_TTL_MS = 600000
 """Expiry (ms) of a run's ``Keys.stop`` marker set by :func:`run_reply` when its caller left: longer
-than a run may wait on its worker's queue and run (a run stops within one of its steps)."""
+than a run may wait on its worker's queue and run (a run stops within one of its steps). The worker's
+reply deletes it."""
 
 
 class RunFailure(StrEnum):
@@ -228,7 +229,7 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
                 pass
             raise
         handover.sent = True
-        return await run_reply(ctx, request_id, placement, wake)
+        return await run_reply(ctx, request_id, placement, wake, model_id, "" if held else lease_id)
     finally:
         ctx.listener.forget(f"done:{request_id}")
 
@@ -280,20 +281,25 @@ def offer_run(ctx: AsyncContext, model_id: str, run_input: RunInput, meta_json: 
     return OfferedRun(offer, ctx.listener.expect(f"done:{run_input.request_id}"), run_input.request_id)
 
 
-async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wake: asyncio.Future) -> dict | None:
+async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wake: asyncio.Future,
+                    model_id: str, lease_id: str) -> dict | None:
     """Await the reply of a run handed to ``placement``'s worker (by :func:`run_on_worker` or with its
     grant): the worker's reply (see ``inference.worker.work.run_request``), or None when the worker
     died meanwhile. ``wake``: ``listener.expect(f"done:{request_id}")``, registered before the hand-over.
 
-    A caller cancelled while it waits (its client left, R8.2) sets ``Keys.stop(request_id)`` (TTL
-    ``CANCEL_TTL_MS``) before the cancellation goes on: an adapter that asks ``cancelled()`` between
-    bounded steps stops its run, and the worker gives the lease back with its reply."""
+    A caller cancelled while it waits (its client left, R8.2) runs ``Scheduler.run_left`` before the
+    cancellation goes on, one step against the worker's reply (``Scheduler.run_reply``): a reply
+    already there is deleted unread, and a ``not_loaded`` one (a stopping worker never took the run)
+    gives ``lease_id`` of ``model_id`` back at once; otherwise ``Keys.stop(request_id)`` (TTL
+    ``CANCEL_TTL_MS``) names the lease: an adapter that asks ``cancelled()`` between bounded steps
+    stops its run, the worker's reply is not stored, and a ``not_loaded`` one gives the lease back.
+    ``lease_id`` '': a held run (its caller releases the lease itself)."""
     try:
         answered = await await_reply(ctx, wake, KEYS.result(request_id),
                                      lambda: until_worker_lost(ctx, placement.owner, placement.boot))
     except asyncio.CancelledError:
         try:
-            await asyncio.shield(ctx.redis.set(KEYS.stop(request_id), "1", px=CANCEL_TTL_MS))
+            await asyncio.shield(ctx.scheduler.run_left(model_id, request_id, lease_id, CANCEL_TTL_MS))
         except Exception:  # Redis gone or cancelled again: the run then finishes for nobody, as before
             log.warning("could not mark run %s as left by its client", request_id, exc_info=True)
         raise

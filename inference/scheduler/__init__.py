@@ -38,6 +38,7 @@ from .types import (
     ReapResult,
     RunOffer,
     RequestStats,
+    SettledPools,
     TicketStatus,
 )
 
@@ -72,6 +73,7 @@ __all__ = [
     "ModelStatus",
     "ReapResult",
     "RequestStats",
+    "SettledPools",
     "RuntimeMismatch",
     "Scheduler",
     "SchedulerError",

@@ -23,7 +23,8 @@ class Keys:
         return f"{self.prefix}m:{{{model_id}}}"
 
     def load(self, model_id: str) -> str:
-        """HASH of one model's lifecycle: state, owner, boot, loader claim, error, capacity, last_used_ms."""
+        """HASH of one model's lifecycle: state, owner, boot, loader claim, error, capacity, last_used_ms,
+        recent use (``use``, ``use_at_ms``), ``loaded_at_ms`` (layout: ``lua/lib.lua``)."""
         return self.model(model_id) + ":load"
 
     def load_end(self, model_id: str, token: str) -> str:

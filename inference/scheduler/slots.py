@@ -39,6 +39,7 @@ from .types import (
     ReapResult,
     RunOffer,
     RequestStats,
+    SettledPools,
     TicketStatus,
 )
 
@@ -48,12 +49,17 @@ _SCRIPT_NAMES = (
     "begin_load", "renew_load", "finish_load", "mark_unloaded", "snapshot",
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
-    "census", "forget_worker", "forget_departed", "worker_leave", "forget_process",
+    "census", "forget_worker", "forget_departed", "worker_leave", "forget_process", "run_left", "run_reply",
+    "settle_lost_pools",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
             for name in _SCRIPT_NAMES}
 
+
+USE_HALF_LIFE_MS = 10000
+"""Default half-life of a model's recent-use count (``lua/lib.lua``'s ``use_now``), in ms: the server's
+``use_half_life_ms`` (``audiosite.serverconfig``) overrides it."""
 
 TICKET_CHECK_S = LIVENESS_TTL_MS / 1000
 """A queued waiter looks at its ticket (``reap.lua``) at least this often, in seconds (R7.5)."""
@@ -174,15 +180,18 @@ class Scheduler:
         keys: key layout.
         lease_ttl_ms: a lease whose holder does not renew it for this long is
             reclaimed (R2.5).
+        use_half_life_ms: half-life of each model's recent-use count (the decayed
+            count of requests admitted, R6.1), in ms.
 
     Script sources are read once per process; each instance binds them to
     its client (one instance per client: see ``inference.runtime.context``).
     """
 
-    def __init__(self, redis, keys: Keys, lease_ttl_ms: int):
+    def __init__(self, redis, keys: Keys, lease_ttl_ms: int, use_half_life_ms: int = USE_HALF_LIFE_MS):
         self.redis = redis
         self.keys = keys
         self.lease_ttl_ms = lease_ttl_ms
+        self.use_half_life_ms = use_half_life_ms
         self._scripts = {name: redis.register_script(source) for name, source in _SOURCES.items()}
         self._release_loaded = False  # release_in: loaded on this client's server (sync clients only)
 
@@ -209,6 +218,45 @@ class Scheduler:
         """Extend a lease by the TTL. Returns True, or False when it was already reclaimed (an awaitable of it
         with an async client)."""
         return _then(self._run("renew", [self.keys.model(model_id)], [lease_id, self.lease_ttl_ms]), _held)
+
+    def run_left(self, model_id: str, request_id: str, lease_id: str, stop_ttl_ms: int):
+        """The client of run ``request_id`` left while its web process waited for the reply (R8.2), in one
+        step with the worker's reply (``run_left.lua``; :meth:`run_reply` is the other side).
+
+        Args:
+            lease_id: the sender's request lease of ``model_id``, still its own until a worker takes the
+                run ('' for a held run, whose lease the sender releases itself).
+            stop_ttl_ms: expiry of the stop marker set when no reply is there yet.
+
+        Returns:
+            'answered' (a reply was there, unread: deleted; a ``not_loaded`` one also gave the lease and the
+            input back) or 'marked' (``Keys.stop`` set, naming the lease); an awaitable of it with an
+            async client.
+        """
+        keys = [self.keys.result(request_id), self.keys.stop(request_id), self.keys.input(request_id),
+                self.keys.model(model_id)]
+        return _then(self._run("run_left", keys, [lease_id, stop_ttl_ms, self.lease_ttl_ms]), _text)
+
+    def run_reply(self, request_id: str, channel: str, reply_json: str, wake_message: str, ttl_ms: int,
+                  release: tuple[str, str] | None, taken: bool = True):
+        """A worker's reply to run ``request_id`` (``run_reply.lua``), unless its client left (R8.2).
+
+        Args:
+            channel: the sender's pub/sub channel; ``wake_message`` is published there.
+            reply_json: the reply, stored at ``Keys.result(request_id)`` for ``ttl_ms``.
+            release: ``(model_id, lease_id)`` released first (a run's end), or None.
+            taken: False for a run the worker never took (``not_loaded``): its lease is still the
+                sender's, so when the client left the lease its stop marker names is given back, with
+                the run's input.
+
+        Returns:
+            True when the reply was stored and published, False when its client had left (nothing
+            stored; the stop marker deleted). An awaitable of it with an async client.
+        """
+        model_key, lease_id = (self.keys.model(release[0]), release[1]) if release else ("", "")
+        keys = [self.keys.result(request_id), self.keys.stop(request_id), self.keys.input(request_id), model_key]
+        return _then(self._run("run_reply", keys, [reply_json, wake_message, channel, ttl_ms, lease_id,
+                                                   self.lease_ttl_ms, "0" if taken else "1"]), _held)
 
     def keep_alive(self, model_id: str, lease_id: str) -> KeepAlive:
         """A :class:`KeepAlive` renewing ``lease_id`` every third of the TTL (``async with`` or ``with``)."""
@@ -284,6 +332,22 @@ class Scheduler:
                                                  self.keys.worker_memory, *bases],
                                [hostname, "worker lost", self.lost_load_error(hostname)]),
                      lambda r: ForgottenWorker([bases[_text(b)] for b in r[0]], [bases[_text(b)] for b in r[1]]))
+
+    def settle_lost_pools(self, model_ids: list[str]):
+        """Write down in Redis what dead workers left on ``model_ids`` (``settle_lost_pools.lua``, R7.4): a
+        ``ready`` pool whose worker's liveness key is gone (or names another boot) becomes unloaded, a load
+        whose worker is gone ends ``worker_lost`` (waiters woken, no backoff; error :meth:`lost_load_error`).
+        Each change is made once, by whoever sees it first, so the caller that gets it records it.
+
+        Returns:
+            :class:`SettledPools` (an awaitable of it with an async client).
+        """
+        bases = {self.keys.model(model_id): model_id for model_id in model_ids}
+
+        def settled(reply) -> SettledPools:
+            return SettledPools(*([(bases[_text(base)], _text(host)) for base, host in group] for group in reply))
+        return _then(self._run("settle_lost_pools", [self.keys.worker_live_prefix, *bases], ["worker lost"]),
+                     settled)
 
     def forget_process(self, channel: str, model_ids: list[str]):
         """Give back at once what a dead web process held (``forget_process.lua``, R7.5/R2.5): its liveness
@@ -491,7 +555,8 @@ class Scheduler:
         """
         keys = [self.keys.model(model_id), self.keys.seq, self.keys.models_meta, self.keys.worker_live_prefix]
         kind_arg = f"{kind}:{stream_cap}" if kind is LeaseKind.STREAM else str(kind)
-        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, kind_arg, model_id]
+        args: list[Any] = [ticket, listener.channel, timeout_ms, self.lease_ttl_ms, kind_arg, model_id,
+                           self.use_half_life_ms]
         if offer is not None:
             keys.append(self.keys.run_queue_prefix)
             args += [offer.expected_meta, offer.element_for(ticket), offer.queue_ttl_ms]
@@ -588,19 +653,25 @@ class Scheduler:
                                               json.loads(_text(r[1])) if _text(r[1]) else None,
                                               int(r[2]), int(r[3]), bool(int(r[4])), _text(r[1])))
 
-    def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0):
+    def try_acquire(self, model_id: str, state: ModelState = ModelState.READY, idle_ms: int = 0,
+                    min_resident_ms: int = 0, below_use: float | None = None):
         """Take the model's manager lease only if it is free right now (R6.1, R6.4).
 
         Never waits and never interrupts: the result is None when the model is
         not in ``state``, holds any lease, has anything queued, or (``idle_ms``
         > 0) finished its last work less than ``idle_ms`` ms ago (Redis clock).
+        Eviction by recent use (R6.1) also asks, in the same step, that its pool has
+        been ready for at least ``min_resident_ms`` ms and that its recent-use count
+        (decayed requests, ``ModelStatus.use``) is below ``below_use`` (None = any).
 
         Returns:
             :class:`Lease` or None; with an async client, an awaitable of it.
         """
         lease = Lease(model_id, uuid.uuid4().hex, 0, 0.0, LeaseKind.MANAGER)
+        bound = "" if below_use is None else repr(float(below_use))
         return _then(self._run("try_acquire", [self.keys.model(model_id)],
-                               [lease.lease_id, self.lease_ttl_ms, str(state), idle_ms]),
+                               [lease.lease_id, self.lease_ttl_ms, str(state), idle_ms, min_resident_ms, bound,
+                                self.use_half_life_ms]),
                      lambda granted: lease if int(granted) else None)
 
     async def acquire_many(self, listener: Listener, model_ids: list[str],
@@ -756,7 +827,7 @@ class Scheduler:
         if not model_ids:
             return {}
         keys = [self.keys.model(m) for m in model_ids] + [self.keys.worker_live_prefix]
-        result = self._run("snapshot", keys, [])
+        result = self._run("snapshot", keys, [self.use_half_life_ms])
         if inspect.isawaitable(result):
             result = await result
         return {
@@ -764,6 +835,6 @@ class Scheduler:
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
                        "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
                        "last_used_ms": int(row[8]), "retry_at_ms": int(row[9]), "retry_in_ms": int(row[10]),
-                       "worker": _text(row[11])}
+                       "worker": _text(row[11]), "use": float(_text(row[12])), "resident_ms": int(row[13])}
             for model_id, row in zip(model_ids, result, strict=True)
         }

@@ -241,6 +241,14 @@ class ForgottenWorker(NamedTuple):
     loads: list[str]
 
 
+class SettledPools(NamedTuple):
+    """Result of ``settle_lost_pools.lua``: ``(model id, worker hostname)`` pairs of the pools found on dead
+    workers (now unloaded) and of the loads whose worker was gone (now ended ``worker_lost``)."""
+
+    pools: list[tuple[str, str]]
+    loads: list[tuple[str, str]]
+
+
 class Census(NamedTuple):
     """Result of ``census.lua``: ``live_workers`` (started workers whose liveness key exists),
     ``worker_starting`` (a supervisor is starting a worker, ``Keys.worker_starting``) and
@@ -262,7 +270,10 @@ class ModelStatus(TypedDict):
     ``retry_at_ms``: when a failed load's backoff ends (0 = no failed load,
     R6.7; ``state`` then reads ``failed``); ``retry_in_ms``: how long until
     then (0 = a load may be tried now). ``worker``: the Celery hostname holding the
-    pool (ready) or running the load (loading), else ''.
+    pool (ready) or running the load (loading), else ''. ``use``: the model's
+    recent use, the count of requests admitted for it each decayed by half every
+    ``use_half_life_ms`` (a float, in requests; R6.1); ``resident_ms``: how long its
+    pool has been ready (0 when not ready).
     """
 
     state: ModelState
@@ -277,6 +288,8 @@ class ModelStatus(TypedDict):
     retry_at_ms: int
     retry_in_ms: int
     worker: str
+    use: float
+    resident_ms: int
 
 
 class RequestStats(NamedTuple):

@@ -1,5 +1,5 @@
 """Loading and residency (R4.2, R6): make sure a model is loaded, preload models, make room by the memory
-guard and LRU eviction."""
+guard and eviction (by recent use, or least recently used: the server's ``eviction_policy``)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from asgiref.sync import sync_to_async
 
@@ -49,7 +50,8 @@ async def model_ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = Fa
     model that is ready, or being loaded by someone else, never touches the
     guard, so warm traffic never waits on it. A model whose last load failed
     is refused until its backoff ends, before any eviction (R6.7), unless
-    ``force`` (an explicit management load).
+    ``force`` (an explicit management load, which also may evict a model whatever
+    its recent use: ``residency_make_room``'s ``explicit``).
 
     Args:
         room_timeout_ms: how long a cold load may wait for the guard and for
@@ -76,7 +78,7 @@ async def model_ensure_loaded(ctx: AsyncContext, model_id: str, force: bool = Fa
                 status = (await ctx.scheduler.snapshot([model_id]))[model_id]
                 if status["retry_in_ms"] and not force:  # failed while we waited for the guard (R6.7)
                     raise loads.backoff_error(model_id, status["retry_in_ms"], status["error"])
-                await residency_make_room(ctx, model_id, deadline_s, guard)
+                await residency_make_room(ctx, model_id, deadline_s, guard, explicit=force)
                 await guard.check()
                 placement = await loads.load_single_flight(ctx, model_id, force=force, on_load_lost=lost)
                 if placement.load_ms:
@@ -150,26 +152,33 @@ snapshot per poll: cheap, and simpler than a wake-up on every release."""
 
 
 async def residency_make_room(ctx: AsyncContext, model_id: str, deadline_s: float | None = None,
-                    guard: leases.GuardHeld | None = None) -> list[str]:
-    """Apply the memory guard and evict LRU models so ``model_id`` may load (R6.1, R6.5).
+                              guard: leases.GuardHeld | None = None, explicit: bool = False) -> list[str]:
+    """Apply the memory guard and evict models so ``model_id`` may load (R6.1, R6.5).
 
     Call while holding the cold-load guard (``guard``: checked before each
     eviction, so a holder that stalled past the TTL evicts nothing). Victims are models that are
     ready, hold no lease and have an empty queue (try-acquire: never waiting,
     never interrupting, R6.1, R6.3); models being torn down do not count
-    (R6.2). When too few can be evicted now, waits for resident models to
-    become idle (looking every ``ROOM_POLL_S``) until ``deadline_s``
-    (``time.monotonic()`` seconds; None = without bound). Evictions already
-    done stay done when the call fails.
+    (R6.2). Which of them, by the server's ``eviction_policy``: ``recent_use``
+    (the default) takes the one with the lowest recent use (``ModelStatus.use``:
+    requests admitted, decayed by half every ``use_half_life_ms``), and only one
+    loaded at least ``min_residency_ms`` ago whose use is below ``model_id``'s
+    demand (its own use, the highest seen since this call began, so a victim that
+    stops being used falls below it as its count decays; an ``explicit``
+    management load has unbounded demand); ``lru`` takes the least recently used at
+    once. When too few can be evicted now, waits (looking every ``ROOM_POLL_S``) until
+    ``deadline_s`` (``time.monotonic()`` seconds; None = without bound). Evictions
+    already done stay done when the call fails.
 
     Returns:
-        The evicted model ids, least recently used first.
+        The evicted model ids, in eviction order.
 
     Raises:
         InsufficientMemory: estimated footprint + ``min_free_memory_mb`` >
             available memory of the best live worker (R6.5).
         ServerBusy: (code ``residency_full``) no room by the deadline (every
-            other loaded model stayed busy, queued or loading).
+            other loaded model stayed busy, queued, loading, in more use than
+            ``model_id`` or inside its minimum residency).
     """
     config = get_config()
     metas = await published.meta_all(ctx)
@@ -181,22 +190,34 @@ async def residency_make_room(ctx: AsyncContext, model_id: str, deadline_s: floa
     evicted: list[str] = []
     if not config.max_loaded_models:
         return evicted
+    demand = 0.0
     while True:
         snapshot = await ctx.scheduler.snapshot(list(metas))
         if snapshot[model_id]["state"] in COUNTED_STATES:
             return evicted  # loaded (or loading) by a management load meanwhile: no room needed
-        if await _evict_lru(ctx, model_id, snapshot, config.max_loaded_models, guard, evicted) <= 0:
+        demand = max(demand, snapshot[model_id]["use"])
+        if await _evict(ctx, model_id, snapshot, None if explicit else demand, guard, evicted) <= 0:
             return evicted
         left_s = None if deadline_s is None else deadline_s - time.monotonic()
         if left_s is not None and left_s <= 0:
-            raise ResidencyFull(
-                f"model {model_id!r} cannot load: max_loaded_models={config.max_loaded_models} models are loaded "
-                f"and none of them became idle within this request's busy timeout (each stayed busy, queued or "
-                f"loading)" + (f"; evicted {evicted}" if evicted else ""), retry_after_s=1)
+            raise ResidencyFull(_residency_full_message(model_id, evicted), retry_after_s=1)
         await asyncio.sleep(ROOM_POLL_S if left_s is None else min(ROOM_POLL_S, left_s))
         metas = await published.meta_all(ctx)  # registrations may come and go while we wait
         if model_id not in metas:
             return evicted  # unregistered meanwhile: the caller finds out when it loads
+
+
+def _residency_full_message(model_id: str, evicted: list[str]) -> str:
+    """The message of :func:`residency_make_room`'s 503 ``residency_full``, naming what kept each model."""
+    config = get_config()
+    if config.eviction_policy == "lru":
+        why = "none of them became idle (each stayed busy, queued or loading)"
+    else:
+        why = (f"none of them could be evicted: each stayed busy, queued or loading, had more recent requests "
+               f"than {model_id!r} (eviction_policy recent_use), or was loaded less than "
+               f"min_residency_ms={config.min_residency_ms} ago")
+    return (f"model {model_id!r} cannot load: max_loaded_models={config.max_loaded_models} models are loaded "
+            f"and {why} within this request's busy timeout" + (f"; evicted {evicted}" if evicted else ""))
 
 
 async def _check_memory(ctx: AsyncContext, model_id: str, meta: dict, min_free_memory_mb: int) -> None:
@@ -215,26 +236,33 @@ async def _check_memory(ctx: AsyncContext, model_id: str, meta: dict, min_free_m
             retry_after_s=5)
 
 
-async def _evict_lru(ctx: AsyncContext, model_id: str, snapshot: dict, max_loaded_models: int,
-                     guard: leases.GuardHeld | None, evicted: list[str]) -> int:
-    """One pass of :func:`residency_make_room`'s eviction over ``snapshot``: tear down idle ready models, least
-    recently used first, until ``model_id`` fits within ``max_loaded_models``; each victim is appended to
-    ``evicted``. Returns how many more must go (<= 0: room made)."""
+async def _evict(ctx: AsyncContext, model_id: str, snapshot: dict, demand: float | None,
+                 guard: leases.GuardHeld | None, evicted: list[str]) -> int:
+    """One pass of :func:`residency_make_room`'s eviction over ``snapshot``: tear down idle ready models in
+    the policy's order until ``model_id`` fits within ``max_loaded_models``; each victim is appended to
+    ``evicted``. ``demand``: ``model_id``'s demand (None = unbounded). Returns how many more must go
+    (<= 0: room made)."""
+    config = get_config()
     loaded = [m for m, status in snapshot.items() if m != model_id and status["state"] in COUNTED_STATES]
-    need = len(loaded) + 1 - max_loaded_models
-    victims = sorted((m for m in loaded if snapshot[m]["state"] == ModelState.READY),
-                     key=lambda m: snapshot[m]["last_used_ms"])
+    need = len(loaded) + 1 - config.max_loaded_models
+    ready = [m for m in loaded if snapshot[m]["state"] == ModelState.READY]
+    if config.eviction_policy == "lru":
+        victims, checks = sorted(ready, key=lambda m: snapshot[m]["last_used_ms"]), dict[str, Any]()
+    else:  # the least used first; among equals, the least recently used
+        victims = sorted(ready, key=lambda m: (snapshot[m]["use"], snapshot[m]["last_used_ms"]))
+        checks = {"min_resident_ms": config.min_residency_ms, "below_use": demand}
     for victim in victims:
         if need <= 0:
             break
         if guard is not None:
             await guard.check()  # never evict on a guard this process no longer holds (R6.6)
-        lease = await ctx.scheduler.try_acquire(victim, ModelState.READY)
-        if lease is None:  # busy, queued or changed state since the snapshot (R6.1, R6.3)
+        lease = await ctx.scheduler.try_acquire(victim, ModelState.READY, **checks)
+        if lease is None:  # busy, queued, changed state, in more use or too recently loaded (R6.1, R6.3)
             continue
         # The teardown finishes (and releases the victim) even if our requester leaves (R4.5).
         await leases.hold(ctx, lease, lambda held: model_teardown(ctx, held, f"eviction for {model_id}"))
-        log.info("evicted %s (least recently used) to load %s", victim, model_id)
+        log.info("evicted %s (%s, recent use %.2f) to load %s", victim, config.eviction_policy,
+                 snapshot[victim]["use"], model_id)
         metrics.record_soon(metrics.count(metrics.EVICTIONS, victim))
         evicted.append(victim)
         need -= 1

@@ -228,7 +228,8 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease: Lease, timeout_ms: 
         load_ms += placement.load_ms
         if attempt == 0 and offered is not None:  # handed over with the grant
             try:
-                reply = await runs.run_reply(ctx, run_input.request_id, placement, offered.wake)
+                reply = await runs.run_reply(ctx, run_input.request_id, placement, offered.wake, model_id,
+                                             lease.lease_id)
             finally:
                 offered.withdraw(ctx)
         else:

@@ -48,12 +48,29 @@ def _worker_identity(sender, instance, **kwargs):
     check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
     memory.warn_if_arenas_unbounded()
     liveness.liveness_start(WORKER, sender, sync_scheduler())
+    _settle_lost_pools()
     dispatcher = RunDispatcher(WORKER, threads=instance.concurrency)
     dispatcher.start()
     _DISPATCHER.append(dispatcher)
     log.info("worker %s boot %s is alive", sender, WORKER.boot)
     if get_config().idle_unload_ms:
         retirement.retirement_start(WORKER, get_config().idle_unload_ms)
+
+
+def _settle_lost_pools() -> None:
+    """At start, settle what dead workers left (``Scheduler.settle_lost_pools``: their ready pools unloaded,
+    their loads ended) and record it in the database, so a deployment without ``serve`` (whose
+    supervisor does this every 2 s) has no stale ``ready`` once a worker (re)starts. Best effort."""
+    try:
+        scheduler = sync_scheduler()
+        settled = scheduler.settle_lost_pools(sorted(scheduler.redis.hkeys(KEYS.models_meta)))
+        for model_id, host in settled.pools:
+            records.registration_record_lost([model_id], f"worker {host} stopped beating (liveness lapsed)",
+                                             actor=WORKER.hostname or "")
+        for model_id, host in settled.loads:
+            records.registration_record_load(model_id, False, error=scheduler.lost_load_error(host), actor=host)
+    except Exception:  # the worker serves anyway; the next start or serve's supervisor settles it
+        log.exception("settling the pools of departed workers failed")
 
 
 def _nothing() -> None:

@@ -65,26 +65,21 @@ def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, 
     Args:
         release: ``(model_id, lease_id)``: release that lease first, in the same round trip
             (a run's end: its slot is free before its sender wakes).
-        inline: a run's reply, whose reader takes a payload from the wake-up (``inference.runtime.runs.run_on_worker``):
-            one of at most ``INLINE_REPLY_MAX_CHARS`` is sent in the message as ``wake + "\n" +
-            payload`` and kept at ``key`` for ``INLINE_REPLY_TTL_MS`` only.
+        inline: a run's reply (``wake`` is ``done:<request id>``), see :func:`reply_run`.
 
     Raises:
         redis.RedisError: the SET or the PUBLISH failed (a failed release is retried alone first).
     """
+    if inline:
+        reply_run(channel, wake, payload, release)
+        return
     scheduler = sync_scheduler()
     text = json.dumps(payload)
     with sync_redis().pipeline(transaction=False) as pipe:  # one round trip, run in this order
         if release is not None:
             scheduler.release_in(pipe, *release)
-        if inline and len(text) <= INLINE_REPLY_MAX_CHARS:
-            # The reply rides in the wake-up too (the listener hands it to the waiter, which then
-            # needs no GET); the key stays, briefly, for a waiter whose wake-up was lost.
-            pipe.set(key, text, px=INLINE_REPLY_TTL_MS)
-            pipe.publish(channel, f"{wake}\n{text}")
-        else:
-            pipe.set(key, text, px=RESULT_TTL_MS)
-            pipe.publish(channel, wake)
+        pipe.set(key, text, px=RESULT_TTL_MS)
+        pipe.publish(channel, wake)
         results = pipe.execute(raise_on_error=False)
     if release is not None:
         if isinstance(results[0], Exception):  # e.g. NOSCRIPT after Redis lost its script cache
@@ -94,6 +89,26 @@ def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, 
     for result in results:
         if isinstance(result, Exception):
             raise result
+
+
+def reply_run(channel: str, wake: str, payload: dict, release: tuple[str, str] | None = None) -> None:
+    """Answer a run (``wake`` = ``done:<request id>``) in one step with the check of its stop marker
+    (``Scheduler.run_reply``, R8.2): ``release`` (``(model_id, lease_id)``) is released first; when the
+    run's client left (``inference.runtime.runs.run_reply`` marked it), nothing is stored (no reply
+    key waits for its TTL) and a ``not_loaded`` payload (a run this worker never took) gives the
+    sender's lease and input back. Otherwise the reply is stored at ``Keys.result`` and announced:
+    one of at most ``INLINE_REPLY_MAX_CHARS`` rides in the wake-up (``wake + "\n" + payload``; the
+    reader then needs no GET) and its key stays ``INLINE_REPLY_TTL_MS`` only, for a waiter whose
+    wake-up was lost; a longer one is read from its key (``RESULT_TTL_MS``).
+
+    Raises:
+        redis.RedisError: the script failed (the caller releases the lease on that path).
+    """
+    text = json.dumps(payload)
+    short = len(text) <= INLINE_REPLY_MAX_CHARS
+    sync_scheduler().run_reply(wake.removeprefix("done:"), channel, text, f"{wake}\n{text}" if short else wake,
+                               INLINE_REPLY_TTL_MS if short else RESULT_TTL_MS, release,
+                               taken=payload.get("kind") != RunFailure.NOT_LOADED)
 
 
 def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:

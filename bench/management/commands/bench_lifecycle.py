@@ -65,7 +65,9 @@ class Command(BaseCommand):
                 report["rss_mb"] = asyncio.run(self._memory(server))
             finally:
                 server.stop()
-            server = self._start(Path(tmp) / "b", {"ui_management": True, "max_loaded_models": 2},
+            # min_residency_ms 0: the eviction measured is the mechanism's cost, not the wait for residency.
+            server = self._start(Path(tmp) / "b", {"ui_management": True, "max_loaded_models": 2,
+                                                   "min_residency_ms": 0},
                                  [{"id": "warm", "family": "fixture", "slots": 1}])
             try:
                 report["cold_load_guard"] = asyncio.run(self._guard(server))

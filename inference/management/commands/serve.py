@@ -65,7 +65,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from audiosite.celery import app as celery_app
 from audiosite.embedded_redis import EmbeddedRedis, EmbeddedRedisError, kombu_broker_url, redacted
-from audiosite.serverconfig import ConfigError, ServerConfig, install_config, load_config, slot_count
+from audiosite.serverconfig import ConfigError, ServerConfig, get_config, install_config, load_config, slot_count
 from audiosite.env import env_json, env_str
 from audiosite.heartbeat import HEARTBEAT_FD_ENV
 from audiosite.supervision import TICK_S, WebSupervisor, WorkerSupervisor, describe_exit
@@ -74,7 +74,7 @@ from inference.runtime import published
 from inference.management.commands.load_models import report_failures, report_preload
 from inference.runtime.context import KEYS, async_context, sync_scheduler
 from inference.services import PreloadResult, models_preload
-from inference.scheduler import ForgottenWorker, RuntimeMismatch, Scheduler
+from inference.scheduler import ForgottenWorker, RuntimeMismatch, Scheduler, SettledPools
 from inference.worker.memory import arenas_bounded
 from registry import records
 
@@ -137,7 +137,7 @@ class Command(BaseCommand):
         parser.add_argument("--ui-management", action="store_true", dest="ui_management", default=None,
                             help="enable the management routes (token or session auth with registry.manage_models)")
         parser.add_argument("--max-loaded-models", type=int, dest="max_loaded_models",
-                            help="residency limit: models loaded at once, LRU eviction (0 = unlimited)")
+                            help="residency limit: models loaded at once, evicting by eviction_policy (0 = unlimited)")
         parser.add_argument("--idle-unload-ms", type=int, dest="idle_unload_ms",
                             help="unload a model idle this long, in ms (0 = never)")
         parser.add_argument("--workers", type=int, default=1, help="Celery GPU worker processes (default 1)")
@@ -149,6 +149,9 @@ class Command(BaseCommand):
         self.children: list[tuple[str, subprocess.Popen]] = []  # Redis (the workers: self.workers; web: self.web)
         self.workers: WorkerSupervisor | None = None
         self.web: WebSupervisor | None = None
+        self.redis_url = ""
+        self.lost_ids: set[str] = set()  # models whose pool or load a dead worker took: eager ones reload
+        self.reload: _Preload | None = None
         self.stopping = False
         self.forced = False  # a second signal: stop everything at once
         config, config_path, overrides = self._configure(opts)
@@ -157,7 +160,7 @@ class Command(BaseCommand):
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         failed = ""
         try:
-            redis_url = self._prepare_state(config, env)
+            redis_url = self.redis_url = self._prepare_state(config, env)
             workers = self._start_workers(config, env, redis_url, opts["workers"])
             web = self._start_web(config, env, redis_url)
             self._wait_healthy(config.host, config.port)
@@ -259,7 +262,7 @@ class Command(BaseCommand):
             redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=SUPERVISOR_REDIS_TIMEOUT_S,
                                  socket_connect_timeout=SUPERVISOR_REDIS_TIMEOUT_S),
             KEYS, config.lease_ttl_ms, config.worker_restart_delay_ms / 1000,
-            config.worker_restart_max_delay_ms / 1000, self._say, self._record_lost)
+            config.worker_restart_max_delay_ms / 1000, self._say, self._record_lost, on_settled=self._record_settled)
         self.workers.start()
         return self.workers
 
@@ -299,7 +302,11 @@ class Command(BaseCommand):
             else:
                 workers.tick()
                 web.tick()
+                self._reload_lost(workers)
             time.sleep(TICK_S)
+        if self.reload is not None and self.reload.is_alive():
+            self.reload.cancel()
+            self.reload.join(PRELOAD_CANCEL_S)
         return failed
 
     # -- children ----------------------------------------------------------------
@@ -358,17 +365,45 @@ class Command(BaseCommand):
         """Start one Celery GPU worker with hostname ``name`` (supervised by ``self.workers``, not in ``children``)."""
         return subprocess.Popen(worker_argv(name, concurrency), env=env, cwd=settings.BASE_DIR, start_new_session=True)
 
-    @staticmethod
-    def _record_lost(hostname: str, returncode: int, forgotten: ForgottenWorker) -> None:
+    def _record_lost(self, hostname: str, returncode: int, forgotten: ForgottenWorker) -> None:
         """Record in the database what a worker serve saw exit held, as settled in Redis by the supervisor
         (the one that ended it records it): its pools are gone (state ``unloaded``), and a load it ran
         failed (state ``unloaded``, a failed ``load`` row whose actor is the lost worker, as a web process
-        records a lost load: ``inference.services.loading._record_lost_load``)."""
+        records a lost load: ``inference.services.loading._record_lost_load``). The eager ones among them
+        load again once a worker beats (:meth:`_reload_lost`)."""
         records.registration_record_lost(forgotten.pools, f"worker {hostname} exited with "
                                          f"{describe_exit(returncode)}", actor="serve")
         for model_id in forgotten.loads:
             records.registration_record_load(model_id, False, error=Scheduler.lost_load_error(hostname),
                                              actor=hostname)
+        self.lost_ids.update(forgotten.pools, forgotten.loads)
+
+    def _record_settled(self, settled: SettledPools) -> None:
+        """Record in the database what workers that stopped beating held, as settled in Redis by the
+        supervisor (``WorkerSupervisor.on_settled``), like :meth:`_record_lost`: pools unloaded, loads failed."""
+        for model_id, host in settled.pools:
+            records.registration_record_lost([model_id], f"worker {host} stopped beating (liveness lapsed)",
+                                             actor="serve")
+        for model_id, host in settled.loads:
+            records.registration_record_load(model_id, False, error=Scheduler.lost_load_error(host), actor=host)
+        self.lost_ids.update(model_id for model_id, _ in settled.pools + settled.loads)
+
+    def _reload_lost(self, workers: WorkerSupervisor) -> None:
+        """Load again, by themselves, the eager (non-lazy) models a dead worker took with it, once one of
+        serve's workers beats (the replacement, or the same worker back from a freeze): one background
+        ``models_preload`` at a time (a :class:`_Preload`), its results logged; lazy ones wait for a request."""
+        if not self.lost_ids or (self.reload is not None and self.reload.is_alive()) or not workers.live_hostnames():
+            return
+        try:
+            metas = self._published(self.redis_url)
+        except redis.RedisError:
+            return  # the next tick tries again
+        eager = sorted(self.lost_ids & set(published.eager_ids(metas, get_config().lazy_load)))
+        self.lost_ids.clear()
+        if eager:
+            self._say(f"loading again the eager model(s) a lost worker held: {', '.join(eager)}")
+            self.reload = _Preload(eager, lambda result: report_preload(result, self.stdout, self.stderr))
+            self.reload.start()
 
     def _preload(self, model_ids: list[str]) -> None:
         """Load ``model_ids`` (``manage.py load_models``'s work, ``inference.services.models_preload``) in

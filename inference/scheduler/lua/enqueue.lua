@@ -9,11 +9,14 @@
 -- ARGV[5] kind: 'request' (one slot), 'manager' (the whole model) or 'stream:<cap>' (one slot, granted
 --         only while fewer than <cap> streams of the model hold slots: its mode's admitted count)
 -- ARGV[6] the model id (its field in KEYS[3])
+-- ARGV[7] half-life of the recent-use count in ms: a request for a registered model (listed in
+--         KEYS[3]) adds one to the model's decayed request count (lib's note_use, R6.1), whatever
+--         the answer (a refused request was demand too)
 -- A request may offer its run, to be handed to the worker in the grant's own step:
 -- KEYS[5] run queue key prefix (the worker's queue is KEYS[5] .. owner .. ':' .. boot)
--- ARGV[7] the registration (JSON text) the run was prepared for
--- ARGV[8] the run queue element (header naming lease id = ARGV[1], and its input)
--- ARGV[9] the run queue's TTL in ms
+-- ARGV[8] the registration (JSON text) the run was prepared for
+-- ARGV[9] the run queue element (header naming lease id = ARGV[1], and its input)
+-- ARGV[10] the run queue's TTL in ms
 -- Returns one of:
 --   {'granted', granted_at_ms, meta, owner, boot, dispatched}
 --                                         nobody queued and the kind is grantable;
@@ -24,7 +27,7 @@
 --                                         begin_load's 'ready' says ('' when not);
 --                                         dispatched 1: the offered run was pushed
 --                                         on that worker's queue (ready, and meta is
---                                         exactly ARGV[7]), else 0
+--                                         exactly ARGV[8]), else 0
 --   {'overdue', age_ms}                   refused at once: for a request, every
 --                                         occupied slot has run longer than the
 --                                         timeout (unoccupied slots are ignored);
@@ -40,6 +43,7 @@ local kind, cap = string.match(ARGV[5], '^(%a+):?(%d*)$')
 local is_manager = kind == 'manager'
 local stream_cap = kind == 'stream' and tonumber(cap) or nil
 local now = now_ms()
+if not is_manager and redis.call('HEXISTS', KEYS[3], ARGV[6]) == 1 then note_use(base, now, tonumber(ARGV[7])) end
 -- A grant pass when leases were reclaimed, or when tickets wait (R7.5: tickets of dead
 -- processes are dropped, so a live caller never queues behind them alone).
 if reap(base, now) > 0 or redis.call('ZCARD', base .. ':queue') > 0 then grant_pass(base, now, ttl_ms) end
@@ -53,10 +57,10 @@ if redis.call('ZCARD', base .. ':queue') == 0 and grantable(base, is_manager, st
     owner, boot = load[2], load[3]
   end
   local dispatched = 0
-  if owner ~= '' and KEYS[5] and meta == ARGV[7] then
+  if owner ~= '' and KEYS[5] and meta == ARGV[8] then
     local queue = KEYS[5] .. owner .. ':' .. boot
-    redis.call('LPUSH', queue, ARGV[8])
-    redis.call('PEXPIRE', queue, tonumber(ARGV[9]))
+    redis.call('LPUSH', queue, ARGV[9])
+    redis.call('PEXPIRE', queue, tonumber(ARGV[10]))
     dispatched = 1
   end
   return {'granted', now, meta, owner, boot, dispatched}

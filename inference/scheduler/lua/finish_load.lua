@@ -8,7 +8,8 @@
 -- ARGV[6] the pool's advertised capacity (slots it could run)
 -- Returns 'ok', or 'stale' when another loader took over or the load was
 -- abandoned (state no longer 'loading'): nothing changed then.
--- A ready outcome also sets last_used_ms = now (a fresh load is recent work)
+-- A ready outcome also sets last_used_ms = now (a fresh load is recent work) and
+-- loaded_at_ms = now (the start of its minimum residency, R6.1)
 -- and forgets earlier failures. Any other outcome is lib's end_load: state
 -- 'unloaded', 'ended' = the outcome, and for 'failed' only the backoff (R6.7;
 -- begin_load.lua refuses until retry_at_ms; an explicit management load may force).
@@ -26,7 +27,7 @@ if ARGV[2] ~= 'ready' then
   return 'ok'
 end
 redis.call('HSET', key, 'state', 'ready', 'owner', ARGV[3], 'boot', ARGV[4], 'error', '', 'capacity', ARGV[6],
-            'last_used_ms', now)
+            'last_used_ms', now, 'loaded_at_ms', now)
 redis.call('HDEL', key, 'failures', 'retry_at_ms', 'ended', 'loader', 'loader_expires_ms', 'loader_host',
            'loader_boot')
 wake_load_waiters(base, 'ready', ARGV[1])

@@ -24,7 +24,10 @@
 --                           error, ended (how the last load that did not
 --                           succeed ended: 'failed', 'worker_lost' or 'no_worker'),
 --                           capacity, last_used_ms,
---                           failures + retry_at_ms (failed loads, R6.7)
+--                           failures + retry_at_ms (failed loads, R6.7),
+--                           use + use_at_ms (recent use: the decayed count of requests
+--                           admitted, as of use_at_ms; R6.1, note_use), loaded_at_ms
+--                           (when the current pool became ready: minimum residency)
 --   base..':loadwait' HASH  token -> channel of a caller waiting for a load
 --   base..':loadend:'..token STRING how the load that token waited for (or claimed) ended:
 --                           'ready', or '<ended>:<error>' (ended as in ':load'); written when
@@ -215,8 +218,24 @@ local function end_load(base, ended, err, now)
   changed(base)
 end
 
+-- Recent use of a model (R6.1): the count of requests admitted for it, each one decaying by half every
+-- half_life_ms (an exponentially decayed request count, in requests; a model asked N times per second
+-- for long settles near N * half_life_s / ln 2). Stored as ':load' use (as of use_at_ms), so it
+-- survives unloads and evictions. use_now: the count at time 'now' (ms).
+local function use_now(base, now, half_life_ms)
+  local use = redis.call('HMGET', base .. ':load', 'use', 'use_at_ms')
+  local count = tonumber(use[1] or '0') or 0
+  if count <= 0 then return 0 end
+  return count * 2 ^ (-math.max(0, now - tonumber(use[2] or '0')) / half_life_ms)
+end
+
+-- One more request admitted for the model at 'base' (enqueue.lua): its decayed count + 1.
+local function note_use(base, now, half_life_ms)
+  redis.call('HSET', base .. ':load', 'use', tostring(use_now(base, now, half_life_ms) + 1), 'use_at_ms', now)
+end
+
 -- A holder gives its lease back (release.lua; cancel.lua's 'release' mode). Returns 1 if the lease
--- (request or manager) was held, else 0. Records the end of work in ':load' last_used_ms (LRU order
+-- (request or manager) was held, else 0. Records the end of work in ':load' last_used_ms (eviction order
 -- and idle age, R6.1/R6.4); a request lease counts in ':stats' and its hold time (grant -> release, ms)
 -- goes to the head of ':held' (the last HELD_KEEP kept). Reaps and runs the grant pass.
 local function release_lease(base, lease, now, ttl_ms)

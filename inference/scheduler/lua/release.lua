@@ -4,7 +4,7 @@
 -- ARGV[1] lease id     ARGV[2] lease TTL in ms (for leases granted by the pass)
 -- Returns 1 if the lease (request or manager) was held, else 0. Runs the grant pass.
 -- When a lease was held, records the end of work in ':load' last_used_ms
--- (LRU order and idle age, R6.1/R6.4; status reads never write it).
+-- (eviction order and idle age, R6.1/R6.4; status reads never write it).
 -- A request lease also counts in ':stats' (requests, held_ms) and its hold time
 -- (grant -> release, ms) goes to the head of ':held' (the last HELD_KEEP kept), for
 -- the UI's request counts and latencies. Publishes a change notice when a lease was held.

@@ -1,17 +1,20 @@
 -- snapshot.lua: one atomic read of every listed model (R4.7). Reserves nothing.
 -- KEYS[1..n] base keys of the models     KEYS[n+1] worker liveness key prefix
+-- ARGV[1] half-life of the recent-use count in ms (default 10000)
 -- Returns, per model in order:
 --   {state, active_request_leases, queued_requests, error, capacity (slots),
 --    manager_leases, queued_managers, loaded_capacity (the pool's advertised
 --    capacity while ready, else 0), last_used_ms (end of the last work; 0 = never),
 --    retry_at_ms (a failed load's backoff end, 0 = none), retry_in_ms (0 = may load now),
 --    worker (the Celery hostname holding the pool while ready, or running the load while
---    loading; '' otherwise)}
+--    loading; '' otherwise), use (the decayed request count now, lib's use_now, as text with 4
+--    decimals), resident_ms (how long the pool has been ready, 0 when not ready)}
 -- where a 'ready' state whose owner is no longer alive, and a 'loading' state
 -- whose loading worker is gone (lib's loader_dead), read as 'unloaded' (R7.4), and
 -- 'unloaded' after a failed load (until a load succeeds or the entry changes)
 -- reads as 'failed' (R6.7).
 local live_prefix = KEYS[#KEYS]
+local half_life_ms = tonumber(ARGV[1] or '10000')
 local now = now_ms()
 local out = {}
 for i = 1, #KEYS - 1 do
@@ -29,10 +32,11 @@ for i = 1, #KEYS - 1 do
   local retry_at = tonumber(redis.call('HGET', key, 'retry_at_ms') or '0')
   if state == 'unloaded' and retry_at > 0 then state = 'failed' end
   local queued_managers = redis.call('HLEN', base .. ':kind')
-  local loaded_capacity, worker = 0, ''
+  local loaded_capacity, worker, resident = 0, '', 0
   if state == 'ready' then
     loaded_capacity = tonumber(redis.call('HGET', key, 'capacity') or '0')
     worker = redis.call('HGET', key, 'owner') or ''
+    resident = math.max(0, now - tonumber(redis.call('HGET', key, 'loaded_at_ms') or now))
   elseif state == 'loading' then
     worker = redis.call('HGET', key, 'loader_host') or ''
   end
@@ -41,6 +45,6 @@ for i = 1, #KEYS - 1 do
             redis.call('HGET', key, 'error') or '', capacity(base),
             redis.call('HLEN', base .. ':mleases'), queued_managers, loaded_capacity,
             tonumber(redis.call('HGET', key, 'last_used_ms') or '0'), retry_at, math.max(0, retry_at - now),
-            worker}
+            worker, string.format('%.4f', use_now(base, now, half_life_ms)), resident}
 end
 return out
