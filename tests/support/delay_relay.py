@@ -11,13 +11,16 @@ pushed by the server is none.
 
 The control port takes one line per connection and answers one line:
 ``delay <ms> <jitter_ms>`` → ``ok``; ``stats`` → ``round_trips <n> connections <n>``; ``reset`` (the
-counters to zero) → ``ok``. A connection whose upstream closes is closed too (a Redis restart looks to
-its clients as it would without the relay).
+counters to zero) → ``ok``; ``abort <client ip>`` → ``aborted <n>``: every open connection of that client
+is closed with a TCP reset (what a firewall that starts rejecting it sends). A connection whose upstream
+closes is closed too (a Redis restart looks to its clients as it would without the relay).
 """
 from __future__ import annotations
 
 import asyncio
 import random
+import socket
+import struct
 import sys
 import time
 
@@ -33,6 +36,7 @@ class Relay:
         self.jitter_ms = 0.0
         self.round_trips = 0
         self.connections = 0
+        self.open: set[asyncio.StreamWriter] = set()
 
     def hold_s(self) -> float:
         """This chunk's delay in seconds (``delay_ms`` ± a uniform ``jitter_ms``, never below 0)."""
@@ -46,6 +50,7 @@ class Relay:
             writer.close()
             return
         self.connections += 1
+        self.open.add(writer)
         answered = [True]  # the upstream spoke last (or nobody yet): the client's next bytes start a round trip
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -81,8 +86,18 @@ class Relay:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.open.discard(writer)
             for w in (writer, up_writer):
                 w.close()
+
+    def abort(self, client_ip: str) -> int:
+        """Reset (RST, not FIN) every open connection from ``client_ip``; how many."""
+        victims = [w for w in self.open if w.get_extra_info("peername")[0] == client_ip]
+        for writer in victims:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        return len(victims)
 
     async def control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer one control line (see the module doc)."""
@@ -95,8 +110,10 @@ class Relay:
         elif words == ["reset"]:
             self.round_trips = self.connections = 0
             answer = "ok"
+        elif words[:1] == ["abort"] and len(words) == 2:
+            answer = f"aborted {self.abort(words[1])}"
         else:
-            answer = "error: delay <ms> <jitter_ms> | stats | reset"
+            answer = "error: delay <ms> <jitter_ms> | stats | reset | abort <client ip>"
         writer.write(answer.encode() + b"\n")
         await writer.drain()
         writer.close()
@@ -117,7 +134,6 @@ async def main(listen: str, upstream: str, control: str) -> None:
 
 def ask(control: tuple[str, int], line: str, timeout_s: float = 5.0) -> str:
     """Send one control ``line`` to a relay's control address; its answer (one line, stripped)."""
-    import socket
     with socket.create_connection(control, timeout=timeout_s) as sock:
         sock.sendall(line.encode() + b"\n")
         return sock.makefile().readline().strip()

@@ -191,6 +191,12 @@ class Rig(Deployment):
         proc.kill()
         proc.wait(timeout=QUICK_S)
 
+    def cut_off_redis(self, name: str) -> None:
+        """Cut web host ``name`` off Redis as a firewall that starts rejecting it would: new connections
+        to the relay (its Redis path) fail at once and the open ones are reset."""
+        self.net.block(name, "relay")
+        self.relay(f"abort {self.hosts[name].ip}")
+
     def relay(self, line: str) -> str:
         """Send a control line to the delay relay (``delay <ms> <jitter_ms>``, ``stats``, ``reset``)."""
         return ask((self.hosts["relay"].ip, RELAY_CONTROL_PORT), line)
@@ -233,6 +239,11 @@ class Rig(Deployment):
     def load_field(self, model_id: str, field: str) -> str | None:
         """A field of a model's lifecycle hash ``KEYS.load`` (``state``, ``owner``, ``loader_host``…)."""
         return self.redis.hget(KEYS.load(model_id), field)
+
+    def process_channels(self, model_id: str) -> list[str]:
+        """The reply channels of a model's queued tickets, in FIFO order (one per ticket)."""
+        tickets = self.redis.zrange(KEYS.queue(model_id), 0, -1)
+        return [self.redis.hget(KEYS.model(model_id) + ":chan", t) for t in tickets]
 
     # -- audiosite's processes --
     def spawn(self, name: str) -> Member:
@@ -280,21 +291,35 @@ class Rig(Deployment):
         member.proc.wait(timeout=QUICK_S)
         return killed_at
 
+    def ensure(self) -> None:
+        """Start (in parallel) and wait for a new process on every audiosite host whose process was
+        killed or died, workers first."""
+        missing = [name for name in ("w1", "w2", "web1", "web2")
+                   if name not in self.members or not self.members[name].alive()]
+        for name in missing:
+            self.spawn(name)
+        for name in missing:
+            self.wait_ready(name)
+
+    def worker_host(self, hostname: str) -> str:
+        """The host (``w1``/``w2``) whose worker has Celery node name ``hostname``."""
+        return next(name for name, m in self.members.items() if m.name == hostname)
+
     def stop(self) -> None:
         """Stop everything this rig started: audiosite's processes (SIGTERM, SIGKILL after 20 s), then
         nginx, the relay, Redis, PostgreSQL; then the namespaces and the bridge; then the database's folder."""
         services = [self.services[k] for k in ("nginx", "relay", "redis", "postgres") if k in self.services]
-        procs = [m.proc for m in self.members.values()] + services
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=QUICK_S)
+        for procs in ([m.proc for m in self.members.values()], services):  # Redis stays up for the drain
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=QUICK_S)
         self.net.remove()
         if self.pg_root is not None:
             shutil.rmtree(self.pg_root, ignore_errors=True)
