@@ -14,14 +14,20 @@ where they are not permitted (failed instead under ``AUDIOSITE_REQUIRE_PROGRAMS=
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import yaml
 from django.test import override_settings
 
 from inference.runtime.context import KEYS, async_context
@@ -376,3 +382,59 @@ def test_pooled_redis_connections_reset_by_the_network_are_opened_again_not_answ
     finally:
         relay.kill()
         relay.wait(timeout=QUICK_S)
+
+
+# -- the container deployment ---------------------------------------------------------------------
+COMPOSE = shutil.which("docker-compose")
+COMPOSE_ENV = {"AUDIOSITE_SECRET_KEY": "a-secret-of-at-least-32-characters-for-the-parser",
+               "AUDIOSITE_PUBLIC_HOST": "audio.example.com"}
+
+
+def compose_config(compose: str, *files: str) -> subprocess.CompletedProcess:
+    """``docker-compose -f FILE… config``: the files merged and checked against the Compose
+    specification's schema (an unknown key, a wrong type or a bad reference is an error)."""
+    args = [arg for name in files for arg in ("-f", name)]
+    return subprocess.run([compose, *args, "config"], cwd=ROOT, env={**os.environ, **COMPOSE_ENV},
+                          capture_output=True, text=True, timeout=QUICK_S)
+
+
+def test_the_compose_file_and_its_gpu_variant_pass_the_compose_parser(tmp_path):
+    """docker-compose.yml alone and with docker-compose.gpu.yml are valid Compose files (Docker's own
+    parser, ``docker-compose config``); in the GPU variant the worker alone is built with
+    ``AUDIOSITE_CUDA=1`` and reserves one NVIDIA GPU in the ``deploy.resources.reservations.devices``
+    form. The parser is no rubber stamp: a misspelt key under that reservation is refused."""
+    compose = need_program(COMPOSE, "docker-compose (Docker's Compose file parser)", "docker-compose")
+    plain = compose_config(compose, "docker-compose.yml")
+    assert plain.returncode == 0, plain.stderr
+    gpu = compose_config(compose, "docker-compose.yml", "docker-compose.gpu.yml")
+    assert gpu.returncode == 0, gpu.stderr
+    services = yaml.safe_load(gpu.stdout)["services"]
+    worker = services["worker"]
+    assert worker["build"]["args"] == {"AUDIOSITE_CUDA": "1"}
+    assert worker["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert all("deploy" not in services[name] and "args" not in services[name].get("build", {})
+               for name in ("web", "init", "warmup"))
+    assert "deploy" not in yaml.safe_load(plain.stdout)["services"]["worker"]  # the CPU default reserves nothing
+    bad = tmp_path / "docker-compose.bad.yml"
+    bad.write_text((ROOT / "docker-compose.gpu.yml").read_text().replace("capabilities:", "capability:"))
+    refused = compose_config(compose, "docker-compose.yml", str(bad))
+    assert refused.returncode != 0 and "capability" in refused.stderr, refused.stderr
+
+
+def test_the_image_adds_the_cuda_libraries_only_when_asked_and_pins_them():
+    """The Dockerfile's build argument ``AUDIOSITE_CUDA`` defaults to 0 (the CPU image) and installs
+    requirements-cuda.txt only at 1; that file pins every NVIDIA wheel exactly, for the CUDA majors the
+    installed onnxruntime-gpu and CTranslate2 were built for (13 and 12: their libraries' sonames)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG AUDIOSITE_CUDA=0" in dockerfile
+    assert '"$AUDIOSITE_CUDA" = "1" ]; then' in dockerfile and "-r requirements-cuda.txt" in dockerfile
+    pins = dict(line.split("==") for line in (ROOT / "requirements-cuda.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert all(re.fullmatch(r"[0-9.]+", version) for version in pins.values()), pins
+    site = Path(sysconfig.get_paths()["purelib"])
+    ort_cuda = (site / "onnxruntime" / "capi" / "libonnxruntime_providers_cuda.so").read_bytes()
+    ct2 = b"".join(path.read_bytes() for path in (site / "ctranslate2.libs").glob("libctranslate2*"))
+    assert b"libcublas.so.13" in ort_cuda and pins["nvidia-cublas"].startswith("13.")
+    assert b"libcudart.so.13" in ort_cuda and pins["nvidia-cuda-runtime"].startswith("13.")
+    assert b"libcublas.so.12" in ct2 and pins["nvidia-cublas-cu12"].startswith("12.")
