@@ -30,8 +30,9 @@ import pytest
 import yaml
 from django.test import override_settings
 
-from inference.runtime.context import KEYS, async_context
+from inference.runtime.context import KEYS, async_context, sync_scheduler
 from inference.scheduler import LIVENESS_TTL_MS
+from registry.selectors import deployment_backend
 
 from .support.audio import TINY
 from .support.bounds import MODEL_S, QUICK_S, run, until, within
@@ -86,11 +87,13 @@ def test_a_request_crosses_proxy_web_redis_worker_from_outside_every_host(rig):
     with httpx.Client(base_url=rig.proxy_url, timeout=MODEL_S) as c:
         health = c.get("/health")
         assert health.status_code == 200 and health.json()["workers"] == 2, health.text
+        assert health.json()["backend"] == "cpu"  # as both workers report (no GPU here)
         answers = [c.post("/v1/tasks/run", json=body(model, TINY)) for model in ("vad", "fx", "vad", "fx")]
     for resp in answers:
         assert resp.status_code == 200, resp.text
     assert rig.load_field("vad", "owner") in workers
     assert rig.load_field("fx", "owner") in workers
+    assert rig.redis.hgetall(KEYS.worker_backend) == {name: "cpu" for name in workers}
     assert_nothing_held(rig)
 
 
@@ -438,3 +441,25 @@ def test_the_image_adds_the_cuda_libraries_only_when_asked_and_pins_them():
     assert b"libcublas.so.13" in ort_cuda and pins["nvidia-cublas"].startswith("13.")
     assert b"libcudart.so.13" in ort_cuda and pins["nvidia-cuda-runtime"].startswith("13.")
     assert b"libcublas.so.12" in ct2 and pins["nvidia-cublas-cu12"].startswith("12.")
+
+
+def test_health_says_cuda_only_when_every_live_worker_reports_cuda_sessions(redis_client):
+    """``/health``'s backend comes from the workers (each reports what its own probe found with its
+    beat, ``Keys.worker_backend``): 'cuda' only when every live worker's sessions get CUDA, 'cpu' as
+    soon as one live worker's do not, the web process's own probe when no worker is alive. A dead
+    worker's report counts for nothing and goes with its other registry entries."""
+    for host, backend in (("gpu-a@h1", "cuda"), ("gpu-b@h2", "cpu"), ("gpu-c@h3", "cuda")):
+        redis_client.hset(KEYS.worker_pid, host, 1)
+        redis_client.hset(KEYS.worker_backend, host, backend)
+    redis_client.set(KEYS.worker_live("gpu-a@h1"), "boot-a", px=10000)
+    redis_client.set(KEYS.worker_live("gpu-b@h2"), "boot-b", px=10000)  # gpu-c@h3's key has lapsed
+    scheduler = sync_scheduler()
+    census = scheduler.census()
+    assert (census.live_workers, census.cuda_workers) == (2, 1)
+    assert deployment_backend(census, "cuda") == "cpu"
+    redis_client.hset(KEYS.worker_backend, "gpu-b@h2", "cuda")
+    assert deployment_backend(scheduler.census(), "cpu") == "cuda"
+    assert scheduler.forget_departed_workers() == ["gpu-c@h3"]
+    assert set(redis_client.hgetall(KEYS.worker_backend)) == {"gpu-a@h1", "gpu-b@h2"}
+    redis_client.delete(KEYS.worker_live("gpu-a@h1"), KEYS.worker_live("gpu-b@h2"))
+    assert deployment_backend(scheduler.census(), "cpu") == "cpu"  # nobody alive: this process's own probe

@@ -4,8 +4,9 @@ Every process tells a live owner from a dead one by that key: a worker that
 stops beating for ``LIVENESS_TTL_MS`` is considered dead and its pools lost.
 Each beat also publishes the host's available memory in MB (psutil's
 ``available``: memory usable without swapping, MemAvailable on Linux) for the
-memory guard (R6.5), and the process id in ``Keys.worker_pid``, so ``serve``
-can tell a dead local worker from a live one, and this process's CPU seconds and
+memory guard (R6.5), the process id in ``Keys.worker_pid``, so ``serve``
+can tell a dead local worker from a live one, the backend its sessions get in
+``Keys.worker_backend`` (``/health``), and this process's CPU seconds and
 resident memory for ``/metrics`` (``inference.runtime.metrics.process_queue``). That hash is also the registry
 of workers that ``census.lua`` counts (``/health``, the no-worker fail-fast):
 each beat re-adds this worker (a worker whose key expired while it was frozen
@@ -22,6 +23,8 @@ from collections.abc import Callable
 
 import psutil
 
+from audiosite.serverconfig import get_config
+from inference.backend import session_backend
 from inference.runtime import metrics
 from inference.scheduler import LIVENESS_EVERY_S, LIVENESS_TTL_MS, Keys, Scheduler
 
@@ -41,6 +44,7 @@ def _beat(redis_client, keys: Keys, worker: WorkerState, hostname: str) -> bool:
     pipe.set(keys.worker_live(hostname), worker.boot, px=LIVENESS_TTL_MS)
     pipe.hset(keys.worker_memory, hostname, available_mb)
     pipe.hset(keys.worker_pid, hostname, os.getpid())
+    pipe.hset(keys.worker_backend, hostname, worker.backend)
     metrics.process_queue(pipe, "worker")  # this process's CPU and memory for /metrics
     return bool(pipe.execute()[0])
 
@@ -59,6 +63,7 @@ def liveness_start(worker: WorkerState, hostname: str, scheduler: Scheduler,
     """
     redis_client, keys = scheduler.redis, scheduler.keys
     worker.hostname = hostname
+    worker.backend = session_backend(get_config().backend)  # probed once, before the first beat
     _beat(redis_client, keys, worker, hostname)
     departed = scheduler.forget_departed_workers()
     if departed:

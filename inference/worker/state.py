@@ -109,6 +109,7 @@ class WorkerState:
     def __init__(self):
         self.hostname: str | None = None
         self.boot = uuid.uuid4().hex
+        self.backend = "cpu"  # what this process's sessions get (set at start, inference.backend.session_backend)
         self.pools: dict[str, Pool] = {}
         self.lock = threading.Lock()
 
