@@ -45,7 +45,7 @@ from .support.stacks import FIXTURE_ENV, REDIS_BASE
 
 pytestmark = pytest.mark.stack
 
-REJOIN_CANDIDATES = 16
+REJOIN_CANDIDATES = 24
 RIG_MODELS = [
     {"id": "vad", "family": "silero_vad", "task": "vad"},
     {"id": "fx", "family": "fixture", "slots": 1, "lazy": True},
