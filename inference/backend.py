@@ -20,6 +20,14 @@ def resolve_backend(requested: str) -> str:
     return _backend_cache["auto"]
 
 
+def session_backend(requested: str) -> str:
+    """The backend a model session of this process really gets for the configured ``backend``: 'cuda'
+    only when onnxruntime opens a session with the CUDA provider first (the probe of 'auto'), else
+    'cpu'. Unlike :func:`resolve_backend`, an explicit 'cuda' on a machine without a usable GPU gives
+    'cpu' (its loads fail), so what a worker reports is what its sessions can get (``/health``)."""
+    return "cpu" if requested == "cpu" else resolve_backend("auto")
+
+
 def _probe_cuda() -> str:
     import onnxruntime as ort
 

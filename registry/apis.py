@@ -25,7 +25,7 @@ from inference.runtime.context import async_context
 from . import services
 from .authentication import AsyncSessionAuthentication, AsyncTokenAuthentication
 from .permissions import MANAGEMENT_DISABLED, management_enabled, may_manage
-from .selectors import deployment_census, model_gauges, model_status_list
+from .selectors import deployment_backend, deployment_census, model_gauges, model_status_list
 
 from .serializers import (ManagementBodySerializer, ModelLoadInputSerializer, ModelUnloadInputSerializer,
                           UnloadAllInputSerializer, UnloadModelsInputSerializer)
@@ -49,14 +49,16 @@ class HealthApi(APIView):
     ``no_worker`` or wait for a worker being started), and ``"draining"``
     (503) once this web process drains (``audiosite.drain``, R8.4: readiness
     goes first, so a load balancer stops sending); ``workers`` is the
-    number of live workers and ``models`` of registrations. One Redis round
-    trip (``census.lua``): the route is benchmarked by ``bench_latency``.
+    number of live workers and ``models`` of registrations; ``backend`` is
+    ``"cuda"`` only when every live worker's sessions get the CUDA provider
+    (``selectors.deployment_backend``). One Redis round trip (``census.lua``):
+    the route is benchmarked by ``bench_latency``.
     """
 
     async def get(self, request):
         ctx = await async_context()
         census = await deployment_census(ctx)
-        backend = await _backend_name()
+        backend = deployment_backend(census, await _backend_name())
         status = "draining" if DRAIN.draining else "degraded" if census.live_workers == 0 else "ok"
         return Response({"status": status, "runtime": get_config().runtime,
                          "backend": backend, "models": census.models, "workers": census.live_workers,

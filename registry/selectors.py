@@ -16,14 +16,24 @@ from inference.scheduler import Census, ModelState, ModelStatus
 
 from .models import LifecycleEvent, ModelRegistration
 
-__all__ = ["deployment_census", "lifecycle_event_facets", "lifecycle_events_recent", "model_board", "model_gauges",
-           "model_meta_all", "model_meta_get", "model_request_stats", "model_status_list",
-           "registration_body_of", "registration_first_load_published", "registration_get"]
+__all__ = ["deployment_backend", "deployment_census", "lifecycle_event_facets", "lifecycle_events_recent",
+           "model_board", "model_gauges", "model_meta_all", "model_meta_get", "model_request_stats",
+           "model_status_list", "registration_body_of", "registration_first_load_published", "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
     """Live workers, whether one is being started, and registered models: one Redis round trip (``census.lua``)."""
     return await ctx.scheduler.census()
+
+
+def deployment_backend(census: Census, own_backend: str) -> str:
+    """``/health``'s ``backend``: 'cuda' when every live worker reports that its sessions get the CUDA
+    provider (``census.cuda_workers``, each worker's own probe), 'cpu' when any live worker does not;
+    with no live worker, ``own_backend``, this web process's own probe (``serve`` on one machine: the
+    same machine as its workers)."""
+    if census.live_workers == 0:
+        return own_backend
+    return "cuda" if census.cuda_workers == census.live_workers else "cpu"
 
 
 ENTRY_KEYS = ("id", "family", "path", "task", "mode", "modes", "slots", "busy_timeout_ms", "lazy",

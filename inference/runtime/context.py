@@ -13,6 +13,7 @@ from typing import Any
 import redis
 from redis.connection import Encoder, PythonRespSerializer
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
@@ -93,14 +94,43 @@ ASYNC_POOL_WAIT_S = 30
 REDIS_CONNECT_TIMEOUT_S = 5
 
 
+class _ReopenReset(AbstractConnection):
+    """A pooled connection that was reset or closed from the other side (the network, Redis, a proxy)
+    while it sat idle is opened again before a command goes out on it, instead of failing that
+    command: redis-py's check when the pool hands a connection out misses such a socket, so after a
+    Redis restart or a network fault each idle connection of the pool cost one request a 503
+    ``redis_unavailable`` later, whenever it was next used (seen on the multi-host rig,
+    ``tests/test_multihost.py``). Nothing of this command was sent on the dead socket, so opening
+    again cannot run it twice; a reconnect that fails still raises ``ConnectionError`` at once."""
+
+    async def send_packed_command(self, command, check_health: bool = True) -> None:
+        writer, reader = self._writer, self._reader
+        if writer is not None and (writer.transport.is_closing() or (reader is not None and reader.at_eof())):
+            await self.disconnect(nowait=True)
+        await super().send_packed_command(command, check_health)
+
+
+_REOPENING: dict[type, type] = {}
+
+
+def _reopening(base: type) -> type:
+    """``base`` (the connection class redis-py chose for the URL: TCP, TLS or unix socket) with
+    :class:`_ReopenReset` in front of it (one class per base)."""
+    if base not in _REOPENING:
+        _REOPENING[base] = type(f"Reopening{base.__name__}", (_ReopenReset, base), {})
+    return _REOPENING[base]
+
+
 def _blocking_pool(decode_responses: bool) -> aioredis.BlockingConnectionPool:
     # No per-command socket timeout (redis-py 8 defaults to 5 s): on Python 3.11 it sends every
     # command through asyncio.wait_for, one extra task per command (profiled: a visible share of a
     # fail-fast 503). A refused or dropped connection still fails at once; connecting is bounded.
-    return aioredis.BlockingConnectionPool.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         redis_url(), max_connections=ASYNC_POOL_CONNECTIONS, timeout=ASYNC_POOL_WAIT_S,
         decode_responses=decode_responses, client_name=WEB_CLIENT_NAME,
         socket_timeout=None, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+    pool.connection_class = _reopening(pool.connection_class)
+    return pool
 
 
 async def async_context() -> AsyncContext:

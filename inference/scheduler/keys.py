@@ -102,6 +102,12 @@ class Keys:
         return f"{self.prefix}wmem"
 
     @property
+    def worker_backend(self) -> str:
+        """HASH worker hostname -> the backend its sessions get ('cpu' or 'cuda',
+        ``inference.backend.session_backend``), refreshed with each liveness beat (``/health``)."""
+        return f"{self.prefix}wbackend"
+
+    @property
     def worker_pid(self) -> str:
         """HASH worker hostname -> process id, so ``serve`` can tell a dead local worker from a live one."""
         return f"{self.prefix}wpid"

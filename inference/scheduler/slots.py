@@ -366,11 +366,12 @@ class Scheduler:
                      lambda r: (int(r[0]), int(r[1])))
 
     def forget_departed_workers(self) -> list[str]:
-        """Drop the registry entries (``worker_pid``, ``worker_memory``) of workers whose liveness key is
-        gone, in one step (``forget_departed.lua``). Returns their hostnames (an awaitable of them with an
-        async client). Tolerated race: a worker only frozen past its TTL re-adds itself at its next beat."""
+        """Drop the registry entries (``worker_pid``, ``worker_memory``, ``worker_backend``) of workers
+        whose liveness key is gone, in one step (``forget_departed.lua``). Returns their hostnames (an
+        awaitable of them with an async client). Tolerated race: a worker only frozen past its TTL
+        re-adds itself at its next beat."""
         return _then(self._run("forget_departed", [self.keys.worker_pid, self.keys.worker_memory,
-                                                   self.keys.worker_live_prefix], []),
+                                                   self.keys.worker_live_prefix, self.keys.worker_backend], []),
                      lambda hosts: [_text(host) for host in hosts])
 
     def worker_leave(self, hostname: str, boot: str) -> bool:
@@ -815,8 +816,9 @@ class Scheduler:
             :class:`Census` (an awaitable of it with an async client).
         """
         return _then(self._run("census", [self.keys.worker_pid, self.keys.worker_live_prefix,
-                                          self.keys.worker_starting, self.keys.models_meta], []),
-                     lambda r: Census(int(r[0]), int(r[1]) == 1, int(r[2])))
+                                          self.keys.worker_starting, self.keys.models_meta,
+                                          self.keys.worker_backend], []),
+                     lambda r: Census(int(r[0]), int(r[1]) == 1, int(r[2]), int(r[3])))
 
     async def snapshot(self, model_ids: list[str]) -> dict[str, ModelStatus]:
         """One atomic read of every model's state and counters (R4.7).

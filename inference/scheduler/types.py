@@ -251,12 +251,14 @@ class SettledPools(NamedTuple):
 
 class Census(NamedTuple):
     """Result of ``census.lua``: ``live_workers`` (started workers whose liveness key exists),
-    ``worker_starting`` (a supervisor is starting a worker, ``Keys.worker_starting``) and
-    ``models`` (published registrations)."""
+    ``worker_starting`` (a supervisor is starting a worker, ``Keys.worker_starting``),
+    ``models`` (published registrations) and ``cuda_workers`` (live workers whose sessions get the
+    CUDA provider, as each reports with its beat, ``Keys.worker_backend``)."""
 
     live_workers: int
     worker_starting: bool
     models: int
+    cuda_workers: int = 0
 
 
 class ModelStatus(TypedDict):

@@ -109,6 +109,7 @@ class WorkerState:
     def __init__(self):
         self.hostname: str | None = None
         self.boot = uuid.uuid4().hex
+        self.backend = "cpu"  # what this process's sessions get (set at start, inference.backend.session_backend)
         self.pools: dict[str, Pool] = {}
         self.lock = threading.Lock()
 
@@ -186,6 +187,16 @@ class WorkerState:
         """The published pool of ``model_id`` on this worker, or None."""
         with self.lock:
             return self.pools.get(model_id)
+
+    def forget_all(self) -> list[str]:
+        """Unpublish every pool and close each in a thread of its own (each waits for the steps still
+        running on it, as a replaced pool does): for pools the scheduler no longer knows (Redis lost its
+        state). Returns the model ids."""
+        with self.lock:
+            pools, self.pools = self.pools, {}
+        for model_id, pool in pools.items():
+            threading.Thread(target=pool.close, name=f"close {model_id}", daemon=True).start()
+        return sorted(pools)
 
     def close_all(self) -> list[str]:
         """Destroy every pool (worker shutdown). Returns the model ids."""

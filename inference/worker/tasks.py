@@ -42,12 +42,24 @@ COLD_CLEANUP_S = 0.5
 """How long the cold exit may spend deleting the worker's liveness key, in seconds."""
 
 
+def _recover_lost_redis_state() -> None:
+    """Redis restarted empty (its runtime key is gone): drop this worker's pools, which no process can
+    reach any more (their load states, leases and owner records went with Redis), and publish every
+    registration again from the database, as ``sync_config`` does (``registry_publish`` also records the
+    runtime, so the next beat finds it and this runs once per loss; another worker doing the same at
+    the same moment publishes the same entries). Models then load again on their next request."""
+    dropped = WORKER.forget_all()
+    published = records.registry_publish(sync_scheduler(), get_config().runtime)
+    log.warning("Redis lost the deployment's state (restarted empty?): dropped this worker's pools %s and "
+                "published %d registration(s) again from the database", dropped or "(none)", len(published))
+
+
 @signals.celeryd_after_setup.connect
 def _worker_identity(sender, instance, **kwargs):
     """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4)."""
     check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
     memory.warn_if_arenas_unbounded()
-    liveness.liveness_start(WORKER, sender, sync_scheduler())
+    liveness.liveness_start(WORKER, sender, sync_scheduler(), on_state_lost=_recover_lost_redis_state)
     _settle_lost_pools()
     dispatcher = RunDispatcher(WORKER, threads=instance.concurrency)
     dispatcher.start()
