@@ -7,6 +7,7 @@ dashboard and the playground go to ``$AUDIOSITE_ARTIFACTS`` (default ``var/artif
 """
 from __future__ import annotations
 
+import os
 import re
 import socket
 from pathlib import Path
@@ -95,7 +96,10 @@ def _cell(page, model_id: str, field: str):
 
 
 def _shoot(page, name: str) -> None:
-    shoot(page, name)
+    """A screenshot at 1280 px wide (``docs/images/ui-<name>-in-use-1280.png`` with ``AUDIOSITE_DOC_IMAGES=1``)."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.wait_for_timeout(300)
+    shoot(page, f"ui-{name}-in-use-1280", docs=os.environ.get("AUDIOSITE_DOC_IMAGES") == "1")
 
 
 def test_the_dashboard_lists_the_models_and_the_root_redirects(ustack, browser):
@@ -325,6 +329,11 @@ def test_the_playground_compares_speakers_transcribes_music_and_diarizes(ustack,
     playwright_api.expect(page.locator("#diar-status")).to_contain_text("turn(s)", timeout=MODEL_S * 1000)
     turns = page.locator("#diar-turns li").all_text_contents()
     assert turns and all(t.startswith("SPEAKER_") for t in turns)
+    page.locator("#asr-model").select_option("whisper-tiny.en")  # the other panels too, for the screenshot
+    page.get_by_role("button", name="Transcribe the shipped sample").click()
+    page.get_by_role("button", name="Use the shipped sample").click()
+    playwright_api.expect(page.locator("#asr-status")).to_contain_text("done in", timeout=MODEL_S * 1000)
+    playwright_api.expect(page.locator("#vad-status")).to_contain_text("segment(s)", timeout=MODEL_S * 1000)
     _shoot(page, "playground")
     page.context.close()
 

@@ -75,7 +75,7 @@ function drawChart(minutes) {
   ctx.clearRect(0, 0, w, h);
   const values = minutes.flatMap((m) => [m.queue, m.run]).filter(Boolean).map((s) => Math.max(0.1, s.mean_ms));
   const top = Math.max(10, ...values);
-  const left = 44, bottom = h - 16;
+  const left = 48, bottom = h - 20;
   const y = (ms) => bottom - (Math.log10(Math.max(0.1, ms) / 0.1) / Math.log10(top / 0.1)) * (bottom - 6);
   const x = (i) => left + (i + 0.5) * ((w - left) / minutes.length);
   ctx.fillStyle = color("muted");
