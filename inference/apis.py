@@ -208,6 +208,7 @@ def _timing(started: float, outcome: services.Outcome) -> dict:
     (wall ÷ audio), and the queue / load / inference parts, all in ms."""
     wall_ms = (time.monotonic() - started) * 1000
     audio_ms = outcome.audio_ms
+    metrics.timing_note(queue_ms=outcome.queue_ms, run_ms=outcome.inference_ms)  # the UI's activity row
     return {"wall_ms": round(wall_ms, 3), "audio_duration_ms": round(audio_ms, 3),
             "rtf": round(wall_ms / audio_ms, 4) if audio_ms else None,
             "queue_ms": round(outcome.queue_ms, 3), "load_ms": round(outcome.load_ms, 3),

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import re
 import socket
+from pathlib import Path
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,20 +22,18 @@ from audiosite.errors import InvalidRequest
 from ui import views as ui_views
 
 from .support.bounds import MODEL_S, QUICK_S
+from .support.browser import PASSWORD, chromium, launch, make_users, open_page, shoot
 from .support.clients import body
-from .support.processes import ROOT, need_program
+from .support.processes import ROOT
 from .support.stacks import FIXTURE_ENV, events_of, run_stack
 
 pytestmark = pytest.mark.stack
 
 playwright_api = pytest.importorskip("playwright.sync_api")
-CHROMIUM = Path(need_program(Path("/usr/bin/chromium") if Path("/usr/bin/chromium").exists() else None,
-                             "Debian's chromium for the browser tests", "chromium"))
+chromium()
 
 SAMPLE = ROOT / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
-ARTIFACTS = Path(os.environ.get("AUDIOSITE_ARTIFACTS", ROOT / "var" / "artifacts")) / "ui"
 LIVE_S = 10.0  # bound of a wait for a live update (the target is 500 ms; this only bounds a failure)
-PASSWORD = "a-long-test-password-1"
 
 UI_MODELS = [
     {"id": "fx-ui", "family": "fixture", "slots": 2},
@@ -44,6 +42,10 @@ UI_MODELS = [
     {"id": "silero-vad", "family": "silero_vad", "lazy": True},
     {"id": "piper-joe", "family": "piper", "lazy": True, "default_voice_preset": "alloy",
      "voice_presets": {"alloy": {"voice": "joe"}, "nova": {"voice": "joe", "options": {"sentence_silence_s": 0.2}}}},
+    {"id": "emb", "family": "speaker_embedding", "lazy": True},
+    {"id": "bp", "family": "basic_pitch", "lazy": True},
+    {"id": "diar", "family": "diarization", "lazy": True,
+     "load_options": {"vad_model": "silero-vad", "embedding_model": "emb"}},
 ]
 
 
@@ -56,38 +58,32 @@ def ustack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def users(ustack) -> dict[str, str]:
     """``operator`` (may manage) and ``viewer`` (may not), both with :data:`PASSWORD`."""
-    done = ustack.manage("shell", "--no-imports", "-c", (
-        "from django.contrib.auth.models import Permission, User\n"
-        "perm = Permission.objects.get(codename='manage_models')\n"
-        "for name, may in (('operator', True), ('viewer', False)):\n"
-        "    u, _ = User.objects.get_or_create(username=name)\n"
-        f"    u.set_password({PASSWORD!r}); u.save()\n"
-        "    if may: u.user_permissions.add(perm)\n"))
-    assert done.returncode == 0, done.stderr
-    return {"operator": PASSWORD, "viewer": PASSWORD}
+    return make_users(ustack)
 
 
 @pytest.fixture(scope="module")
-def browser():
+def playwright():
     with playwright_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                     args=["--no-sandbox", "--use-fake-ui-for-media-stream",
-                                           "--use-fake-device-for-media-stream"])
-        yield chromium
-        chromium.close()
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser(playwright):
+    chromium_browser = launch(playwright)
+    yield chromium_browser
+    chromium_browser.close()
 
 
 def _page(browser, stack, user: str | None = None):
-    context = browser.new_context(base_url=stack.url, viewport={"width": 1500, "height": 900})
-    page = context.new_page()
-    page.set_default_timeout(MODEL_S * 1000)
-    if user is not None:
-        page.goto("/ui/login/")
-        page.get_by_label("User name").fill(user)
-        page.get_by_label("Password").fill(PASSWORD)
-        page.get_by_role("button", name="Log in").click()
-        page.wait_for_url(re.compile(r"/ui/$"))
-    return page
+    return open_page(browser, stack, user)
+
+
+def _menu(page, model_id: str):
+    """Open the row menu of ``model_id`` (its manage actions); returns the row."""
+    row = page.locator(f'tr[data-model="{model_id}"]')
+    page.get_by_role("button", name=f"Manage {model_id}", exact=True).click()
+    playwright_api.expect(row.locator("[popover]")).to_be_visible()
+    return row
 
 
 def _open_dashboard(page):
@@ -100,8 +96,10 @@ def _cell(page, model_id: str, field: str):
 
 
 def _shoot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    """A screenshot at 1280 px wide (``docs/images/ui-<name>-in-use-1280.png`` with ``AUDIOSITE_DOC_IMAGES=1``)."""
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.wait_for_timeout(300)
+    shoot(page, f"ui-{name}-in-use-1280", docs=os.environ.get("AUDIOSITE_DOC_IMAGES") == "1")
 
 
 def test_the_dashboard_lists_the_models_and_the_root_redirects(ustack, browser):
@@ -157,6 +155,7 @@ def test_unload_from_the_page_changes_the_state_live_and_writes_an_audit_row(ust
         dialog.accept()
 
     page.on("dialog", accept)
+    _menu(page, "fx-gone")
     page.get_by_role("button", name="Unload fx-gone").click()
     playwright_api.expect(_cell(page, "fx-gone", "state")).to_have_text("unloaded", timeout=LIVE_S * 1000)
     assert dialogs and "fx-gone" in dialogs[0]
@@ -189,7 +188,7 @@ def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
     assert {"alloy", "nova"} <= before
     page = _page(browser, ustack, "operator")
     _open_dashboard(page)
-    row = page.locator('tr[data-model="piper-joe"]')
+    row = _menu(page, "piper-joe")
     page.get_by_role("button", name="Load piper-joe", exact=True).click()
     playwright_api.expect(row.locator("output.msg")).to_contain_text("piper-joe", timeout=LIVE_S * 1000)
     assert "error" not in (row.locator("output.msg").get_attribute("class") or "")
@@ -224,7 +223,7 @@ def test_the_model_pages_configuration_form_changes_only_the_keys_it_sends(ustac
 def test_a_resize_to_an_unsupported_count_shows_the_400_and_keeps_the_old_count(ustack, browser, users):
     page = _page(browser, ustack, "operator")
     _open_dashboard(page)
-    row = page.locator('tr[data-model="whisper-tiny.en"]')
+    row = _menu(page, "whisper-tiny.en")
     row.get_by_label("slots of whisper-tiny.en").fill("8")
     row.get_by_role("button", name="Resize whisper-tiny.en").click()
     message = row.locator("output.msg")
@@ -274,37 +273,94 @@ def test_the_lifecycle_log_shows_new_rows_live(ustack, browser, users):
     page.context.close()
 
 
-def test_the_playground_transcribes_finds_speech_and_speaks(ustack, browser):
+def test_the_playground_transcribes_with_words_finds_speech_and_speaks(ustack, browser):
+    """Transcription of a file with its words highlighted in turn while the audio plays; voice activity
+    over the waveform; speech the browser decodes."""
     page = _page(browser, ustack)
     page.goto("/ui/playground")
     page.locator("#asr-model").select_option("whisper-tiny.en")
-    # A microphone recording (Chromium's fake device plays a tone): MediaRecorder -> WAV -> the same route.
-    page.get_by_role("button", name="Record from microphone").click()
-    playwright_api.expect(page.locator("#asr-status")).to_contain_text("recording")
-    page.wait_for_timeout(1500)
-    with page.expect_response("**/v1/audio/transcriptions") as answer:
-        page.get_by_role("button", name="Stop and transcribe").click()
-    assert answer.value.status == 200  # the server decodes only what the page made of it: a WAV file
-    assert answer.value.request.headers["content-type"].startswith("multipart/form-data")
-    playwright_api.expect(page.locator("#asr-status")).to_contain_text("done in", timeout=MODEL_S * 1000)
     page.get_by_label("Audio file").first.set_input_files(str(SAMPLE))
-    page.get_by_role("button", name="Transcribe file").click()
+    with page.expect_response("**/v1/audio/transcriptions") as answer:
+        page.get_by_role("button", name="Transcribe file").click()
+    assert answer.value.status == 200
     playwright_api.expect(page.locator("#asr-text")).to_contain_text(
         re.compile("concorde returned to its place amidst the tents", re.I), timeout=MODEL_S * 1000)
+    words = page.locator("#asr-words span")
+    assert words.count() >= 7
+    page.evaluate("document.getElementById('asr-audio').play()")
+    highlighted = set()
+    for _ in range(40):  # the sample is 3.5 s: the highlighted word moves along
+        highlighted.update(page.locator("#asr-words span.now").all_text_contents())
+        page.wait_for_timeout(100)
+    assert len(highlighted) >= 3, highlighted
     page.get_by_role("button", name="Use the shipped sample").click()
     playwright_api.expect(page.locator("#vad-status")).to_contain_text("segment(s) of speech",
                                                                       timeout=MODEL_S * 1000)
     assert page.locator("#vad-segments li").count() >= 1
     playwright_api.expect(page.locator("#tts-voice option")).not_to_have_count(0)
-    page.get_by_role("button", name="Speak").click()
+    page.get_by_role("button", name="Speak", exact=True).click()
     playwright_api.expect(page.locator("#tts-status")).to_have_text("ready", timeout=MODEL_S * 1000)
     duration_s = page.evaluate("""() => new Promise((resolve) => {
         const audio = document.getElementById('tts-audio');
         if (audio.readyState >= 1) resolve(audio.duration); else audio.onloadedmetadata = () => resolve(audio.duration);
     })""")
     assert 1.0 < duration_s < 20.0  # the browser decoded the synthesized WAV: seconds of speech
+    page.context.close()
+
+
+def test_the_playground_compares_speakers_transcribes_music_and_diarizes(ustack, browser):
+    """The two shipped readers compared (cosine similarity of their embeddings), a melody made in the page
+    transcribed to its notes (piano roll, a MIDI file to download), the two readers one after the other
+    diarized into turns over the waveform."""
+    page = _page(browser, ustack)
+    page.goto("/ui/playground")
+    page.get_by_role("button", name="Compare the two shipped samples").click()
+    playwright_api.expect(page.locator("#emb-status")).to_contain_text("dimensional embeddings",
+                                                                      timeout=MODEL_S * 1000)
+    score = float(page.locator("#emb-score").text_content())
+    assert -1.0 <= score < 0.9  # two different readers: far from the same voice print
+    page.get_by_role("button", name="Use a melody made in the page").click()
+    playwright_api.expect(page.locator("#music-status")).to_contain_text("C4 E4 G4 C5 G4 E4 C4",
+                                                                        timeout=MODEL_S * 1000)
+    with page.expect_download() as download:
+        page.get_by_role("link", name="Download the MIDI file").click()
+    assert Path(download.value.path()).read_bytes()[:4] == b"MThd"
+    page.get_by_role("button", name="Use the two shipped samples, one after the other").click()
+    playwright_api.expect(page.locator("#diar-status")).to_contain_text("turn(s)", timeout=MODEL_S * 1000)
+    turns = page.locator("#diar-turns li").all_text_contents()
+    assert turns and all(t.startswith("SPEAKER_") for t in turns)
+    page.locator("#asr-model").select_option("whisper-tiny.en")  # the other panels too, for the screenshot
+    page.get_by_role("button", name="Transcribe the shipped sample").click()
+    page.get_by_role("button", name="Use the shipped sample").click()
+    playwright_api.expect(page.locator("#asr-status")).to_contain_text("done in", timeout=MODEL_S * 1000)
+    playwright_api.expect(page.locator("#vad-status")).to_contain_text("segment(s)", timeout=MODEL_S * 1000)
     _shoot(page, "playground")
     page.context.close()
+
+
+def test_the_microphone_streams_through_realtime_with_deltas_shown_as_they_arrive(ustack, playwright):
+    """Chromium's fake microphone plays the shipped sample in a loop: the page streams it through
+    ``/v1/realtime``; deltas show before the turn's final text, which is the sample's sentence."""
+    microphone_browser = launch(playwright, microphone_wav=SAMPLE)
+    try:
+        page = _page(microphone_browser, ustack)
+        sockets: list[str] = []
+        page.on("websocket", lambda ws: sockets.append(ws.url))
+        page.goto("/ui/playground")
+        page.locator("#asr-model").select_option("whisper-tiny.en")
+        page.evaluate("""() => { window.__deltas = [];
+            window.addEventListener('live-delta', (e) => window.__deltas.push([performance.now(), e.detail])); }""")
+        page.get_by_role("button", name="Start live transcription").click()
+        playwright_api.expect(page.locator("#live-text")).to_contain_text(
+            re.compile("concorde returned to its place", re.I), timeout=MODEL_S * 1000)
+        page.get_by_role("button", name="Stop live transcription").click()
+        playwright_api.expect(page.locator("#live-status")).to_have_text("stopped")
+        assert any("/v1/realtime?intent=transcription&model=whisper-tiny.en" in url for url in sockets), sockets
+        deltas = page.evaluate("window.__deltas")
+        assert deltas, "no delta arrived"
+        page.context.close()
+    finally:
+        microphone_browser.close()
 
 
 def test_queued_requests_show_live_and_the_dashboard_screenshot(ustack, browser, users):
@@ -346,6 +402,7 @@ def test_register_unload_selected_and_unregister_from_the_page(ustack, browser, 
     page = _page(browser, ustack, "operator")
     _open_dashboard(page)
     page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_text("Register a model").click()
     form = page.locator("#register")
     form.get_by_label("Id").fill("fx-new")
     form.get_by_label("Family").select_option("fixture")
@@ -365,6 +422,7 @@ def test_register_unload_selected_and_unregister_from_the_page(ustack, browser, 
     playwright_api.expect(detail.get_by_text("1 request(s) served since registration")).to_be_visible()
     playwright_api.expect(detail.locator("#log tbody tr").first).to_contain_text("unload")
     detail.close()
+    _menu(page, "fx-new")
     page.get_by_role("button", name="Unregister fx-new").click()
     playwright_api.expect(page.locator('tr[data-model="fx-new"]')).to_have_count(0, timeout=LIVE_S * 1000)
     events = events_of(ustack, "fx-new")
@@ -445,3 +503,72 @@ def test_a_form_integer_of_ascii_digits_is_read():
     request = RequestFactory().post("/ui/manage/x/resize", data={"slots": " 4 ", "busy_timeout_ms": "-1"})
     assert ui_views._int_field(request, "slots") == 4 and ui_views._int_field(request, "busy_timeout_ms") == -1
     assert ui_views._int_field(request, "absent") is None
+
+
+def test_the_model_page_manages_its_model_and_charts_the_last_hour(ustack, browser, users):
+    """From ``/ui/models/<id>``: resize (a count past the admitted ones is the 400 with ``capacity=4``),
+    unload, load, the admitted counts per mode, the last error and its retry time, the chart of the
+    last hour's queue wait and run time (the requests just served are counted), and unregister, which
+    returns to the dashboard."""
+    page = _page(browser, ustack, "operator")
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.goto("/ui/")
+    page.get_by_text("Register a model").click()
+    form = page.locator("#register")
+    form.get_by_label("Id").fill("fx-page")
+    form.get_by_label("Family").select_option("fixture")
+    form.get_by_role("button", name="Register and load").click()
+    playwright_api.expect(form.locator("output.msg")).to_contain_text("fx-page: loaded=true")
+    with ustack.client() as c:
+        for _ in range(3):
+            assert c.post("/v1/tasks/run", json=body("fx-page")).status_code == 200
+    page.goto("/ui/models/fx-page")
+    playwright_api.expect(page.locator("#live-state")).to_have_text("live", timeout=LIVE_S * 1000)
+    playwright_api.expect(page.locator("#admitted-by-mode")).to_contain_text("offline: 1..")
+    playwright_api.expect(page.locator("#timing-summary")).to_contain_text("run time: 3 request(s)")
+    playwright_api.expect(page.locator("#timing-summary")).to_contain_text("queue wait: 3 request(s)")
+    manage = page.locator("#manage")
+    manage.get_by_label("Slots").fill("5")  # within the input's range, past the admitted 1..4
+    manage.get_by_role("button", name="Resize").click()
+    playwright_api.expect(manage.locator("output.msg")).to_contain_text("400")
+    manage.get_by_label("Slots").fill("2")
+    manage.get_by_role("button", name="Resize").click()
+    playwright_api.expect(manage.locator("output.msg")).to_contain_text("fx-page: reconfigured")
+    playwright_api.expect(page.locator('#status [data-field="slots"]')).to_have_text("2", timeout=LIVE_S * 1000)
+    manage.get_by_role("button", name="Unload", exact=True).click()
+    playwright_api.expect(page.locator('#status [data-field="state"]')).to_have_text("unloaded", timeout=LIVE_S * 1000)
+    manage.get_by_role("button", name="Load", exact=True).click()
+    playwright_api.expect(page.locator('#status [data-field="state"]')).to_have_text("ready", timeout=LIVE_S * 1000)
+    playwright_api.expect(page.locator("#log tbody tr").first).to_contain_text("load")
+    playwright_api.expect(page.locator('#status [data-field="last_error"]')).to_have_text("none")
+    playwright_api.expect(page.locator('#status [data-field="retry_at"]')).to_have_text("–")
+    manage.get_by_role("button", name="Unregister").click()
+    page.wait_for_url(re.compile(r"/ui/$"))
+    playwright_api.expect(page.locator('tr[data-model="fx-page"]')).to_have_count(0, timeout=LIVE_S * 1000)
+    assert events_of(ustack, "fx-page")[-1][0] == "unregister"
+    page.context.close()
+
+
+def test_a_failed_load_shows_its_error_and_retry_time_on_the_model_page(ustack, browser, users):
+    """A registration whose load fails (the fixture's ``fail_load``): the form shows the error, the
+    dashboard row the error, the model page the error and ``retry_at`` (the end of the backoff)."""
+    page = _page(browser, ustack, "operator")
+    page.on("dialog", lambda dialog: dialog.accept())
+    _open_dashboard(page)
+    page.get_by_text("Register a model").click()
+    form = page.locator("#register")
+    form.get_by_label("Id").fill("fx-broken")
+    form.get_by_label("Family").select_option("fixture")
+    form.get_by_label("Load options (JSON; the spec's defaults shown)").fill('{"fail_load": true}')
+    form.get_by_role("button", name="Register and load").click()
+    playwright_api.expect(form.locator("output.msg")).to_have_class(re.compile("error"), timeout=LIVE_S * 1000)
+    playwright_api.expect(_cell(page, "fx-broken", "last_error")).to_contain_text("injected load failure",
+                                                                                  timeout=LIVE_S * 1000)
+    page.goto("/ui/models/fx-broken")
+    playwright_api.expect(page.locator("#live-state")).to_have_text("live", timeout=LIVE_S * 1000)
+    playwright_api.expect(page.locator('#status [data-field="last_error"]')).to_contain_text("injected load failure")
+    retry_at = page.locator('#status [data-field="retry_at"]').text_content()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z", retry_at.strip()), retry_at
+    page.locator("#manage").get_by_role("button", name="Unregister").click()
+    page.wait_for_url(re.compile(r"/ui/$"))
+    page.context.close()

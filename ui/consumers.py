@@ -2,7 +2,8 @@
 
 Access follows the pages: with ``ui`` off the handshake is refused; a visitor
 who is not logged in is refused when ``ui_anonymous`` is ``none``, and is sent
-status messages only (no audit rows) when it is ``status``. The client sends
+status messages only (no audit rows, no activity rows: they name users and
+client addresses) when it is ``status``. The client sends
 nothing; what it sends is ignored.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ class StatusConsumer(AsyncJsonWebsocketConsumer):
     async def _pump(self) -> None:
         while True:
             message = await self.queue.get()
-            if message["type"] == "event" and not self.logged_in:
+            if message["type"] in ("event", "activity") and not self.logged_in:
                 continue
             await self.send_json(message)
 

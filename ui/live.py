@@ -15,11 +15,13 @@ started by its first subscriber, stopped with its last) listens to both:
 - with no notice for :data:`RESYNC_S` it takes a snapshot anyway, because a
   worker whose liveness key expires changes what the snapshot says without
   any script running; a snapshot equal to the last one sent is not sent again;
-- an audit notice is forwarded as it is.
+- an audit notice is forwarded as it is, and so is each batch of answered requests
+  (``inference.runtime.metrics.activity_soon``, on ``Keys.activity_events``).
 
 Messages (JSON, to every subscriber): ``{"type": "status", "models": [...],
 "workers": N, "at": ISO 8601}``; ``{"type": "event", "event": {...}}``
-(``ui.signals.event_json``); ``{"type": "error", "message"}`` while Redis
+(``ui.signals.event_json``); ``{"type": "activity", "requests": [...]}`` (rows of
+``metrics.activity_soon``, oldest first); ``{"type": "error", "message"}`` while Redis
 is unreachable (the hub retries every second).
 """
 from __future__ import annotations
@@ -104,7 +106,7 @@ class StatusHub:
         loop = asyncio.get_running_loop()
         pubsub = ctx.redis.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(KEYS.changes, KEYS.audit_events)
+            await pubsub.subscribe(KEYS.changes, KEYS.audit_events, KEYS.activity_events)
             await self._status(ctx)
             last = loop.time()
             due: float | None = None  # when the scheduled snapshot is taken
@@ -121,6 +123,9 @@ class StatusHub:
                 wait_s = (due if due is not None else last + RESYNC_S) - now
                 message = await pubsub.get_message(timeout=max(0.0, wait_s))
                 if message is None or message.get("type") != "message":
+                    continue
+                if message["channel"] == KEYS.activity_events:  # no snapshot change: sent as it is, at once
+                    self._broadcast({"type": "activity", "requests": json.loads(message["data"])})
                     continue
                 if message["channel"] == KEYS.audit_events:
                     self._broadcast({"type": "event", "event": json.loads(message["data"])})

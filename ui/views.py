@@ -38,6 +38,8 @@ from audiosite.errors import (ApplicationError, InvalidRequest, ManagementDisabl
 from audiosite.serverconfig import get_config
 from audiosite.input_checks import MAX_JSON_DEPTH, check_json_depth, validated
 from inference import specs
+from inference.backend import resolve_backend
+from inference.runtime import metrics
 from inference.runtime.context import async_context
 from registry import services
 from registry.permissions import MANAGEMENT_DISABLED, may_manage
@@ -171,7 +173,33 @@ async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
     return _page(request, "ui/model.html", {
         "model": board[0] if board else None, "model_id": model_id, "manage": manage,
         "config_json": json.dumps(registration_body_of(meta), indent=2), "registration": row,
+        "admitted_by_mode": _admitted_by_mode(meta), "registration_mode": meta.get("mode"),
+        "minutes": await metrics.minutes_recent(ctx.redis, model_id),
         "stats": stats, "events": events, "title": model_id})
+
+
+def _admitted_by_mode(meta: dict) -> dict[str, int]:
+    """Per mode the model's family supports: N, the largest slot count 1..N admitted here
+    (``specs.largest_slot_count``: capacity and admission table together)."""
+    backend = resolve_backend(get_config().backend)
+    family, task = meta["family"], meta["task"]
+    modes = (specs.get_spec(family) or {}).get("modes", [meta.get("mode", "offline")])
+    return {mode: specs.largest_slot_count(family, task, mode, backend) for mode in modes}
+
+
+@require_GET
+async def model_minutes(request: HttpRequest, model_id: str) -> JsonResponse:
+    """``/ui/models/<id>/minutes``: the model page's chart data (``metrics.minutes_recent``: queue wait and
+    run time per minute over the last hour), refreshed by the page each minute. Needs a login."""
+    _ui_on()
+    user = await request.auser()
+    if not user.is_authenticated:
+        return JsonResponse({"error": {"message": "log in to read a model's timings", "type": "authentication_error",
+                                       "param": None, "code": None}}, status=401)
+    ctx = await async_context()
+    if await model_meta_get(ctx, model_id) is None:
+        raise Http404(f"model {model_id!r} is not registered")
+    return JsonResponse(await metrics.minutes_recent(ctx.redis, model_id), safe=False)
 
 
 @require_GET
@@ -192,6 +220,21 @@ async def lifecycle_log(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
+async def activity(request: HttpRequest) -> HttpResponse:
+    """``/ui/activity``: the last requests answered (``inference.runtime.metrics.activity_recent``), newest
+    first, filtered in the page by model and outcome; new ones arrive live. Needs a login (client addresses)."""
+    manage, refused = await _page_access(request, login_always=True)
+    if refused:
+        return refused
+    ctx = await async_context()
+    rows = await metrics.activity_recent(ctx.redis)
+    return _page(request, "ui/activity.html", {
+        "requests": rows, "model_ids": sorted(await model_meta_all(ctx)), "outcomes": metrics.OUTCOMES,
+        "model_filter": request.GET.get("model", "").strip(), "outcome_filter": request.GET.get("outcome", "").strip(),
+        "keep": metrics.ACTIVITY_KEEP, "manage": manage, "title": "Activity"})
+
+
+@require_GET
 async def playground(request: HttpRequest) -> HttpResponse:
     """``/ui/playground``: try each task (transcribe, voice activity, speech) against the public API."""
     manage, refused = await _page_access(request)
@@ -206,6 +249,8 @@ async def playground(request: HttpRequest) -> HttpResponse:
 
 
 SAMPLE_WAV = Path(__file__).resolve().parent.parent / "samples" / "librispeech_test_clean_6930-75918-0000.wav"
+OTHER_SAMPLE_WAV = SAMPLE_WAV.with_name("librispeech_test_other_7902-96591-0000.wav")
+"""A second reader: the playground compares two speakers and diarizes the two samples one after the other."""
 
 
 @require_GET
@@ -213,6 +258,13 @@ async def sample(request: HttpRequest) -> FileResponse:
     """``/ui/sample.wav``: the shipped LibriSpeech sample (CC BY 4.0, ``samples/README.md``) for the playground."""
     _ui_on()
     return FileResponse(open(SAMPLE_WAV, "rb"), content_type="audio/wav", filename=SAMPLE_WAV.name)
+
+
+@require_GET
+async def sample_other(request: HttpRequest) -> FileResponse:
+    """``/ui/sample-other.wav``: the second shipped LibriSpeech sample (another reader; CC BY 4.0)."""
+    _ui_on()
+    return FileResponse(open(OTHER_SAMPLE_WAV, "rb"), content_type="audio/wav", filename=OTHER_SAMPLE_WAV.name)
 
 
 # -- form actions -------------------------------------------------------------------------------

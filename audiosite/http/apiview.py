@@ -19,6 +19,8 @@ off → 403 for everyone); authentication always completes before the handler.
 """
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from inspect import iscoroutinefunction
 
 from adrf.views import APIView as AdrfAPIView
@@ -86,7 +88,10 @@ class APIView(AdrfAPIView):
     ``shutting_down`` while draining; a handler still running at the drain deadline is cut with that
     503), and, for views with ``counts_requests``, counted in the deployment's metrics
     (``audiosite_requests_total``, and ``audiosite_rejections_total`` for a 503) under
-    ``self.metrics_model`` (set by the view once the request names a registered model)."""
+    ``self.metrics_model`` (set by the view once the request names a registered model) and added to
+    the UI's activity list (``metrics.activity_soon``: time, model, route, status, error code, queue
+    wait, run time, client address and user; never the body). For a streamed answer the row is
+    written when its headers are sent."""
 
     counts_requests = False
     metrics_model = ""
@@ -94,20 +99,31 @@ class APIView(AdrfAPIView):
     async def async_dispatch(self, request, *args, **kwargs):
         """``adrf.views.APIView.async_dispatch`` with ``initial`` on the event loop when safe (and the drain
         and metrics of the class doc)."""
+        if not self.counts_requests:
+            return await self._dispatch(request, *args, **kwargs)
+        started = time.monotonic()
+        timing = metrics.timing_begin()
         response = await self._dispatch(request, *args, **kwargs)
-        if self.counts_requests:
-            self._count(response)
+        self._count(request, response, timing, (time.monotonic() - started) * 1000)
         return response
 
-    def _count(self, response) -> None:
+    def _count(self, request, response, timing: metrics.RequestTiming, total_ms: float) -> None:
         status = response.status_code
         model = self.metrics_model
+        data = getattr(response, "data", None)
+        error = data.get("error") if isinstance(data, dict) else None
+        code = error.get("code") or error.get("type") if isinstance(error, dict) else None
         events = [metrics.count(metrics.REQUESTS, model, request_outcome(status))]
         if status == 503:
-            code = getattr(response, "data", None)
-            code = code.get("error", {}).get("code") if isinstance(code, dict) else None
             events.append(metrics.count(metrics.REJECTIONS, model, code or "unknown"))
         metrics.record_soon(*events)
+        user = getattr(getattr(self, "request", None), "_user", None)
+        metrics.activity_soon({
+            "at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "model": model, "route": request.path[:200], "status": status, "outcome": request_outcome(status),
+            "code": code, "queue_ms": timing.queue_ms, "run_ms": timing.run_ms, "total_ms": round(total_ms, 3),
+            "client": request.META.get("REMOTE_ADDR") or "",
+            "user": user.get_username() if user is not None and user.is_authenticated else None})
 
     async def _dispatch(self, request, *args, **kwargs):
         self.args = args

@@ -55,6 +55,7 @@ async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
         raise busy_error(exc) from None
     if kind is not LeaseKind.MANAGER:
         metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
+        metrics.timing_note(queue_ms=lease.waited_ms)  # the activity row of the request (ui)
     return lease
 
 

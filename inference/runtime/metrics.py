@@ -39,15 +39,18 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
 import json
 import logging
 import os
 import platform
 import socket
 import subprocess
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field as dataclass_field
+from datetime import UTC, datetime
 from pathlib import Path
 from enum import StrEnum
 from typing import Any
@@ -162,11 +165,74 @@ def _increments(events: Iterable[Event]) -> tuple[dict[tuple[str, str], int], di
 
 
 def _queue(pipe: Any, events: Iterable[Event]) -> None:
+    events = list(events)
     ints, floats = _increments(events)
     for (key, field), amount in ints.items():
         pipe.hincrby(key, field, amount)
     for (key, field), seconds in floats.items():
         pipe.hincrbyfloat(key, field, seconds)
+    _queue_minute(pipe, events)
+
+
+# -- the last hour, minute by minute (the model page's chart) -------------------------------------
+MINUTE_METRICS = ("queue_wait_seconds", "inference_seconds")
+"""The histograms also kept per minute for an hour: queue wait and time in the model."""
+MINUTES_KEPT = 61
+"""Minutes a per-minute hash lives (its EXPIRE), so the last hour is always complete."""
+
+
+def _queue_minute(pipe: Any, events: list[Event]) -> None:
+    """The same observations of :data:`MINUTE_METRICS` into this minute's hash (``Keys.metric_minute``):
+    fields ``<metric>\t<model>\tb<i>`` / ``\tsum`` / ``\tcount`` as the all-time hashes, expiring after
+    :data:`MINUTES_KEPT` minutes. A few commands in the same ``MULTI``; nothing when there is no such event."""
+    timed = [(metric, labels, value) for metric, labels, value in events
+             if metric.kind is Kind.HISTOGRAM and metric.name in MINUTE_METRICS and value is not None]
+    if not timed:
+        return
+    key = KEYS.metric_minute(int(time.time() // 60))
+    for metric, labels, value in timed:
+        seconds = max(0.0, float(value))
+        head = f"{metric.name}\t{labels[0]}"
+        pipe.hincrby(key, f"{head}\tb{bucket_index(seconds)}", 1)
+        pipe.hincrby(key, f"{head}\tcount", 1)
+        pipe.hincrbyfloat(key, f"{head}\tsum", seconds)
+    pipe.expire(key, MINUTES_KEPT * 60)
+
+
+def _minute_summary(fields: dict[str, str], name: str, model_id: str) -> dict | None:
+    head = f"{name}\t{model_id}\t"
+    count = int(fields.get(head + "count", 0) or 0)
+    if not count:
+        return None
+    buckets = [int(fields.get(f"{head}b{i}", 0) or 0) for i in range(len(BUCKETS_S) + 1)]
+    seen, p95_s = 0, None
+    for i, n in enumerate(buckets):
+        seen += n
+        if seen >= 0.95 * count:
+            p95_s = BUCKETS_S[i] if i < len(BUCKETS_S) else None
+            break
+    return {"count": count, "mean_ms": round(float(fields[head + "sum"]) / count * 1000, 3),
+            "p95_le_ms": None if p95_s is None else p95_s * 1000}
+
+
+async def minutes_recent(redis_client: Any, model_id: str, minutes: int = 60) -> list[dict]:
+    """Queue wait and run time of ``model_id`` minute by minute over the last ``minutes`` (oldest first):
+    ``{"minute": ISO 8601 UTC start, "queue": summary | None, "run": summary | None}``, a summary being
+    ``{"count", "mean_ms", "p95_le_ms"}`` (``p95_le_ms``: the upper bound of the bucket holding the 95th
+    percentile, None beyond the last bound). One round trip."""
+    now = int(time.time() // 60)
+    span = range(now - minutes + 1, now + 1)
+    async with redis_client.pipeline(transaction=False) as pipe:
+        for minute in span:
+            pipe.hgetall(KEYS.metric_minute(minute))
+        rows = await pipe.execute()
+    out = []
+    for minute, fields in zip(span, rows, strict=True):
+        fields = {(k.decode() if isinstance(k, bytes) else k): v for k, v in (fields or {}).items()}
+        out.append({"minute": datetime.fromtimestamp(minute * 60, UTC).isoformat().replace("+00:00", "Z"),
+                    "queue": _minute_summary(fields, "queue_wait_seconds", model_id),
+                    "run": _minute_summary(fields, "inference_seconds", model_id)})
+    return out
 
 
 Event = tuple[Stored, tuple[str, ...], float | None]
@@ -239,7 +305,9 @@ class _Batch:
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.activity: list[dict] = []
         self.task: asyncio.Task | None = None
+        self.early: asyncio.Task | None = None  # the sooner write of activity rows (activity_soon)
         self.lock = asyncio.Lock()
 
 
@@ -257,13 +325,19 @@ def record_soon(*events: Event) -> None:
     """
     if not events:
         return
+    batch = _batch()
+    batch.events.extend(events)
+
+
+def _batch() -> _Batch:
+    """This event loop's batch, its write scheduled."""
     loop = asyncio.get_running_loop()
     batch = _BATCHES.get(loop)
     if batch is None:
         batch = _BATCHES[loop] = _Batch()
-    batch.events.extend(events)
     if batch.task is None:
         batch.task = loop.create_task(_flush_later(batch))
+    return batch
 
 
 async def _flush_later(batch: _Batch) -> None:
@@ -289,17 +363,27 @@ async def _write(batch: _Batch) -> None:
     and a write whose turn finds nothing queued costs nothing. A write is bounded by ``WRITE_TIMEOUT_S``."""
     async with batch.lock:
         events, batch.events = batch.events, []
-        if events:
+        answered, batch.activity = batch.activity, []
+        if events or answered:
             try:
                 async with asyncio.timeout(WRITE_TIMEOUT_S):
-                    await _record_events(events)
+                    await _record_events(events, answered)
             except TimeoutError:
                 log.warning("metrics: %d event(s) lost: the write took over %g s", len(events), WRITE_TIMEOUT_S)
 
 
-async def _record_events(events: list[Event]) -> None:
+async def _record_events(events: list[Event], answered: list[dict]) -> None:
     ctx = await async_context()
-    await record(ctx.redis, *events)
+    if not answered:
+        await record(ctx.redis, *events)
+        return
+    try:
+        async with ctx.redis.pipeline(transaction=True) as pipe:
+            _queue(pipe, events)
+            _queue_activity(pipe, answered)
+            await pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("metrics: %d event(s) and %d activity row(s) lost: %s", len(events), len(answered), exc)
 
 
 async def flush() -> None:
@@ -314,6 +398,82 @@ async def flush() -> None:
     if task is not None:
         task.cancel()
     await _write(batch)  # first come, first served: every write that asked before has ended first
+
+
+# -- the activity view's rows: the last answered requests ------------------------------------------
+ACTIVITY_KEEP = 200
+"""How many answered requests the activity list keeps (``Keys.activity``); older ones are trimmed in the
+same write. A row is about 250 bytes of JSON, so the list stays under ~50 kB."""
+ACTIVITY_FLUSH_S = 0.03
+"""How long an activity row waits for its write (seconds): shorter than ``FLUSH_INTERVAL_S`` so that the
+activity view shows an answer within the issue's 200 ms; it writes the metric events queued so far with it.
+Under traffic that is at most one more write per 30 ms per web process (the batches still sum)."""
+
+
+@dataclass
+class RequestTiming:
+    """The parts of one request's time the activity row shows, noted as the request goes (ms; None when
+    the request never got that far): ``queue_ms`` enqueue → grant of its slot, ``run_ms`` time in the
+    model's session on the worker."""
+
+    queue_ms: float | None = None
+    run_ms: float | None = None
+
+
+_TIMING: contextvars.ContextVar[RequestTiming | None] = contextvars.ContextVar("audiosite_request_timing",
+                                                                              default=None)
+
+
+def timing_begin() -> RequestTiming:
+    """Start noting the current request's timing (the API view, before its handler runs): tasks the
+    handler starts share the returned object, so what they note is seen here."""
+    timing = RequestTiming()
+    _TIMING.set(timing)
+    return timing
+
+
+def timing_note(*, queue_ms: float | None = None, run_ms: float | None = None) -> None:
+    """Note a part of the current request's timing (no-op outside a request that began one)."""
+    timing = _TIMING.get()
+    if timing is None:
+        return
+    if queue_ms is not None:
+        timing.queue_ms = round(float(queue_ms), 3)
+    if run_ms is not None:
+        timing.run_ms = round(float(run_ms), 3)
+
+
+def activity_soon(row: dict) -> None:
+    """Queue one answered request for the activity list, written with this loop's metric events (at most
+    ``ACTIVITY_FLUSH_S`` later, the same ``MULTI``) and announced on ``Keys.activity_events``.
+
+    ``row``: JSON-able, ``{"at": ISO 8601 UTC, "model", "route", "status", "outcome", "code",
+    "queue_ms", "run_ms", "total_ms", "client"}`` (``audiosite.http.apiview``); never a request body."""
+    batch = _batch()
+    batch.activity.append(row)
+    if batch.early is None:
+        batch.early = asyncio.get_running_loop().create_task(_write_early(batch))
+
+
+async def _write_early(batch: _Batch) -> None:
+    try:
+        await asyncio.sleep(ACTIVITY_FLUSH_S)
+    finally:
+        batch.early = None
+    await _write(batch)
+
+
+def _queue_activity(pipe: Any, rows: list[dict]) -> None:
+    texts = [json.dumps(row, separators=(",", ":")) for row in rows]
+    pipe.lpush(KEYS.activity, *texts)
+    pipe.ltrim(KEYS.activity, 0, ACTIVITY_KEEP - 1)
+    pipe.publish(KEYS.activity_events, "[" + ",".join(texts) + "]")
+
+
+async def activity_recent(redis_client: Any, limit: int = ACTIVITY_KEEP) -> list[dict]:
+    """The last ``limit`` answered requests, newest first (the rows of :func:`activity_soon`)."""
+    texts = await redis_client.lrange(KEYS.activity, 0, max(0, limit - 1))
+    return [json.loads(text) for text in texts]
 
 
 def record_sync(redis_client: Any, *events: Event) -> None:

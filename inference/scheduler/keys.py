@@ -82,6 +82,22 @@ class Keys:
         """Pub/sub channel: each new lifecycle audit row, as JSON, once its transaction commits (``ui``)."""
         return f"{self.prefix}audit"
 
+    def metric_minute(self, minute: int) -> str:
+        """HASH of one minute's queue-wait and run-time observations (``minute`` = Unix time // 60), kept an
+        hour (``inference.runtime.metrics.MINUTES_KEPT``): the model page's chart of the last hour."""
+        return f"{self.prefix}metric:minute:{minute}"
+
+    @property
+    def activity(self) -> str:
+        """LIST of the last answered inference requests, newest first, as JSON (no body; capped by
+        ``inference.runtime.metrics.ACTIVITY_KEEP``): the UI's activity view."""
+        return f"{self.prefix}activity"
+
+    @property
+    def activity_events(self) -> str:
+        """Pub/sub channel: each batch of newly answered requests (a JSON list) written to ``activity`` (``ui``)."""
+        return f"{self.prefix}activity:new"
+
     @property
     def seq(self) -> str:
         """Global FIFO sequence counter (INCR)."""

@@ -1,6 +1,7 @@
 // The dashboard: rows from the live status, management forms, and a small timeline per model.
 import {connectStatus, shortTime} from "./live.js";
 import {submitAction} from "./forms.js";
+import {anchorPopover, color, fitCanvas} from "./theme.js";
 
 const tbody = document.querySelector("#models tbody");
 const template = document.getElementById("row-template");
@@ -23,6 +24,8 @@ function rowOf(id) {
   return tbody.querySelector(`tr[data-model="${CSS.escape(id)}"]`);
 }
 
+let menus = 0;
+
 function newRow(model) {
   const row = template.content.firstElementChild.cloneNode(true);
   row.dataset.model = model.id;
@@ -32,6 +35,20 @@ function newRow(model) {
   const select = row.querySelector('[data-field="select"]');
   if (select) { select.value = model.id; select.setAttribute("aria-label", `select ${model.id}`); }
   row.querySelector('[data-field="timeline"]').setAttribute("aria-label", `queue and slot timeline of ${model.id}`);
+  const menu = row.querySelector('[data-field="menu"]');
+  if (menu) {
+    const button = row.querySelector('[data-field="menu-button"]');
+    menu.id = `menu-${++menus}`;
+    menu.setAttribute("aria-label", `Manage ${model.id}`);
+    button.setAttribute("popovertarget", menu.id);
+    button.setAttribute("aria-label", `Manage ${model.id}`);
+    button.setAttribute("aria-expanded", "false");
+    row.querySelector('[data-field="menu-title"]').textContent = model.id;
+    const page = row.querySelector('[data-field="menu-page"]');
+    page.href = link.href;
+    page.setAttribute("aria-label", `options, voice presets and history of ${model.id}`);
+    anchorPopover(button, menu);
+  }
   for (const form of row.querySelectorAll("form.act")) {
     form.action = `/ui/manage/${encodeURIComponent(model.id)}/${form.dataset.action}`;
     if (form.dataset.confirm) form.dataset.confirm = form.dataset.confirm.replace("{id}", model.id);
@@ -68,6 +85,9 @@ function render(models) {
     for (const name of ["family", "task", "slots", "active_slots", "queued_requests", "worker", "last_error"]) {
       setField(row, name, model[name]);
     }
+    const error = row.querySelector('[data-field="last_error"]');
+    if (model.last_error) error.title = model.retry_at ? `${model.last_error} (retry at ${model.retry_at})` : model.last_error;
+    else error.removeAttribute("title");
     // The counts a resize may ask for here (capacity and admission table together), not the family's
     // advertised capacity alone: a resize past it is refused with "admitted counts are 1..N".
     setField(row, "admitted_slots", `1..${model.admitted_slots}`);
@@ -85,8 +105,7 @@ function render(models) {
 }
 
 function drawTimeline(canvas, points, now) {
-  const ctx = canvas.getContext("2d");
-  const w = canvas.width, h = canvas.height;
+  const [ctx, w, h] = fitCanvas(canvas);
   ctx.clearRect(0, 0, w, h);
   if (!points.length) return;
   const top = Math.max(1, ...points.map((p) => Math.max(p.slots, p.active + p.queued)));
@@ -110,10 +129,10 @@ function drawTimeline(canvas, points, now) {
     ctx.strokeStyle = color;
     ctx.stroke();
   };
-  series((p) => p.active + p.queued, "#b45309", "rgba(245, 158, 11, 0.35)");
-  series((p) => p.active, "#1d4ed8", "rgba(59, 130, 246, 0.45)");
+  series((p) => p.active + p.queued, color("plot-queued"), color("plot-queued-fill"));
+  series((p) => p.active, color("plot-active"), color("plot-active-fill"));
   ctx.setLineDash([3, 3]);
-  ctx.strokeStyle = "#555";
+  ctx.strokeStyle = color("plot-line");
   ctx.beginPath();
   const slots = points[points.length - 1].slots;
   ctx.moveTo(0, y(slots));

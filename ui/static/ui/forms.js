@@ -6,10 +6,13 @@ export function errorText(body, status) {
   return `${status}: unexpected answer`;
 }
 
+// Returns whether the server accepted the action.
 export async function submitAction(form, submitter, describe) {
-  const output = form.querySelector("output.msg") || form.parentElement.querySelector("output.msg");
+  // The answer shows in the form's own output, else in that of the panel holding it (data-messages).
+  const output = form.querySelector("output.msg") ||
+    (form.closest("[data-messages]") || form.parentElement).querySelector("output.msg");
   const question = (submitter && submitter.dataset.confirm) || form.dataset.confirm;
-  if (question && !window.confirm(question)) return;
+  if (question && !window.confirm(question)) return false;
   const data = new FormData(form, submitter || undefined);
   if (output) { output.textContent = "working…"; output.className = "msg busy"; }
   let response, body = null;
@@ -19,9 +22,9 @@ export async function submitAction(form, submitter, describe) {
     body = await response.json().catch(() => null);
   } catch (err) {
     if (output) { output.textContent = `network error: ${err}`; output.className = "msg error"; }
-    return;
+    return false;
   }
-  if (!output) return;
+  if (!output) return response.ok;
   if (response.ok) {
     output.textContent = describe ? describe(body.result) : "done";
     output.className = "msg ok";
@@ -29,4 +32,5 @@ export async function submitAction(form, submitter, describe) {
     output.textContent = errorText(body, response.status);
     output.className = "msg error";
   }
+  return response.ok;
 }
