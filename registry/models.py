@@ -25,7 +25,8 @@ class ModelRegistration(models.Model):
 
     ``busy_timeout_ms`` is the model's admission ceiling in ms (null = the
     server's); ``lazy`` null = the server's ``lazy_load``. ``options`` holds
-    ``load_options``, ``session_options`` and ``default_request_options``.
+    ``load_options``, ``session_options``, ``default_request_options``, the voice presets and
+    ``max_run_ms`` (a run's deadline, null = the default; no column of its own).
     """
 
     class Source(models.TextChoices):
@@ -69,6 +70,7 @@ class ModelRegistration(models.Model):
             "voice_presets": self.options.get("voice_presets", {}),
             "default_voice_preset": self.options.get("default_voice_preset"),
             "busy_timeout_ms": self.busy_timeout_ms,
+            "max_run_ms": self.options.get("max_run_ms"),
             "slots": self.slots,
             "lazy": self.lazy,
             "source": self.source,

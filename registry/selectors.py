@@ -26,7 +26,7 @@ async def deployment_census(ctx: AsyncContext) -> Census:
     return await ctx.scheduler.census()
 
 
-ENTRY_KEYS = ("id", "family", "path", "task", "mode", "slots", "busy_timeout_ms", "lazy",
+ENTRY_KEYS = ("id", "family", "path", "task", "mode", "slots", "busy_timeout_ms", "max_run_ms", "lazy",
                      "load_options", "session_options", "default_request_options", "voice_presets",
                      "default_voice_preset")
 """The keys of a management entry: every key a model entry of the config file can set (``ModelConfig``)."""

@@ -37,6 +37,7 @@ def _beat(redis_client, keys: Keys, worker: WorkerState, hostname: str) -> None:
     pipe.set(keys.worker_live(hostname), worker.boot, px=LIVENESS_TTL_MS)
     pipe.hset(keys.worker_memory, hostname, available_mb)
     pipe.hset(keys.worker_pid, hostname, os.getpid())
+    pipe.pexpire(keys.pool_pids(hostname), LIVENESS_TTL_MS)  # its models' processes (pool_process)
     metrics.process_queue(pipe, "worker")  # this process's CPU and memory for /metrics
     pipe.execute()
 
