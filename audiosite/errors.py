@@ -236,7 +236,7 @@ class ModelCrashed(ServerBusy):
 
 class RunDeadline(ServerBusy):
     """503 ``run_deadline``: the run passed its deadline (the registration's ``max_run_ms``, scaled by
-    input length) and its model's process was stopped (run kind ``deadline``, R3.7)."""
+    input length) and its model's process was stopped (run kind ``deadline``, R3.6)."""
 
     code = "run_deadline"
 

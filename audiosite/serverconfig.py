@@ -52,7 +52,7 @@ wide margin over a healthy run of the shipped models on one CPU thread (seconds)
 run meets it."""
 RUN_DEADLINE_AUDIO_S = 30.0
 """Input length (s of audio; for speech, ``RUN_DEADLINE_TEXT_CHARS`` characters) that ``max_run_ms``
-covers; a longer input's deadline grows in proportion (R3.7)."""
+covers; a longer input's deadline grows in proportion (R3.6)."""
 RUN_DEADLINE_TEXT_CHARS = 500
 """Characters of speech input that ``max_run_ms`` covers (about 30 s of speech)."""
 
@@ -96,7 +96,7 @@ class ModelConfig(_Strict):
     "use the server's ``lazy_load``". ``max_run_ms`` is a run's deadline in
     milliseconds for up to ``RUN_DEADLINE_AUDIO_S`` of input (longer inputs
     scale it, ``inference.worker.work.run_deadline_s``); None means
-    ``DEFAULT_MAX_RUN_MS`` (R3.7).
+    ``DEFAULT_MAX_RUN_MS`` (R3.6).
     """
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")

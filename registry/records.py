@@ -210,7 +210,7 @@ def registration_record_lost(model_ids: list[str], reason: str, actor: str = "")
 
 def registration_record_crash(model_id: str, error: str, actor: str = "") -> None:
     """Record that a loaded model's process ended unasked (a crash, or killed for a run past its deadline,
-    R3.7): state ``unloaded``, ``last_error`` = ``error``, and a failed ``crash`` audit row."""
+    R3.6): state ``unloaded``, ``last_error`` = ``error``, and a failed ``crash`` audit row."""
     ModelRegistration.objects.filter(model_id=model_id).update(
         state=LifecycleState.UNLOADED, last_error=error, updated_at=timezone.now())
     lifecycle_event_create(model_id, "crash", False, actor=actor, detail=error)

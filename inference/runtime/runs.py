@@ -42,7 +42,7 @@ class RunFailure(StrEnum):
     because the run's client left (:func:`run_reply` set ``Keys.stop``; nobody reads this reply);
     ``CRASHED``: the model's process ended during the run (a crash, the OOM killer, or a sibling run
     that passed its deadline; 503 ``model_crashed``); ``DEADLINE``: the run passed its deadline
-    (``max_run_ms``) and its model's process was stopped (503 ``run_deadline``, R3.7).
+    (``max_run_ms``) and its model's process was stopped (503 ``run_deadline``, R3.6).
     """
 
     NOT_LOADED = "not_loaded"

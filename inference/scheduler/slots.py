@@ -271,7 +271,7 @@ class Scheduler:
 
     def pool_failed(self, model_id: str, boot: str, error: str):
         """Record that the pool loaded under ``boot`` ended unasked (its process crashed or was killed for a run
-        past its deadline, R3.7): state ``failed`` with ``error`` and the load backoff, as a failed load
+        past its deadline, R3.6): state ``failed`` with ``error`` and the load backoff, as a failed load
         (R6.7; ``pool_failed.lua``). Only a ``ready`` state with that boot changes. Returns True if it
         changed (an awaitable of it with an async client)."""
         return _then(self._run("pool_failed", [self.keys.model(model_id)], [boot, error]), _held)

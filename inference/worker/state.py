@@ -76,9 +76,13 @@ class WorkerState:
         with self.lock:
             if self.pools.get(pool.model_id) is not pool:
                 return  # replaced or removed meanwhile: whoever did that accounts for it
-            del self.pools[pool.model_id]
-        if self.on_pool_lost is not None:
-            self.on_pool_lost(pool.model_id, reason)
+        try:
+            if self.on_pool_lost is not None:  # recorded first: a run sent meanwhile meets the dead pool (crashed)
+                self.on_pool_lost(pool.model_id, reason)
+        finally:
+            with self.lock:
+                if self.pools.get(pool.model_id) is pool:
+                    del self.pools[pool.model_id]
 
     def discard(self, model_id: str, pool: AnyPool) -> None:
         """Unpublish and close ``pool`` if it is still the published one (a stale load's result)."""

@@ -145,7 +145,7 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
 
 
 def run_deadline_s(pool: AnyPool, kind: str, header: dict) -> float | None:
-    """The deadline of one run in seconds (R3.7), or None where it cannot be enforced (a pool in the
+    """The deadline of one run in seconds (R3.6), or None where it cannot be enforced (a pool in the
     worker process: a thread cannot be stopped).
 
     The registration's ``max_run_ms`` (else ``DEFAULT_MAX_RUN_MS``) covers ``RUN_DEADLINE_AUDIO_S`` of

@@ -1,5 +1,5 @@
 -- pool_failed.lua: a loaded pool ended unasked (its model's process crashed, or was killed for a run
--- past its deadline, R3.7): recorded as a failed load is (R6.7).
+-- past its deadline, R3.6): recorded as a failed load is (R6.7).
 -- KEYS[1] base key   ARGV[1] boot id of the worker that held the pool   ARGV[2] error text
 -- Only a 'ready' state with that boot changes (a teardown's 'unloading' or another worker's pool is
 -- left alone): state 'unloaded' with 'ended' = 'failed', the error, and the backoff of a failed load
