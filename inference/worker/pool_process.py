@@ -280,8 +280,11 @@ def child_main(control: Any, pipes: list, model_id: str, meta: dict, meta_json: 
     thread of its own until told to close.
 
     Ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the worker decides when
-    its pools close). Exits at once when the worker's end of ``control`` closes (the worker died).
+    its pools close). Exits at once when the worker's end of ``control`` closes (the worker died),
+    whatever its other threads are doing (:func:`_watch_control`).
     """
+    closing = threading.Event()
+    threading.Thread(target=_watch_control, args=(control, closing), name="control", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s: %(levelname)s/model {model_id}] %(message)s")
     install_config(config)
@@ -295,11 +298,20 @@ def child_main(control: Any, pipes: list, model_id: str, meta: dict, meta_json: 
     for index, conn in enumerate(pipes):
         threading.Thread(target=_serve_pipe, args=(pool, conn), name=f"slot {index}", daemon=True).start()
     control.send(("ready", pool.capacity))
+    closing.wait()
+    pool.close()
+
+
+def _watch_control(control: Any, closing: threading.Event) -> None:
+    """Read the control pipe from the child's first moment: ``("close",)`` sets ``closing``; its end (the
+    worker died) ends this process at once, also while the pool is still being built or a run holds
+    the other threads (a load held at a barrier would otherwise live on as an orphan and take the
+    barrier's release meant for the next worker's load)."""
     try:
-        control.recv()  # ("close",)
+        control.recv()
     except (EOFError, OSError):
         os._exit(0)  # the worker died: its runs are answered by the web's liveness watch (R7.4)
-    pool.close()
+    closing.set()
 
 
 def _serve_pipe(pool: Any, conn: Any) -> None:
