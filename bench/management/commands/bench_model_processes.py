@@ -99,7 +99,7 @@ class Command(BaseCommand):
         self._print(report)
 
     async def _measure(self, servers: dict[str, Server], opts: dict) -> dict:
-        walls: dict[str, dict[str, list[float]]] = {name: {m["id"]: [] for m in MODELS} for name in servers}
+        walls: dict[str, dict[str, list[float]]] = {name: {model: [] for model in self.inputs} for name in servers}
         clients = {name: httpx.AsyncClient(base_url=server.url, timeout=120) for name, server in servers.items()}
         try:
             for name, client in clients.items():  # warm-up: one request per model, not counted
@@ -114,9 +114,9 @@ class Command(BaseCommand):
         finally:
             for client in clients.values():
                 await client.aclose()
-        latency = {}
+        latency: dict[str, dict] = {}
         for model in self.inputs:
-            row = {name: {"median_ms": round(quantile(walls[name][model], 0.5), 2),
+            row: dict = {name: {"median_ms": round(quantile(walls[name][model], 0.5), 2),
                           "p90_ms": round(quantile(walls[name][model], 0.9), 2)} for name in servers}
             row["ratio"] = round(row["isolated"]["median_ms"] / row["in_process"]["median_ms"], 4)
             latency[model] = row
@@ -143,8 +143,10 @@ class Command(BaseCommand):
                 if child.pid in pools:
                     entry[f"model {pools[child.pid]}"] = memory_mb(child.pid)
                 else:
-                    entry["fork server" if "forkserver" in " ".join(child.cmdline()) else f"child {child.pid}"] = \
-                        memory_mb(child.pid)
+                    command = " ".join(child.cmdline())
+                    label = ("fork server" if "forkserver" in command else
+                             "resource tracker" if "resource_tracker" in command else f"child {child.pid}")
+                    entry[label] = memory_mb(child.pid)
             out[name] = entry
         return out
 
