@@ -227,6 +227,21 @@ class RunCancelled(ServerBusy):
     code = "cancelled"
 
 
+class ModelCrashed(ServerBusy):
+    """503 ``model_crashed``: the model's process ended during the run (a crash, the OOM killer, or another
+    run of the model that passed its deadline); the model is recorded failed and reloads on demand
+    (run kind ``crashed``)."""
+
+    code = "model_crashed"
+
+
+class RunDeadline(ServerBusy):
+    """503 ``run_deadline``: the run passed its deadline (the registration's ``max_run_ms``, scaled by
+    input length) and its model's process was stopped (run kind ``deadline``, R3.6)."""
+
+    code = "run_deadline"
+
+
 class DecodeBudgetFull(ServerBusy):
     """503 ``decode_budget``: this process already holds ``max_decoded_bytes_in_flight`` of decoded audio."""
 

@@ -43,6 +43,18 @@ MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, n
 # 192 MiB: one decode of the longest default input (1800 s of 16 kHz float32, 115.2 MB) fits, two do not,
 # and about 85 MB stay for shorter ones beside it (docs/operations.md, "The decode budget").
 DEFAULT_DECODE_BUDGET_BYTES = 192 * 1024 * 1024
+MIN_RUN_MS = 100
+"""The smallest ``max_run_ms`` a registration may set (ms)."""
+DEFAULT_MAX_RUN_MS = 120000
+"""A run's deadline (ms) when its registration sets no ``max_run_ms``: for up to
+``RUN_DEADLINE_AUDIO_S`` of input, scaled for longer inputs. Two minutes per 30 s of audio leaves a
+wide margin over a healthy run of the shipped models on one CPU thread (seconds), so only a wedged
+run meets it."""
+RUN_DEADLINE_AUDIO_S = 30.0
+"""Input length (s of audio; for speech, ``RUN_DEADLINE_TEXT_CHARS`` characters) that ``max_run_ms``
+covers; a longer input's deadline grows in proportion (R3.6)."""
+RUN_DEADLINE_TEXT_CHARS = 500
+"""Characters of speech input that ``max_run_ms`` covers (about 30 s of speech)."""
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "server.json"
 
@@ -85,6 +97,10 @@ class ModelConfig(_Strict):
     (R9.2); ``modes`` the modes the registration serves (None: its family's ``modes``; a stream is
     refused by a registration without ``streaming``, and served at most at the streaming mode's
     admitted count, ``inference.specs.stream_slot_count``).
+    ``max_run_ms`` is a run's deadline in
+    milliseconds for up to ``RUN_DEADLINE_AUDIO_S`` of input (longer inputs
+    scale it, ``inference.worker.work.run_deadline_s``); None means
+    ``DEFAULT_MAX_RUN_MS`` (R3.6).
     """
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
@@ -96,6 +112,7 @@ class ModelConfig(_Strict):
     lazy: bool | None = None
     slots: Any = None  # checked by specs.slots_problems (parallel runtime only)
     busy_timeout_ms: int | None = Field(default=None, ge=0, le=MAX_BUSY_TIMEOUT_MS)
+    max_run_ms: int | None = Field(default=None, ge=MIN_RUN_MS, le=MAX_BUSY_TIMEOUT_MS)
     load_options: dict[str, Any] = Field(default_factory=dict)
     session_options: dict[str, Any] = Field(default_factory=dict)
     default_request_options: dict[str, Any] = Field(default_factory=dict)
@@ -177,6 +194,11 @@ class ServerConfig(_Strict):
     wyoming_max_connections: int = Field(default=32, ge=1, le=4096)
     """Connections ``manage.py wyoming`` serves at once (``inference.wyoming_server``); one more gets an
     ``error`` event ``too_many_connections``. Each buffers at most one transcription's audio."""
+    model_processes: bool = False
+    """True: each loaded model's sessions run in a process of its own (``inference.worker.pool_process``):
+    a crash costs only that model, a run past its deadline is stopped, an unload returns the memory.
+    False (the default until the load-waiter gap of docs/troubleshooting.md is closed): pools run in the
+    worker process (no run deadlines; a crash ends the worker)."""
     ui: bool = True
     """The browser UI at ``/ui/`` (``/`` redirects there); false: both answer 404."""
     ui_anonymous: Literal["status", "none"] = "status"

@@ -25,8 +25,9 @@ class ModelRegistration(models.Model):
 
     ``busy_timeout_ms`` is the model's admission ceiling in ms (null = the
     server's); ``lazy`` null = the server's ``lazy_load``. ``options`` holds
-    ``load_options``, ``session_options`` and ``default_request_options``, the voice presets, and
-    ``modes`` when the registration states the modes it serves (absent: its family's).
+    ``load_options``, ``session_options`` and ``default_request_options``, the voice presets,
+    ``modes`` when the registration states the modes it serves (absent: its family's), and
+    ``max_run_ms`` (a run's deadline, null = the default; no column of its own).
     """
 
     class Source(models.TextChoices):
@@ -71,6 +72,7 @@ class ModelRegistration(models.Model):
             "default_voice_preset": self.options.get("default_voice_preset"),
             "modes": self.options.get("modes"),
             "busy_timeout_ms": self.busy_timeout_ms,
+            "max_run_ms": self.options.get("max_run_ms"),
             "slots": self.slots,
             "lazy": self.lazy,
             "source": self.source,

@@ -43,6 +43,7 @@ def _entry_fields(entry: ModelConfig) -> dict:
             "voice_presets": {name: preset.model_dump() for name, preset in entry.voice_presets.items()},
             "default_voice_preset": entry.default_voice_preset,
             **({"modes": list(entry.modes)} if entry.modes else {}),
+            "max_run_ms": entry.max_run_ms,
         },
         "busy_timeout_ms": entry.busy_timeout_ms,
         "slots": entry.slots,
@@ -206,6 +207,14 @@ def registration_record_lost(model_ids: list[str], reason: str, actor: str = "")
     )
     for model_id in model_ids:
         lifecycle_event_create(model_id, "unload", True, actor=actor, detail=reason)
+
+
+def registration_record_crash(model_id: str, error: str, actor: str = "") -> None:
+    """Record that a loaded model's process ended unasked (a crash, or killed for a run past its deadline,
+    R3.6): state ``unloaded``, ``last_error`` = ``error``, and a failed ``crash`` audit row."""
+    ModelRegistration.objects.filter(model_id=model_id).update(
+        state=LifecycleState.UNLOADED, last_error=error, updated_at=timezone.now())
+    lifecycle_event_create(model_id, "crash", False, actor=actor, detail=error)
 
 
 def registration_record_state(model_id: str, state: str, error: str | None = None) -> None:

@@ -16,9 +16,9 @@ import redis
 from audiosite import errors
 from audiosite.errors import (ENTRY_COMMITTED_NOTE, ApplicationError, DecodeBudgetFull, GrantExpired,
                               HostNotAllowed, InsufficientMemory, ManagePermissionDenied, ManagementDisabled,
-                              ModelLoadFailed, NoWorker, Overdue, QueueTimeout, RedisUnavailable, ResidencyFull,
-                              RunCancelled, RunExpired, ServerBusy, ShuttingDown, WorkerLost, clip_text,
-                              drf_exception_handler, error_body, error_response)
+                              ModelCrashed, ModelLoadFailed, NoWorker, Overdue, QueueTimeout, RedisUnavailable,
+                              ResidencyFull, RunCancelled, RunDeadline, RunExpired, ServerBusy, ShuttingDown,
+                              WorkerLost, clip_text, drf_exception_handler, error_body, error_response)
 from inference.runtime.runs import RunFailure
 from inference.services.request import reply_error
 
@@ -37,6 +37,8 @@ ANSWERS = {
     "expired": (RunExpired, 503, "server_busy", "1"),
     "cancelled": (RunCancelled, 503, "server_busy", "1"),
     "decode_budget": (DecodeBudgetFull, 503, "server_busy", "1"),
+    "model_crashed": (ModelCrashed, 503, "server_busy", "1"),
+    "run_deadline": (RunDeadline, 503, "server_busy", "1"),
     "shutting_down": (ShuttingDown, 503, "server_busy", "1"),
     "redis_unavailable": (RedisUnavailable, 503, "server_busy", "1"),
     "load_failed": (ModelLoadFailed, 503, "server_busy", "1"),
@@ -113,12 +115,15 @@ def test_an_unknown_host_is_answered_400_disallowed_host():
     assert isinstance(error, HostNotAllowed) and error.status == 400 and error.code == "disallowed_host"
 
 
-@pytest.mark.parametrize("kind, cls", [(RunFailure.EXPIRED, RunExpired), (RunFailure.CANCELLED, RunCancelled)])
-def test_a_run_that_failed_through_no_fault_of_its_input_is_a_503_named_for_its_kind(kind, cls):
+@pytest.mark.parametrize("kind, cls, code", [(RunFailure.EXPIRED, RunExpired, "expired"),
+                                             (RunFailure.CANCELLED, RunCancelled, "cancelled"),
+                                             (RunFailure.CRASHED, ModelCrashed, "model_crashed"),
+                                             (RunFailure.DEADLINE, RunDeadline, "run_deadline")])
+def test_a_run_that_failed_through_no_fault_of_its_input_is_a_503_named_for_its_kind(kind, cls, code):
     error = reply_error("m", {"ok": False, "kind": str(kind), "message": "the input expired"}, "request")
     assert error is not None and type(error) is cls
     assert error.body() == {"error": {"message": "model 'm' could not serve the request: the input expired",
-                                      "type": "server_busy", "param": None, "code": str(kind)}}
+                                      "type": "server_busy", "param": None, "code": code}}
 
 
 @pytest.mark.parametrize("raised", [

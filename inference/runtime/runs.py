@@ -40,7 +40,10 @@ class RunFailure(StrEnum):
     caller keeps the lease); ``INVALID_INPUT``: the adapter refused the
     request (400); ``EXPIRED``: the input key expired before the run (503);
     ``ERROR``: the adapter failed on valid input (500, a bug); ``CANCELLED``: the adapter stopped
-    because the run's client left (:func:`run_reply` set ``Keys.stop``; nobody reads this reply).
+    because the run's client left (:func:`run_reply` set ``Keys.stop``; nobody reads this reply);
+    ``CRASHED``: the model's process ended during the run (a crash, the OOM killer, or a sibling run
+    that passed its deadline; 503 ``model_crashed``); ``DEADLINE``: the run passed its deadline
+    (``max_run_ms``) and its model's process was stopped (503 ``run_deadline``, R3.6).
     """
 
     NOT_LOADED = "not_loaded"
@@ -48,6 +51,8 @@ class RunFailure(StrEnum):
     EXPIRED = "expired"
     ERROR = "error"
     CANCELLED = "cancelled"
+    CRASHED = "crashed"
+    DEADLINE = "deadline"
 
 
 class Handover:
@@ -239,7 +244,8 @@ def run_header(ctx: AsyncContext, model_id: str, lease_id: str, run_input: RunIn
     worker's boot; :func:`run_on_worker` adds it as a second check)."""
     return {"model_id": model_id, "request_id": run_input.request_id, "lease_id": lease_id,
             "channel": ctx.listener.channel, "sample_rate_hz": run_input.sample_rate_hz,
-            "sample_format": run_input.sample_format, "options": run_input.options, "held": held}
+            "sample_format": run_input.sample_format, "options": run_input.options, "held": held,
+            "audio_ms": round(run_input.audio_ms)}
 
 
 @dataclass

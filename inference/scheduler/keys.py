@@ -128,6 +128,11 @@ class Keys:
         """HASH worker hostname -> process id, so ``serve`` can tell a dead local worker from a live one."""
         return f"{self.prefix}wpid"
 
+    def pool_pids(self, hostname: str) -> str:
+        """HASH model id -> process id of each model's process on worker ``hostname``
+        (``inference.worker.pool_process``); its TTL is refreshed with the worker's liveness beat."""
+        return f"{self.prefix}wpools:{hostname}"
+
     @property
     def worker_starting(self) -> str:
         """STRING with a TTL, present while a supervisor (``manage.py serve``) is starting a worker.

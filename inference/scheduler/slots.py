@@ -50,7 +50,7 @@ _SCRIPT_NAMES = (
     "enqueue_managers", "try_acquire", "set_state", "add_load_waiter",
     "publish_entry", "publish_registry", "unregister", "claim_runtime", "load_claim", "admission_probe",
     "census", "forget_worker", "forget_departed", "worker_leave", "forget_process", "run_left", "run_reply",
-    "settle_lost_pools",
+    "settle_lost_pools", "pool_failed",
 )
 # Read and assembled once per process (``lib.lua`` prepended to each script).
 _SOURCES = {name: (LUA_DIR / "lib.lua").read_text() + "\n" + (LUA_DIR / f"{name}.lua").read_text()
@@ -316,6 +316,13 @@ class Scheduler:
         """Record that the pool loaded under ``boot`` is gone. Returns True if the state changed (an awaitable
         of it with an async client)."""
         return _then(self._run("mark_unloaded", [self.keys.model(model_id)], [boot, error]), _held)
+
+    def pool_failed(self, model_id: str, boot: str, error: str):
+        """Record that the pool loaded under ``boot`` ended unasked (its process crashed or was killed for a run
+        past its deadline, R3.6): state ``failed`` with ``error`` and the load backoff, as a failed load
+        (R6.7; ``pool_failed.lua``). Only a ``ready`` state with that boot changes. Returns True if it
+        changed (an awaitable of it with an async client)."""
+        return _then(self._run("pool_failed", [self.keys.model(model_id)], [boot, error]), _held)
 
     def forget_worker(self, hostname: str, model_ids: list[str]) -> ForgottenWorker:
         """Forget a worker known to be gone, in one step (``forget_worker.lua``, R7.4): its ready pools of

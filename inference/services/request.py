@@ -12,8 +12,8 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from audiosite.errors import (ApplicationError, Conflict, InvalidRequest, NotFound, RunCancelled, RunExpired,
-                              ServerBusy, WorkerLost)
+from audiosite.errors import (ApplicationError, Conflict, InvalidRequest, ModelCrashed, NotFound, RunCancelled,
+                              RunDeadline, RunExpired, ServerBusy, WorkerLost)
 from audiosite.serverconfig import get_config
 from inference import audio, specs
 from inference.runtime import leases, loads, published, runs
@@ -252,7 +252,9 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease: Lease, timeout_ms: 
 
 
 RUN_FAILURE_BUSY: dict[str, type[ServerBusy]] = {runs.RunFailure.EXPIRED: RunExpired,
-                                                 runs.RunFailure.CANCELLED: RunCancelled}
+                                                 runs.RunFailure.CANCELLED: RunCancelled,
+                                                 runs.RunFailure.CRASHED: ModelCrashed,
+                                                 runs.RunFailure.DEADLINE: RunDeadline}
 """The 503 of each failed run ``kind`` that is neither the input's fault nor a bug (``runs.RunFailure``;
 ``not_loaded`` never reaches :func:`reply_error`: its callers load again, or answer ``worker_lost``)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from audiosite.errors import ApplicationError, Conflict, InvalidRequest, NotFound, RunExpired, WorkerLost
+from audiosite.errors import ApplicationError, Conflict, InvalidRequest, NotFound, WorkerLost
 from audiosite.serverconfig import get_config
 from inference import specs
 from inference.backend import resolve_backend
@@ -15,6 +15,7 @@ from inference.scheduler import Lease, LeaseKind, effective_timeout_ms
 
 from .audio_input import AudioInput, audio_decode, audio_inspect
 from .loading import model_ensure_loaded
+from .request import RUN_FAILURE_BUSY, reply_error
 
 
 class _HeldStream:
@@ -45,7 +46,8 @@ class _HeldStream:
         """Yield each frame (type byte removed) as the worker produces it.
 
         Raises:
-            ServerBusy: the worker was lost mid-stream (``worker_lost``).
+            ServerBusy: the worker was lost mid-stream (``worker_lost``), the model's process ended
+                (``model_crashed``) or the run passed its deadline (``run_deadline``).
             ApplicationError: the adapter failed mid-stream (a bug).
         """
         while self._pending:
@@ -55,6 +57,8 @@ class _HeldStream:
                 yield frame
         final = self._stream.final
         if not final["ok"]:
+            if final["kind"] in RUN_FAILURE_BUSY:  # the model's process ended, or the run passed its deadline
+                raise RUN_FAILURE_BUSY[final["kind"]](f"model {self.model_id!r} stopped mid-stream: {final['message']}")
             raise ApplicationError(f"model {self.model_id!r} failed mid-stream: {final['message']}")
 
     async def aclose(self) -> None:
@@ -89,7 +93,8 @@ class SpeechStream(_HeldStream):
         """Yield s16le mono PCM ``bytes`` per sentence as the worker produces them.
 
         Raises:
-            ServerBusy: the worker was lost mid-stream (``worker_lost``).
+            ServerBusy: the worker was lost mid-stream (``worker_lost``), the model's process ended
+                (``model_crashed``) or the run passed its deadline (``run_deadline``).
             ApplicationError: the adapter failed mid-stream (a bug).
         """
         async for frame in self._frames():
@@ -111,7 +116,8 @@ class TranscriptionStream(_HeldStream):
         """Yield ``str`` per decoded segment (empty segments skipped).
 
         Raises:
-            ServerBusy: the worker was lost mid-stream (``worker_lost``).
+            ServerBusy: the worker was lost mid-stream (``worker_lost``), the model's process ended
+                (``model_crashed``) or the run passed its deadline (``run_deadline``).
             ApplicationError: the adapter failed mid-stream (a bug).
         """
         async for frame in self._frames():
@@ -180,11 +186,9 @@ async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Le
         raise WorkerLost(f"model {model_id!r}: its pool was lost twice; retry later")
     if final is not None and not final["ok"]:
         await stream.discard()
-        if final["kind"] == runs.RunFailure.INVALID_INPUT:
-            raise InvalidRequest(final["message"], param=final.get("param"))
-        if final["kind"] == runs.RunFailure.EXPIRED:
-            raise RunExpired(f"model {model_id!r} could not serve the request: {final['message']}")
-        raise ApplicationError(f"model {model_id!r} failed: {final['message']}")
+        error = reply_error(model_id, final, "request")  # 400, 503 (expired, crashed, deadline...), else 500
+        assert error is not None
+        raise error
     return stream, first, current, load_ms
 
 

@@ -45,6 +45,7 @@ def _beat(redis_client, keys: Keys, worker: WorkerState, hostname: str) -> bool:
     pipe.hset(keys.worker_memory, hostname, available_mb)
     pipe.hset(keys.worker_pid, hostname, os.getpid())
     pipe.hset(keys.worker_backend, hostname, worker.backend)
+    pipe.pexpire(keys.pool_pids(hostname), LIVENESS_TTL_MS)  # its models' processes (pool_process)
     metrics.process_queue(pipe, "worker")  # this process's CPU and memory for /metrics
     return bool(pipe.execute()[0])
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import redis
 
-from inference import audio
 from inference.runtime.context import KEYS, redis_url, sync_redis_bytes, sync_scheduler
 from inference.runtime.runs import INPUT_TTL_MS, RunFailure, split_element
 
@@ -194,9 +193,7 @@ def serve_run(worker: WorkerState, header: dict, inline: memoryview | None = Non
     lease_id, held = header["lease_id"], bool(header.get("held"))
     replied = False
     try:
-        payload = work.run_request(worker, pool, model_id, request_id, lease_id,
-                                   int(header["sample_rate_hz"]), header["options"], held=held,
-                                   sample_format=header.get("sample_format", audio.F32LE), inline=inline)
+        payload = work.run_request(worker, pool, model_id, lease_id, header, held=held, inline=inline)
         # A held run's lease stays with its sender (a live turn spans several runs).
         work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
                    release=None if held else (model_id, lease_id), inline=True)

@@ -22,7 +22,7 @@ from inference.runtime.context import KEYS, sync_scheduler
 from inference.runtime.startup import check_runtime
 from registry import records
 
-from . import liveness, memory, retirement, work
+from . import liveness, memory, pool_process, retirement, work
 from .runs import RunDispatcher
 from .state import WORKER
 
@@ -61,6 +61,9 @@ def _worker_identity(sender, instance, **kwargs):
     memory.warn_if_arenas_unbounded()
     liveness.liveness_start(WORKER, sender, sync_scheduler(), on_state_lost=_recover_lost_redis_state)
     _settle_lost_pools()
+    WORKER.on_pool_lost = lambda model_id, reason: work.pool_lost(WORKER, model_id, reason)
+    if get_config().model_processes:
+        threading.Thread(target=pool_process.fork_server_start, name="fork server", daemon=True).start()
     dispatcher = RunDispatcher(WORKER, threads=instance.concurrency)
     dispatcher.start()
     _DISPATCHER.append(dispatcher)
@@ -165,6 +168,7 @@ def _worker_shutdown(**kwargs):
             log.info("answered %d queued run(s) not_loaded at shutdown", refused)
     scheduler = sync_scheduler()
     lost = WORKER.close_all()
+    sync_scheduler().redis.delete(KEYS.pool_pids(WORKER.hostname or ""))
     for model_id in lost:
         scheduler.mark_unloaded(model_id, WORKER.boot, "worker stopped")
     liveness.liveness_stop(WORKER, scheduler)

@@ -9,43 +9,30 @@ teardowns are recorded by their manager (``inference.services.model_teardown``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import threading
 import time
 
-import numpy as np
+from django.db import connections
 
-from inference import audio, specs
-from inference.adapters.base import AudioRequest, Cancelled, InvalidInput, TextRequest, segment_delta
+from audiosite.serverconfig import DEFAULT_MAX_RUN_MS, RUN_DEADLINE_AUDIO_S, RUN_DEADLINE_TEXT_CHARS
+from inference import specs
 from inference.adapters.fixture_barrier import make_barrier
 from inference.runtime import metrics
-from inference.runtime.context import KEYS, redis_url, sync_redis, sync_redis_bytes, sync_scheduler
+from inference.runtime.context import KEYS, redis_url, sync_redis, sync_scheduler
 from inference.runtime.runs import RunFailure
-from inference.scheduler import Keys, LoadEnd, LoadOutcome
+from inference.scheduler import LIVENESS_TTL_MS, LoadEnd, LoadOutcome
 from registry import records
 
-from .state import Pool, WorkerState
+from . import serving
+# Re-exported: what a run does in the pool's process lives in ``serving`` (Django-free).
+from .serving import INPUT_EXPIRED, RESULT_TTL_MS, end_frame, failure, left_checker, push_frame  # noqa: F401
+from .state import AnyPool, PoolLoadFailed, WorkerState
 
 log = logging.getLogger(__name__)
 
-
-INPUT_EXPIRED = {"ok": False, "kind": RunFailure.EXPIRED, "message": "the request's input expired before it ran"}
-"""The reply of a run whose input key was gone when the worker took it."""
-
-
-def failure(exc: Exception, what: str) -> dict:
-    """The failure reply of a run that raised ``exc``: the adapter refused its input (``invalid_input``,
-    a 400 naming ``param``), stopped because its client left (``cancelled``: nobody reads the reply),
-    or anything else (``error``: a bug, logged as ``what`` failed)."""
-    if isinstance(exc, InvalidInput):
-        return {"ok": False, "kind": RunFailure.INVALID_INPUT, "message": str(exc), "param": exc.param}
-    if isinstance(exc, Cancelled):
-        log.info("%s stopped: %s", what, exc)
-        return {"ok": False, "kind": RunFailure.CANCELLED, "message": str(exc)}
-    log.exception("%s failed", what)
-    return {"ok": False, "kind": RunFailure.ERROR, "message": f"{type(exc).__name__}: {exc}"}
-
-RESULT_TTL_MS = 300000  # a result waits 5 min for its reader
 
 INLINE_REPLY_MAX_CHARS = 8192
 """A reply of at most this many characters of JSON is also carried in its wake-up message (a VAD
@@ -140,6 +127,9 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
         with scheduler.keep_load_claim(model_id, token, host, worker.boot):
             built = worker.build(model_id, json.loads(meta_json), meta_json, barrier=barrier)
             capacity = built.capacity
+    except PoolLoadFailed as exc:  # the model's process logged the failure itself
+        error = exc.detail
+        log.error("loading %s failed: %s", model_id, error)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         log.exception("loading %s failed", model_id)
@@ -157,6 +147,8 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
         ok, error = False, "the load was abandoned or superseded"
         log.info("load of %s (token %s) finished after its claim was gone; discarded", model_id, token)
     else:
+        if built is not None and built.pid is not None:
+            publish_pool_pid(worker, model_id, built.pid)
         try:
             records.registration_record_load(model_id, ok, error=error, duration_ms=duration_ms, actor=host)
         except Exception:
@@ -168,50 +160,69 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
     return payload
 
 
-def run_request(worker: WorkerState, pool: Pool, model_id: str, request_id: str, lease_id: str,
-                sample_rate_hz: int, options: dict, held: bool = False, sample_format: str = audio.F32LE,
-                inline: memoryview | None = None) -> dict:
+def run_deadline_s(pool: AnyPool, kind: str, header: dict) -> float | None:
+    """The deadline of one run in seconds (R3.6), or None where it cannot be enforced (a pool in the
+    worker process: a thread cannot be stopped).
+
+    The registration's ``max_run_ms`` (else ``DEFAULT_MAX_RUN_MS``) covers ``RUN_DEADLINE_AUDIO_S`` of
+    input; a longer input scales it in proportion (its ``audio_ms`` in the header; a speech run's text
+    against ``RUN_DEADLINE_TEXT_CHARS``). The test and pipeline families' run time does not grow with
+    their input: their deadline is ``max_run_ms`` as it is.
+    """
+    if pool.pid is None:
+        return None
+    family, max_run_ms = _deadline_terms(pool.meta_json)
+    scale = 1.0
+    if family not in FIXED_RUN_TIME_FAMILIES:
+        if kind == serving.SPEECH:
+            scale = len(header.get("text", "")) / RUN_DEADLINE_TEXT_CHARS
+        else:
+            scale = float(header.get("audio_ms") or 0) / (RUN_DEADLINE_AUDIO_S * 1000)
+    return max_run_ms * max(1.0, scale) / 1000
+
+
+FIXED_RUN_TIME_FAMILIES = frozenset({"fixture", "diarization"})
+"""Families whose run time does not grow with their input (their deadline is not scaled)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _deadline_terms(meta_json: str) -> tuple[str, int]:
+    """``(family, max_run_ms)`` of a published registration (its JSON; parsed once per registration)."""
+    meta = json.loads(meta_json) if meta_json else {}
+    return str(meta.get("family", "")), int(meta.get("max_run_ms") or DEFAULT_MAX_RUN_MS)
+
+
+def run_request(worker: WorkerState, pool: AnyPool, model_id: str, lease_id: str, header: dict,
+                held: bool = False, inline: memoryview | None = None) -> dict:
     """Serve one request on ``pool`` under ``lease_id``, renewing it meanwhile (unless ``held``). The
     caller releases the lease (``reply(..., release=...)`` gives it back in the reply's round trip).
 
     Args:
-        request_id: its samples wait in ``Keys.input(request_id)`` (see ``inference.audio.to_bytes``).
-        sample_rate_hz: their rate.
-        sample_format: their format (``inference.audio.F32LE`` or ``S16LE``).
+        header: the run header (``inference.runtime.runs.run_header``): its samples wait in
+            ``Keys.input(request_id)`` (see ``inference.audio.to_bytes``) at ``sample_rate_hz`` in
+            ``sample_format``, unless they came ``inline``; ``options`` are overlaid on the pool's defaults.
         inline: the samples themselves, when they came inside the run queue element
             (``inference.runtime.runs.inline_element``): nothing is read from Redis.
-        options: the request's validated options, overlaid on the pool's defaults.
         held: the sender keeps (renews and releases) the lease itself: one decode of a live
             transcription turn, whose lease spans several runs (``inference.realtime``). The
             worker then neither renews nor releases it.
 
     Returns:
         ``{"ok": true, "result", "slot", "inference_ms", "worker"}`` or
-        ``{"ok": false, "kind": "invalid_input"|"expired"|"error", "message"[, "param"]}``.
+        ``{"ok": false, "kind": "invalid_input"|"expired"|"error"|"crashed"|"deadline", "message"[, "param"]}``.
     """
+    deadline_s = run_deadline_s(pool, serving.RUN, header)
     try:
         if held:
-            return _run(worker, pool, request_id, sample_rate_hz, options, sample_format, inline)
-        with sync_scheduler().keep_alive(model_id, lease_id):
-            return _run(worker, pool, request_id, sample_rate_hz, options, sample_format, inline)
-    except Exception as exc:  # the adapter refused the input (a 400), or a bug in it: report it, keep the worker
+            payload = pool.execute(serving.RUN, header, inline, deadline_s)
+        else:
+            with sync_scheduler().keep_alive(model_id, lease_id):
+                payload = pool.execute(serving.RUN, header, inline, deadline_s)
+    except Exception as exc:  # a bug on the worker's side: report it, keep the worker
         return failure(exc, f"run of {model_id}")
-
-
-def _run(worker: WorkerState, pool: Pool, request_id: str, sample_rate_hz: int, options: dict,
-         sample_format: str, inline: memoryview | None) -> dict:
-    raw = inline if inline is not None else sync_redis_bytes().getdel(KEYS.input(request_id))
-    if raw is None:
-        return dict(INPUT_EXPIRED)
-    request = AudioRequest(audio.from_bytes(raw, sample_format), sample_rate_hz, {**pool.request_defaults, **options},
-                           cancelled=left_checker(request_id))
-    del raw
-    with pool.slot() as slot:
-        started = time.monotonic()
-        result = pool.sessions[slot].run(request)  # InvalidInput: run_request's failure() answers it
-        inference_ms = (time.monotonic() - started) * 1000
-    return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3),
-            "worker": worker.hostname}
+    if payload.get("ok"):
+        payload["worker"] = worker.hostname
+    return payload
 
 
 def record_inference(model_id: str, payload: dict) -> None:
@@ -221,29 +232,14 @@ def record_inference(model_id: str, payload: dict) -> None:
         metrics.record_sync(sync_redis(), metrics.observe(metrics.INFERENCE, payload["inference_ms"] / 1000, model_id))
 
 
-def push_frame(channel: str, request_id: str, frame: bytes) -> None:
-    """Append one frame to a streamed run's ``Keys.chunks`` list (TTL ``RESULT_TTL_MS``) and wake its reader
-    with ``chunk:<request_id>`` on ``channel`` (one round trip)."""
-    key = KEYS.chunks(request_id)
-    with sync_redis_bytes().pipeline(transaction=False) as pipe:
-        pipe.rpush(key, frame)
-        pipe.pexpire(key, RESULT_TTL_MS)
-        pipe.publish(channel, f"chunk:{request_id}")
-        pipe.execute()
-
-
-def end_frame(payload: dict) -> bytes:
-    """The last frame of a streamed run: ``e`` + the JSON reply (see :func:`stream_speech`)."""
-    return b"e" + json.dumps(payload).encode()
-
-
-def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
+def stream_speech(worker: WorkerState, pool: AnyPool, header: dict) -> None:
     """Synthesise ``header["text"]`` sentence by sentence, pushing each as a frame as soon as it exists.
 
     Frames (``Keys.chunks``): ``a`` + s16le mono PCM at the model's rate per
-    sentence, then one end frame ``e`` + ``{"ok": true, "slot", "inference_ms",
-    "worker", "sentences", "phonemes", "samples", "stopped"}`` or a failure
-    ``{"ok": false, "kind", "message"[, "param"]}`` (kinds as ``run_request``).
+    sentence (pushed by the pool's process, ``serving.stream_speech``), then one end frame ``e`` +
+    ``{"ok": true, "slot", "inference_ms", "worker", "sentences", "phonemes", "samples", "stopped"}``
+    or a failure ``{"ok": false, "kind", "message"[, "param"]}`` (kinds as ``run_request``), pushed
+    here.
 
     The lease stays with the web process, which renews it for the whole
     stream (the slot is held until the last byte is written, R8.3); this
@@ -251,67 +247,12 @@ def stream_speech(worker: WorkerState, pool: Pool, header: dict) -> None:
     when the web set ``Keys.stop`` (its client left) or the web process's
     liveness key is gone (it died): at most one sentence is made for nobody.
     """
-    request_id, channel = header["request_id"], header["channel"]
-    stop_key, web_live_key = KEYS.stop(request_id), Keys.process_live(channel)
-    client = sync_redis_bytes()
-    final: dict
-    try:
-        request = TextRequest(header["text"], {**pool.request_defaults, **header["options"]})
-        with pool.slot() as slot:
-            started = time.monotonic()
-            sentences = phonemes = samples = 0
-            stopped = False
-            for sentence in pool.sessions[slot].stream(request):
-                pcm = np.round(np.clip(sentence.samples, -1.0, 1.0) * 32767).astype("<i2")
-                push_frame(channel, request_id, b"a" + pcm.tobytes())
-                sentences, phonemes, samples = sentences + 1, phonemes + sentence.phonemes, samples + pcm.size
-                stopped = _stopped(client, stop_key, web_live_key)
-                if stopped:
-                    break
-            final = {"ok": True, "slot": slot, "inference_ms": round((time.monotonic() - started) * 1000, 3),
-                     "worker": worker.hostname, "sentences": sentences, "phonemes": phonemes,
-                     "samples": samples, "stopped": stopped}
-    except Exception as exc:  # refused input, or a bug in an adapter: report it, keep the worker
-        final = failure(exc, f"speech stream of {header['model_id']}")
-    push_frame(channel, request_id, end_frame(final))
+    final = _stream(worker, pool, serving.SPEECH, header)
+    push_frame(header["channel"], header["request_id"], end_frame(final))
     record_inference(header["model_id"], final)
 
 
-CANCEL_CHECK_EVERY_S = 0.1
-"""How often (s) at most a run's ``cancelled()`` asks Redis whether its client left; asked more often,
-it answers the last look (an adapter may ask per small step)."""
-
-
-def left_checker(request_id: str):
-    """``AudioRequest.cancelled`` of run ``request_id``: a callable that is True once the web set
-    ``Keys.stop(request_id)`` (the run's client left, ``inference.runtime.runs.run_reply``). It looks
-    at most every ``CANCEL_CHECK_EVERY_S`` and never raises (a failed look counts as "still wanted":
-    the run goes on, as it would without the marker)."""
-    client = sync_redis_bytes()
-    stop_key = KEYS.stop(request_id)
-    state = {"at": 0.0, "left": False}
-
-    def cancelled() -> bool:
-        now = time.monotonic()
-        if state["left"] or now - state["at"] < CANCEL_CHECK_EVERY_S:
-            return bool(state["left"])
-        state["at"] = now
-        try:
-            state["left"] = bool(client.exists(stop_key))
-        except Exception:  # redis.RedisError: keep running; the watchdogs cover a lost Redis
-            log.warning("could not look for %s's stop marker", request_id, exc_info=True)
-        return bool(state["left"])
-    return cancelled
-
-
-def _stopped(client, stop_key: str, web_live_key: str) -> bool:
-    """True when the web process asked a stream to stop (``Keys.stop``) or its liveness key is gone."""
-    with client.pipeline(transaction=False) as pipe:
-        left, web_alive = pipe.exists(stop_key).exists(web_live_key).execute()
-    return bool(left) or not web_alive
-
-
-def stream_transcription(worker: WorkerState, pool: Pool, header: dict) -> None:
+def stream_transcription(worker: WorkerState, pool: AnyPool, header: dict) -> None:
     """Transcribe the input of ``header`` segment by segment, pushing each segment as soon as it is decoded.
 
     Input: float32 samples in ``Keys.input(request_id)`` at ``header["sample_rate_hz"]``.
@@ -324,39 +265,59 @@ def stream_transcription(worker: WorkerState, pool: Pool, header: dict) -> None:
     The lease stays with the web process (held for the whole stream, R8.3), as for
     :func:`stream_speech`; after every segment the run stops early when the web asked it to or died.
     """
-    request_id, channel = header["request_id"], header["channel"]
-    stop_key, web_live_key = KEYS.stop(request_id), Keys.process_live(channel)
-    client = sync_redis_bytes()
-    final: dict
+    final = _stream(worker, pool, serving.TRANSCRIPTION, header)
+    push_frame(header["channel"], header["request_id"], end_frame(final))
+
+
+def _stream(worker: WorkerState, pool: AnyPool, kind: str, header: dict) -> dict:
+    """The end frame's payload of a streamed run of ``kind`` (its data frames pushed meanwhile)."""
     try:
-        raw = client.getdel(KEYS.input(request_id))
-        if raw is None:
-            final = dict(INPUT_EXPIRED)
-        else:
-            request = AudioRequest(audio.from_bytes(raw, header.get("sample_format", audio.F32LE)),
-                                   int(header["sample_rate_hz"]),
-                                   {**pool.request_defaults, **header["options"]})
-            del raw
-            with pool.slot() as slot:
-                started = time.monotonic()
-                stream = pool.sessions[slot].stream(request)
-                text, count, stopped = "", 0, False
-                for segment in stream:
-                    segment.pop("words", None)
-                    delta = segment_delta(text, segment["text"])
-                    text += delta
-                    count += 1
-                    push_frame(channel, request_id, b"j" + json.dumps({"delta": delta, "segment": segment}).encode())
-                    stopped = _stopped(client, stop_key, web_live_key)
-                    if stopped:
-                        break
-                final = {"ok": True, "text": text, "language": stream.language, "duration": stream.duration_s,
-                         "segments": count, "slot": slot,
-                         "inference_ms": round((time.monotonic() - started) * 1000, 3),
-                         "worker": worker.hostname, "stopped": stopped}
-    except Exception as exc:  # refused input, or a bug in an adapter: report it, keep the worker
-        final = failure(exc, f"transcription stream of {header['model_id']}")
-    push_frame(channel, request_id, end_frame(final))
+        final = pool.execute(kind, header, None, run_deadline_s(pool, kind, header))
+    except Exception as exc:  # a bug on the worker's side: report it, keep the worker
+        final = failure(exc, f"{kind} stream of {header['model_id']}")
+    if final.get("ok"):
+        final["worker"] = worker.hostname
+    return final
+
+
+def pool_lost(worker: WorkerState, model_id: str, reason: str) -> None:
+    """Record that ``model_id``'s process ended unasked (a crash, the OOM killer, a run past its deadline):
+    in Redis at once (``Scheduler.pool_failed``: state ``failed``, ``last_error``, the load backoff; the
+    next request after it loads again), then in the database in a thread of its own (state
+    ``unloaded``, ``last_error``, a failed ``crash`` audit row), so the runs in flight are answered
+    without waiting for the database. Nothing is written when the pool was no longer the published
+    one in Redis (a teardown had begun, or the worker was counted lost)."""
+    error = f"the model's process ended: {reason}"
+    try:
+        changed = sync_scheduler().pool_failed(model_id, worker.boot, error)
+        forget_pool_pid(worker, model_id)
+    except Exception:
+        log.exception("recording the end of %s's process in Redis failed", model_id)
+        changed = True
+    if not changed:
+        return
+
+    def record() -> None:
+        try:
+            records.registration_record_crash(model_id, error, actor=worker.hostname or "")
+        except Exception:
+            log.exception("recording the end of %s's process failed", model_id)
+        finally:
+            connections.close_all()
+    threading.Thread(target=record, name=f"record crash {model_id}", daemon=True).start()
+
+
+def publish_pool_pid(worker: WorkerState, model_id: str, pid: int) -> None:
+    """Name ``model_id``'s process in ``Keys.pool_pids`` (for operators and tests; its TTL follows the
+    worker's liveness beat)."""
+    key = KEYS.pool_pids(worker.hostname or "")
+    with sync_redis().pipeline(transaction=False) as pipe:
+        pipe.hset(key, model_id, pid).pexpire(key, LIVENESS_TTL_MS).execute()
+
+
+def forget_pool_pid(worker: WorkerState, model_id: str) -> None:
+    """Remove ``model_id``'s process from ``Keys.pool_pids`` (it exited)."""
+    sync_redis().hdel(KEYS.pool_pids(worker.hostname or ""), model_id)
 
 
 def destroy_pool(worker: WorkerState, model_id: str) -> dict:
@@ -368,6 +329,8 @@ def destroy_pool(worker: WorkerState, model_id: str) -> dict:
     started = time.monotonic()
     pool = worker.remove(model_id)
     payload: dict = {"ok": True, "had_pool": pool is not None}
+    if pool is not None and pool.pid is not None:
+        forget_pool_pid(worker, model_id)
     if pool is not None:
         try:
             pool.close()
