@@ -45,6 +45,7 @@ pytestmark = pytest.mark.stack
 
 RATE = 16000
 MAX_SECONDS = 60.0
+WORKER_RESTART_DELAY_MS = 8000
 
 
 def reservation(data: bytes) -> int:
@@ -68,7 +69,10 @@ def astack(tmp_path_factory):
     yield from run_stack(tmp_path_factory.mktemp("in-use"), MODELS, redis_db=9, name="in_use", parallel=True,
                          extra_env=FIXTURE_ENV,
                          extra_config={"ui_management": True, "max_audio_seconds": MAX_SECONDS,
-                                       "max_decoded_bytes_in_flight": BUDGET_BYTES})
+                                       "max_decoded_bytes_in_flight": BUDGET_BYTES,
+                                       # serve reloads a killed worker's eager models once the replacement
+                                       # beats; a late restart leaves the tests time to see them free
+                                       "worker_restart_delay_ms": WORKER_RESTART_DELAY_MS})
 
 
 @pytest.fixture(scope="module")
