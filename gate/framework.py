@@ -163,7 +163,7 @@ FRAMEWORK_TESTS: dict[str, list[tuple[str, str]]] = {
          "Ctrl-C stops every child; no live resource destroyed early"),
     ],
     "F5": [
-        (RES + "test_lru_eviction_picks_the_least_recently_used_idle_model",
+        (RES + "test_eviction_picks_the_idle_model_with_the_least_recent_use",
          "residency limits 1 and 2: LRU picks an idle model"),
         (RES + "test_a_cold_load_waits_for_room_and_never_evicts_a_busy_or_queued_model",
          "two models loading/running with limits 1 and 2: busy or queued models are never evicted"),
