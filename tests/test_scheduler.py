@@ -207,6 +207,14 @@ def test_a_waiter_leaving_after_an_unheard_grant_gives_the_lease_back_in_one_ste
                     break
                 await asyncio.sleep(0.01)
             await deaf.listener._pubsub.unsubscribe()  # the grant will go nowhere
+            # UNSUBSCRIBE is only sent: wait until Redis has dropped the subscription, else the grant may
+            # still reach the waiter
+            for _ in range(200):
+                if (await rig.redis.pubsub_numsub(deaf.listener.channel))[0][1] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("Redis kept the waiter's subscription for 2 s after UNSUBSCRIBE")
             assert await rig.scheduler.release("m", holder.lease_id)
             assert await rig.counts("m") == (1, 0)  # granted to the waiter, which does not know it
             waiter.cancel()
