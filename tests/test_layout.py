@@ -38,6 +38,17 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _tree(path: Path) -> ast.Module:
+    """``path``'s syntax tree. CPython 3.11 may raise a spurious ``SystemError`` ("AST constructor
+    recursion depth mismatch", python/cpython#106905) when other threads of the process build trees
+    meanwhile; a second parse of the same source is then the real answer."""
+    source = path.read_text()
+    try:
+        return ast.parse(source, str(path))
+    except SystemError:
+        return ast.parse(source, str(path))
+
+
 def _resolve(name: str) -> str | None:
     """The project module ``name`` refers to (itself, or its closest enclosing project module)."""
     while name:
@@ -49,7 +60,7 @@ def _resolve(name: str) -> str | None:
 
 def _imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
     """``(imported project module, line, function-local?)`` for every import in ``path``."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     local_lines = {node.lineno for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
                    for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))}
@@ -164,7 +175,7 @@ def test_imports_run_one_way(layer, forbidden):
     for module, path in MODULES.items():
         if module != layer and not module.startswith(layer + "."):
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):
@@ -190,7 +201,7 @@ def test_framework_internals_are_imported_only_under_audiosite_http():
     for module, path in MODULES.items():
         if any(module == m or module.startswith(m + ".") for m in MAY_IMPORT_FRAMEWORK_INTERNALS):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

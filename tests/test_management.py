@@ -346,6 +346,8 @@ def test_older_requests_drain_before_reconfigure_and_later_ones_bind_the_new_con
 def test_invalid_reconfiguration_preserves_live_state(mstack, token):
     """R4.4/R7.1: bad options, unknown family and an unsupported count (400 with capacity=) leave
     the old pool, count, metadata and residency; the next request is served by the same pool."""
+    lazy_before = entry_of(mstack, "whisper-lazy")  # as the module's earlier tests left it
+
     async def scenario():
         async with mclient(mstack, token) as op:
             before, _, _ = await post(op, "fx-base")
@@ -365,7 +367,7 @@ def test_invalid_reconfiguration_preserves_live_state(mstack, token):
     base, lazy = entry_of(mstack, "fx-base"), entry_of(mstack, "whisper-lazy")
     assert mstack.sql("SELECT state FROM registry_modelregistration WHERE model_id = 'fx-base'") == [("ready",)]
     assert (base["state"], base["slots"], base["max_parallel_slots"]) == ("ready", 2, 16)
-    assert (lazy["state"], lazy["slots"]) == ("unloaded", 2)
+    assert (lazy["state"], lazy["slots"]) == (lazy_before["state"], lazy_before["slots"])
 
 
 def test_a_valid_resize_works_after_an_unsupported_one(mstack, token):
@@ -946,13 +948,14 @@ def test_a_plain_load_by_id_keeps_every_key_of_the_registration_and_only_sent_ke
             resp = await op.post("/v1/models/load", json=PRESET_ENTRY)
             assert resp.status_code == 200, resp.text
             before = _private_entry(mstack, token, "tts-presets")
+            reconfigures = _reconfigures(mstack, "tts-presets")  # earlier tests of the module may have made some
             stored = {name: {"options": {}, **preset} for name, preset in PRESET_ENTRY["voice_presets"].items()}
             assert before["voice_presets"] == stored and before["busy_timeout_ms"] == 7000
             for plain in ({"id": "tts-presets"}, {"id": "tts-presets", "family": "piper"}):
                 resp = await op.post("/v1/models/load", json=plain)
                 assert resp.json() == {"id": "tts-presets", "loaded": False, "reconfigured": False}, resp.text
             assert _private_entry(mstack, token, "tts-presets") == before
-            assert _reconfigures(mstack, "tts-presets") == 0
+            assert _reconfigures(mstack, "tts-presets") == reconfigures
             voices = (await op.get("/v1/audio/voices", params={"model": "tts-presets"})).json()["voices"]
             assert {"alloy", "nova", "echo"} <= {v["id"] for v in voices}
             resp = await op.post("/v1/models/load", json={"id": "tts-presets", "busy_timeout_ms": 9000})

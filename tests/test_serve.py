@@ -344,16 +344,19 @@ def test_with_no_worker_alive_queued_and_new_requests_fail_no_worker_at_once(tmp
         next(stacks, None)
 
 
-def test_a_worker_killed_during_a_load_frees_the_load_at_once_and_the_replacement_loads(tmp_path):
+@pytest.mark.parametrize("model_processes", [False, True], ids=["pools_in_the_worker", "pools_in_model_processes"])
+def test_a_worker_killed_during_a_load_frees_the_load_at_once_and_the_replacement_loads(tmp_path, model_processes):
     """R7.4, the load clause, over HTTP with a real ``kill -9``: a lazy model's first request makes
     the worker load it, held at a load barrier; the worker is killed there. The request gets 503
-    ``worker_lost`` within about a second (serve ends the dead worker's load claim as failed
-    instead of leaving it to expire after ``lease_ttl_ms``, 10 s here); the model is ``unloaded``
-    with no failed-load backoff; once the replacement is alive, the next request loads the model
-    on it and succeeds — nothing else was restarted."""
+    ``worker_lost`` within about a second (serve ends the dead worker's load claim as lost and that
+    end wakes the request, the load's caller, instead of leaving it to look again when the worker's
+    liveness would lapse or the claim expire after ``lease_ttl_ms``, 10 s here), whether the pool was
+    loading in the worker or in a model process of its own; the model is ``unloaded`` with no
+    failed-load backoff; once the replacement is alive, the next request loads the model on it and
+    succeeds — nothing else was restarted."""
     models = [{"id": "slow", "family": "fixture", "lazy": True, "load_options": {"load_barrier": "cold"}}]
     stacks = run_stack(tmp_path, models, redis_db=8, name="sup3", extra_env=FIXTURE_ENV,
-                       extra_config={"lease_ttl_ms": 10000})
+                       extra_config={"lease_ttl_ms": 10000, "model_processes": model_processes})
     stack = next(stacks)
     try:
         [old_pid] = worker_pids(stack)

@@ -360,12 +360,13 @@ class SingleFlightLoad:
             raise no_live_worker_error(model_id)
         await send_task("inference.load_model", [model_id, token, ctx.listener.channel], "gpu")
         self.pickup_since_s = time.monotonic()
-        replied = await await_reply(ctx, wake, KEYS.load_result(token), lambda: self._load_goes_on(token),
-                                    first_check_s=min(LIVENESS_CHECK_S, NO_WORKER_CHECK_S, self.pickup_timeout_s))
+        await await_reply(ctx, wake, KEYS.load_result(token), lambda: self._load_goes_on(token),
+                          first_check_s=min(LIVENESS_CHECK_S, NO_WORKER_CHECK_S, self.pickup_timeout_s))
         raw = await ctx.redis.getdel(KEYS.load_result(token))
-        if not replied and raw is None:
+        if raw is None:
             # Our claim is gone without a reply yet: the load just finished (its reply follows
-            # the worker's database write) or another caller found its worker dead. Read the outcome.
+            # the worker's database write), or another caller or serve found its worker dead and woke
+            # us. Read the outcome.
             error = await read_load_end_error(ctx, model_id, token)
             if error is not None:
                 raise error

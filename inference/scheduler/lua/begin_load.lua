@@ -15,7 +15,9 @@
 --                           now (lib's loader_left_ms; -1 while no worker has
 --                           started it): the caller decides again by then
 --   {'load'}                the caller is now the single loader and must call
---                           finish_load (renewing with renew_load meanwhile)
+--                           finish_load (renewing with renew_load meanwhile); its
+--                           channel is kept ('loader_channel'), so whoever else ends
+--                           the load wakes it ('load:<token>', lib's wake_load_waiters)
 --   {'backoff', retry_in_ms, error}  the last load failed and its backoff has
 --                           not passed (R6.7): nothing changed
 --   {'woken', outcome}      ARGV[5]'s wait was woken before this call (see ARGV[5]):
@@ -70,7 +72,7 @@ elseif ARGV[4] ~= '1' then
     return {'backoff', retry_at - now, redis.call('HGET', key, 'error') or ''}
   end
 end
-redis.call('HSET', key, 'state', 'loading', 'loader', token, 'loader_expires_ms', now + ttl_ms)
+redis.call('HSET', key, 'state', 'loading', 'loader', token, 'loader_channel', chan, 'loader_expires_ms', now + ttl_ms)
 redis.call('HDEL', key, 'loader_host', 'loader_boot', 'ended')
 changed(base)
 return {'load'}

@@ -22,6 +22,7 @@ if redis.call('HGET', key, 'loader') ~= ARGV[1] or redis.call('HGET', key, 'stat
   return 'stale'
 end
 local now = now_ms()
+redis.call('HDEL', key, 'loader_channel')  -- the loader learns this end from its reply (lib's wake_load_waiters)
 if ARGV[2] ~= 'ready' then
   end_load(base, ARGV[2], ARGV[5], now)
   return 'ok'

@@ -186,14 +186,21 @@ local LOAD_END_KEEP_MS = 60000
 -- outcome inline ('load:<token>' LF outcome, see Listener.expect) and keep the outcome for each of
 -- them and for the loader's token (':loadend:<token>', one key each, expiring on its own), so a
 -- caller whose wake-up is late or lost, and reads after the next claim overwrote ':load', still
--- learns how *its* load ended.
+-- learns how *its* load ended. The loader itself is woken too ('load:<loader>' on its
+-- 'loader_channel') when someone else ends its load (a supervisor that saw the worker die, a caller
+-- that found it dead); finish_load.lua drops that channel first, as the loader or its worker, which
+-- answers it with the load's reply, is the one finishing it.
 local function wake_load_waiters(base, outcome, loader)
   local waiters = redis.call('HGETALL', base .. ':loadwait')
   for i = 1, #waiters, 2 do
     redis.call('SET', base .. ':loadend:' .. waiters[i], outcome, 'PX', LOAD_END_KEEP_MS)
     redis.call('PUBLISH', waiters[i + 1], 'load:' .. waiters[i] .. '\n' .. outcome)
   end
-  if loader then redis.call('SET', base .. ':loadend:' .. loader, outcome, 'PX', LOAD_END_KEEP_MS) end
+  if loader then
+    redis.call('SET', base .. ':loadend:' .. loader, outcome, 'PX', LOAD_END_KEEP_MS)
+    local chan = redis.call('HGET', base .. ':load', 'loader_channel')
+    if chan then redis.call('PUBLISH', chan, 'load:' .. loader .. '\n' .. outcome) end
+  end
   redis.call('DEL', base .. ':loadwait')
 end
 
@@ -213,8 +220,8 @@ local function end_load(base, ended, err, now)
     local delay_ms = math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ^ (failures - 1))
     redis.call('HSET', key, 'retry_at_ms', now + delay_ms)
   end
-  redis.call('HDEL', key, 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot')
   wake_load_waiters(base, ended .. ':' .. err, loader)
+  redis.call('HDEL', key, 'loader', 'loader_channel', 'loader_expires_ms', 'loader_host', 'loader_boot')
   changed(base)
 end
 

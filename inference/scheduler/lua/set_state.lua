@@ -32,7 +32,7 @@ if err == '' and redis.call('HEXISTS', key, 'retry_at_ms') == 1 then
 else
   redis.call('HSET', key, 'state', want, 'error', err)
 end
-redis.call('HDEL', key, 'owner', 'boot', 'loader', 'loader_expires_ms', 'loader_host', 'loader_boot',
+redis.call('HDEL', key, 'owner', 'boot', 'loader', 'loader_channel', 'loader_expires_ms', 'loader_host', 'loader_boot',
            'capacity')
 changed(base)
 return {'ok', pool[1] or '', pool[2] or ''}
