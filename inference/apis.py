@@ -60,7 +60,7 @@ def _data(request):
 
 class EarlyProbe:
     """The admission probe of a request, sent before its body is validated, so that the round trip
-    runs while the serializer works (base64 decoding included; issue 8 item 7).
+    runs while the serializer works (base64 decoding included).
 
     Sent only when its answer cannot depend on validation: the body names its ``model`` as a string,
     and its ``busy_timeout_ms`` is either a JSON integer in range at the top of the body (which

@@ -141,10 +141,16 @@ def check_model_entry(entry: dict) -> list[EntryProblem]:
     if entry.get("mode", "offline") not in spec["modes"]:
         problems.append(EntryProblem("mode", f"family {spec['family']!r} supports modes {spec['modes']}, "
                                              f"not {entry['mode']!r}"))
-    for mode in entry.get("modes") or []:
+    modes = entry.get("modes") or []
+    for mode in modes:
         if mode not in spec["modes"]:
             problems.append(EntryProblem("modes", f"family {spec['family']!r} serves modes {spec['modes']}, "
                                                   f"not {mode!r}"))
+    if len(set(modes)) != len(modes):
+        problems.append(EntryProblem("modes", f"lists a mode more than once: {modes}"))
+    if modes and entry.get("mode", "offline") not in modes:
+        problems.append(EntryProblem("mode", f"{entry.get('mode', 'offline')!r} is not among the registration's "
+                                             f"modes {modes} (the mode its slot count is admitted for)"))
     for block in ("load_options", "session_options"):
         problems.extend(_schema_problems(spec[block], entry.get(block) or {}, block))
     problems.extend(

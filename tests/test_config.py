@@ -140,6 +140,9 @@ def test_family_task_mode_and_options_are_checked_against_the_spec():
         {"id": "u", "family": "silero_vad", "path": "/no/such/file.onnx"},
         {"id": "t", "family": "speaker_embedding", "modes": ["offline", "streaming"]},
         {"id": "s", "family": "whisper", "modes": ["offline", "streaming"]},
+        {"id": "r", "family": "whisper", "modes": ["offline", "offline"]},
+        {"id": "q", "family": "whisper", "modes": ["streaming"]},
+        {"id": "p", "family": "whisper", "mode": "streaming", "modes": ["streaming"]},
     ]})
     joined = "\n".join(found)
     assert "models[0] (id 'x'): key 'family': unknown family 'nope'" in joined
@@ -151,6 +154,9 @@ def test_family_task_mode_and_options_are_checked_against_the_spec():
     assert ("models[6] (id 't'): key 'modes': family 'speaker_embedding' serves modes ['offline'], "
             "not 'streaming'") in joined
     assert "(id 's')" not in joined  # whisper serves offline and streaming
+    assert "models[8] (id 'r'): key 'modes': lists a mode more than once" in joined
+    assert "models[9] (id 'q'): key 'mode': 'offline' is not among the registration's modes ['streaming']" in joined
+    assert "(id 'p')" not in joined  # a streams-only registration names its mode
 
 
 def test_keys_of_later_features_are_refused_not_ignored():

@@ -14,7 +14,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from audiosite.errors import UnsupportedMedia
+from audiosite.errors import InvalidRequest, UnsupportedMedia
 from audiosite.serverconfig import parse_config
 from inference import audio
 from inference import services as inference_services
@@ -155,6 +155,37 @@ def test_a_teardown_whose_manager_died_is_taken_over_by_the_next_manager(redis_c
     result, state = _run(scenario)
     assert result.outcome is TeardownOutcome.NOT_LOADED and state == ModelState.UNLOADED
     assert ModelRegistration.objects.get(model_id="stuck").state == "unloaded"
+
+
+def test_a_stream_granted_after_its_registration_stopped_serving_streams_is_refused_and_gives_its_lease_back(
+        redis_client):
+    """R9.2 at the grant: a stream waits for the one stream slot of a Whisper registration; meanwhile the
+    registration is published again without ``streaming`` in its ``modes``. Once granted, the stream is
+    refused (400, ``param`` ``model``) and its lease is back at once; nothing is held afterwards."""
+    records.registration_sync_config(parse_config({"models": [{"id": "wstream", "family": "whisper",
+                                                                "lazy": True}]}))
+    meta = ModelRegistration.objects.get(model_id="wstream").as_meta()
+
+    async def scenario(ctx):
+        await ctx.scheduler.publish_entry(meta, 1)
+        holder = await inference_services.stream_lease_acquire(ctx, meta, 0)
+        waiter = asyncio.create_task(inference_services.stream_lease_acquire(ctx, meta, 0))
+        for _ in range(500):
+            if (await ctx.scheduler.snapshot(["wstream"]))["wstream"]["queued"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the second stream did not queue")
+        await ctx.scheduler.publish_entry(dict(meta, modes=["offline"]), 1)
+        await ctx.scheduler.release("wstream", holder.lease_id)
+        outcome = (await asyncio.gather(waiter, return_exceptions=True))[0]
+        after = (await ctx.scheduler.snapshot(["wstream"]))["wstream"]
+        return outcome, after
+
+    outcome, after = _run(scenario)
+    assert isinstance(outcome, InvalidRequest) and outcome.param == "model", outcome
+    assert "does not serve streams" in str(outcome)
+    assert (after["active_leases"], after["queued"]) == (0, 0)
 
 
 def test_unregister_removes_the_entry_only_for_the_manager(redis_client):

@@ -1,7 +1,8 @@
 """Streams are served at most at their mode's admitted count (R9.2): a Whisper model with 3 slots whose
 admission table admits ``asr/streaming`` only at 1..2 never runs more than 2 streams (SSE transcriptions
 and realtime turns) at once; the others wait in its FIFO and get the same answers. A registration whose
-``modes`` leave out ``streaming`` refuses streams. ``/v1/models`` shows the admitted counts per mode.
+``modes`` leave out ``streaming`` refuses streams, and one whose ``modes`` leave out ``offline`` refuses
+file requests. ``/v1/models`` shows the admitted counts per mode.
 
 One parallel stack (Redis db 6) reads its own admission table (``AUDIOSITE_ADMISSION_DIR``)."""
 from __future__ import annotations
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.stack
 MODELS = [
     {"id": "w", "family": "whisper", "task": "asr", "slots": 3},
     {"id": "w-offline", "family": "whisper", "task": "asr", "modes": ["offline"]},
+    {"id": "w-streams", "family": "whisper", "task": "asr", "mode": "streaming", "modes": ["streaming"], "lazy": True},
 ]
 TABLE = {"whisper": {"asr/offline": [1, 2, 3, 4], "asr/streaming": [1, 2]}}
 
@@ -128,3 +130,15 @@ def test_a_registration_without_streaming_refuses_streams(stack, speech):
     assert "does not serve streams" in json.loads(body)["error"]["message"]
     assert turn["type"].endswith(".failed") and turn["error"]["type"] == "invalid_request_error", turn
     stack.wait_idle("w-offline", timeout_s=10)
+
+
+def test_a_streams_only_registration_refuses_offline_requests(stack, speech):
+    """R9.2: a registration whose ``modes`` leave out ``offline`` answers a plain (file) transcription 400
+    naming the model, before it queues or loads anything."""
+    with stack.client() as client:
+        resp = client.post("/v1/audio/transcriptions", files={"file": ("a.wav", speech[0].wav)},
+                           data={"model": "w-streams", "language": "en"})
+        entry = client.get("/v1/models/w-streams").json()
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "model", resp.text
+    assert "serves only streams" in resp.json()["error"]["message"]
+    assert entry["state"] == "unloaded" and stack.counters("w-streams") == {"leases": 0, "queued": 0}

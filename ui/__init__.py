@@ -1,1 +1,1 @@
-"""The browser management UI: live status, management forms, lifecycle log and playground (issue 12)."""
+"""The browser management UI: live status, management forms, lifecycle log and playground."""

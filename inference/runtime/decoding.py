@@ -13,7 +13,7 @@ send Celery tasks or big Redis values (``inference.runtime.loads``, ``inference.
 
 A few huge uploads (30 min at 384 kHz takes seconds to resample) therefore
 occupy the bulk pool only: a short request to any model still finds a quick
-thread, instead of waiting behind them (issue 9 item 3). Headers are not read
+thread, instead of waiting behind them. Headers are not read
 on the loop in general: a typical header takes 0.07 ms, but a crafted WAV of
 8,000 empty chunks (67 KB) keeps libsndfile walking it, through soundfile's
 Python I/O callbacks, for about 30 ms.

@@ -102,7 +102,7 @@ class _ThreadRenewer:
     """One daemon thread renewing every thread-mode :class:`KeepAlive` of the process when it is due.
 
     A worker serves many short runs; starting and joining a thread per run
-    cost about 0.2 ms each (py-spy, issue 8). Here ``__enter__`` only pushes
+    cost about 0.2 ms each (py-spy). Here ``__enter__`` only pushes
     ``(due, keep-alive)`` on a heap. Renewals run one after another on this
     thread (a renewal is one Redis round trip, well under the period of a
     third of the lease TTL). A keep-alive that exited is dropped when it

@@ -92,9 +92,9 @@ async def request_model_resolve(ctx: AsyncContext, model_id: str, request_timeou
 
 async def request_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
               request_timeout_ms: int | None, probe: AdmissionProbe | None = None) -> Outcome:
-    """Serve one request (either runtime).
+    """Serve one offline request (either runtime).
 
-    The short path (issue 8 item 7), when the admission probe found a free slot and nobody
+    The short path, when the admission probe found a free slot and nobody
     queued: small audio is decoded with its header before the request queues
     (:func:`audio_inspect_and_decode`: one pool hop instead of two; should the request queue
     after all, it holds its decoded samples, counted in the decode budget, while it waits), and
@@ -117,12 +117,17 @@ async def request_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, op
             :func:`audio_inspect`, before queueing, and :func:`audio_decode`,
             after the grant; the lease is then given back).
         ModelLoadFailed: the model could not be loaded.
-        InvalidRequest: the adapter refused the request's options.
+        InvalidRequest: the adapter refused the request's options, or the registration does not serve
+            offline requests (its ``modes``; ``param`` ``model``).
         NotFound: the model was unregistered while the request waited.
         Conflict: the model changed family or task while the request waited.
     """
     model_id = meta["id"]
     spec = specs.require_spec(meta["family"])  # looked up once for the whole request
+    modes = meta.get("modes") or spec["modes"]  # specs.registration_modes, with the spec in hand
+    if "offline" not in modes:
+        raise InvalidRequest(f"model {model_id!r} serves only streams (its modes: {', '.join(modes)}); "
+                             "use its streaming route", param="model")
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
     header, run_input, offered = await _prepare_input(ctx, meta, spec, audio_input, options, probe)
     handover = runs.Handover()

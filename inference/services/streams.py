@@ -131,17 +131,33 @@ async def stream_lease_acquire(ctx: AsyncContext, meta: dict, timeout_ms: int) -
     most ``inference.specs.stream_slot_count`` (its slots, capped by the streaming mode's admitted count,
     R9.2) are held at once; the others wait in the model's FIFO under ``timeout_ms`` as usual.
 
+    The modes are checked again once the lease is granted: a reconfiguration that removed ``streaming``
+    while the stream waited refuses it then (the lease is given back first).
+
     Raises:
         InvalidRequest: the registration does not serve streams (its ``modes``; ``param`` ``model``).
         ServerBusy: admission timeout, fail-fast or an expired grant (R3.2–R3.4).
     """
+    _require_streaming(meta)
+    backend = resolve_backend(get_config().backend)  # cached after the first call
+    cap = specs.stream_slot_count(meta["family"], meta["task"], int(meta.get("slots") or 1), backend)
+    lease = await leases.acquire(ctx, meta["id"], timeout_ms, LeaseKind.STREAM, stream_cap=cap)
+    try:
+        current = await published.meta_get(ctx, meta["id"])
+        if current is not None and current["family"] == meta["family"]:
+            _require_streaming(current)  # a changed family is refused later, with the 409 of every request
+    except BaseException:
+        await leases.run_to_completion(ctx.scheduler.release(meta["id"], lease.lease_id))
+        raise
+    return lease
+
+
+def _require_streaming(meta: dict) -> None:
+    """Raise InvalidRequest (``param`` ``model``) unless the registration ``meta`` serves streams."""
     modes = specs.registration_modes(meta)
     if "streaming" not in modes:
         raise InvalidRequest(f"model {meta['id']!r} does not serve streams (its modes: {', '.join(modes)})",
                              param="model")
-    backend = resolve_backend(get_config().backend)  # cached after the first call
-    cap = specs.stream_slot_count(meta["family"], meta["task"], int(meta.get("slots") or 1), backend)
-    return await leases.acquire(ctx, meta["id"], timeout_ms, LeaseKind.STREAM, stream_cap=cap)
 
 
 async def _stream_open(ctx: AsyncContext, meta: dict, timeout_ms: int, lease: Lease,

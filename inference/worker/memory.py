@@ -1,4 +1,4 @@
-"""Giving a destroyed pool's memory back to the operating system (issue 9 item 9).
+"""Giving a destroyed pool's memory back to the operating system.
 
 A pool's weights and buffers are allocated by native code (CTranslate2,
 onnxruntime) through the C library's ``malloc``. glibc keeps freed memory in

@@ -141,7 +141,7 @@ def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
         # Our claim was ended by someone who records that end: a web process that counted this worker
         # lost (R7.4; inference.services.loading._record_lost_load writes the failed load) or a manager whose
         # teardown began (set_state.lua; its teardown writes the states). Publish nothing and write
-        # nothing: one writer per step (issue 8 item 2).
+        # nothing: one writer per step.
         if built is not None:
             worker.discard(model_id, built)
         ok, error = False, "the load was abandoned or superseded"

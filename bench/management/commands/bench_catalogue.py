@@ -1,4 +1,4 @@
-"""``python manage.py bench_catalogue``: throughput and memory of the catalogue families of issue 14.
+"""``python manage.py bench_catalogue``: throughput and memory of the speaker and music families.
 
 Families: ``speaker_embedding``, ``basic_pitch`` and the ``diarization``
 pipeline (over ``silero_vad`` and ``speaker_embedding``). Prints, and writes as

@@ -22,7 +22,7 @@ Sessions sustained (then, ``--max-sessions`` > 0): each session streams a speech
 the ``samples/`` speech files joined into
 one utterance of about 5 s, see :func:`_speech`), between 0.75 s of silence, in 20 ms appends of
 24 kHz PCM at real-time pace, with OpenAI's default server VAD,
-``--turns`` times. Measured per turn (issue 11, item 6):
+``--turns`` times. Measured per turn:
 
 - end of turn → completed: from the moment the turn's last speech chunk was sent to its
   ``…input_audio_transcription.completed`` event. It includes the ``silence_duration_ms`` (500 ms)

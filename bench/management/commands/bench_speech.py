@@ -1,6 +1,6 @@
 """``python manage.py bench_speech --url URL``: streamed speech synthesis against a running server.
 
-Measures, with a five-sentence input (issue 10, item 7):
+Measures, with a five-sentence input:
 
 - time to the first audio byte and to the whole body of ``POST /v1/audio/speech``
   (mp3, streamed), median of ``--repeat`` runs, and their ratio (target ≤ 35 %);

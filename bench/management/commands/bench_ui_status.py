@@ -15,7 +15,7 @@ Prints, in ms, median / 95th percentile / max of:
   slight underestimate of release → page);
 - *request → page*: from sending the request (the whole run included).
 
-Target (issue 12): a change reaches the page within 500 ms. Prints PASS/FAIL for the
+Target: a change reaches the page within 500 ms. Prints PASS/FAIL for the
 95th percentile of *response → page* and exits 0 either way (a report, not a gate).
 The server must let anonymous visitors see status (``ui_anonymous`` "status", the
 default) unless ``--user``/``--password`` are given.

@@ -15,7 +15,7 @@ Redis, a temporary SQLite database, lazy loading, no configured model; see
 and after each unload reads the worker's ``VmRSS``, ``RssAnon`` and
 ``Threads`` from ``/proc/<pid>/status`` (Linux only; the pid comes from the
 ``as:wpid`` hash the worker publishes, ``Keys.worker_pid``). It prints one
-row per cycle and the verdict of issue 9 item 9: the RSS after the last cycle
+row per cycle and the verdict: the RSS after the last cycle
 is within 15 % of the RSS after cycle 5 (PASS/FAIL). The report is also
 written as JSON (``--out``, default ``var/bench_worker_memory.json``).
 
@@ -46,7 +46,7 @@ from gate.servers import Server
 from bench.common import SAMPLE, task_body
 
 BASELINE_CYCLE = 5  # the issue's reference point: the allocator has settled after a few cycles
-TOLERANCE_PCT = 15.0  # issue 9 item 9: last-cycle RSS within 15 % of the cycle-5 RSS
+TOLERANCE_PCT = 15.0  # last-cycle RSS within 15 % of the cycle-5 RSS
 MODEL_ID = "mem"
 ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD")
 

@@ -59,7 +59,7 @@ class Command(BaseCommand):
         for name in ("httpx", "httpx2"):  # the openai SDK logs every request of a streaming run through httpx2
             logging.getLogger(name).setLevel(logging.WARNING)
         if opts["framework"]:
-            # the framework checks F1-F6 are their own command; this flag is the spelling of issue 15
+            # the framework checks F1-F6 are their own command
             try:
                 return call_command("validate_framework", "--backend", opts["backend"], "--out", opts["out"],
                                     stdout=self.stdout, stderr=self.stderr)
