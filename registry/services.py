@@ -55,15 +55,17 @@ async def _registered_meta(ctx: AsyncContext, model_id: str) -> dict:
     return meta
 
 
-async def _load_now(ctx: AsyncContext, model_id: str, meta: dict) -> bool:
-    """Load under the caller's manager lease unless the entry is lazy. Returns whether it is loaded.
+async def _load_now(ctx: AsyncContext, model_id: str, meta: dict, asked: bool = False) -> bool:
+    """Load under the caller's manager lease unless the entry is lazy and the load was not ``asked`` for
+    (a plain load of a registration: the caller wants it loaded now, and its ``lazy`` stays as it is).
+    Returns whether it is loaded.
 
     Raises:
         ModelLoadFailed, ServerBusy, InsufficientMemory: the load failed; the
             entry stays registered and unloaded (R4.2, R4.4, R4.6): a new error of the load's
             class, ``committed`` (``ApplicationError.entry_committed``).
     """
-    if is_lazy(meta):
+    if is_lazy(meta) and not asked:
         return False
     try:
         await inference_services.model_ensure_loaded(ctx, model_id, force=True)  # explicit: no backoff (R6.7)
@@ -218,8 +220,8 @@ async def model_reconfigure(ctx: AsyncContext, body, actor: str, existing: dict)
 
     Validate privately (an unsupported count is refused with 400 and nothing
     changes), take the manager lease under the model's busy timeout (older
-    requests drain), then: same configuration → just make sure it is loaded
-    (``reconfigured: false``); otherwise retire the old pool (state
+    requests drain), then: same configuration → just make sure it is loaded, a lazy
+    registration too (``reconfigured: false``; its ``lazy`` stays); otherwise retire the old pool (state
     ``reconfiguring``), commit the new metadata, load the replacement. A
     post-commit load failure leaves the new metadata registered and
     unloaded; the next request retries. If the id was unregistered by the
@@ -292,8 +294,8 @@ async def _reconfigure_granted(ctx: AsyncContext, lease: Lease, valid: Validated
         raise InvalidRequest(valid.count_problem + "; the registration is unchanged", param="slots")
     meta = records.registration_meta_of(entry, current.get("source") or ModelRegistration.Source.API)
     meta["created"] = current.get("created")
-    if _same_configuration(meta, current):
-        return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta), "reconfigured": False}
+    if _same_configuration(meta, current):  # a plain load: load it now, lazy or not
+        return {"id": model_id, "loaded": await _load_now(ctx, model_id, meta, asked=True), "reconfigured": False}
     # The row is written first (state reconfiguring): a value the database refuses is a
     # 400 while the old pool still serves. Then the commit point: retire the old pool and
     # publish the complete new metadata (R4.4); traffic reads only the published entry.

@@ -941,7 +941,7 @@ def _reconfigures(stack, model_id: str) -> int:
 
 def test_a_plain_load_by_id_keeps_every_key_of_the_registration_and_only_sent_keys_change(mstack, token):
     """R4.4 through the API: ``{"id"}`` and ``{"id", "family"}`` load the registration as it is (voice
-    presets included: no reconfigure, no audit row of one); a body with one key changes only that key; the
+    presets included: no reconfigure, no audit row of one), a lazy one too, now (it stays lazy); a body with one key changes only that key; the
     private status entry shows every key of the entry, the way the config file sets it."""
     async def scenario():
         async with mclient(mstack, token) as op:
@@ -953,7 +953,7 @@ def test_a_plain_load_by_id_keeps_every_key_of_the_registration_and_only_sent_ke
             assert before["voice_presets"] == stored and before["busy_timeout_ms"] == 7000
             for plain in ({"id": "tts-presets"}, {"id": "tts-presets", "family": "piper"}):
                 resp = await op.post("/v1/models/load", json=plain)
-                assert resp.json() == {"id": "tts-presets", "loaded": False, "reconfigured": False}, resp.text
+                assert resp.json() == {"id": "tts-presets", "loaded": True, "reconfigured": False}, resp.text
             assert _private_entry(mstack, token, "tts-presets") == before
             assert _reconfigures(mstack, "tts-presets") == reconfigures
             voices = (await op.get("/v1/audio/voices", params={"model": "tts-presets"})).json()["voices"]
@@ -993,7 +993,7 @@ def test_the_admin_load_action_and_the_dashboard_load_keep_the_registration(msta
         csrf = {"X-CSRFToken": c.cookies["csrftoken"]}
         resp = c.post("/ui/manage/tts-presets/load", headers=csrf)
         assert resp.status_code == 200 and resp.json() == {
-            "ok": True, "result": {"id": "tts-presets", "loaded": False, "reconfigured": False}}, resp.text
+            "ok": True, "result": {"id": "tts-presets", "loaded": True, "reconfigured": False}}, resp.text
         assert _private_entry(mstack, token, "tts-presets") == before
         assert _reconfigures(mstack, "tts-presets") == reconfigures
         page = c.get("/ui/models/tts-presets")

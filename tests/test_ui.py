@@ -25,7 +25,7 @@ from .support.bounds import MODEL_S, QUICK_S
 from .support.browser import PASSWORD, chromium, launch, make_users, open_page, shoot
 from .support.clients import body
 from .support.processes import ROOT
-from .support.stacks import FIXTURE_ENV, events_of, run_stack
+from .support.stacks import FIXTURE_ENV, entry_of, events_of, run_stack
 
 pytestmark = pytest.mark.stack
 
@@ -177,8 +177,8 @@ def test_the_dashboard_shows_the_slot_counts_a_resize_may_ask_for(ustack, browse
 
 
 def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
-    """R4.4: the dashboard's Load button is a plain load of the registration as it is: no reconfigure,
-    the voice presets (and every other key) unchanged."""
+    """R4.4: the dashboard's Load button is a plain load of the registration as it is: the lazy model is
+    loaded now, with no reconfigure, the voice presets (and every other key) unchanged."""
     def presets() -> set[str]:
         with ustack.client() as c:
             return {v["id"] for v in c.get("/v1/audio/voices", params={"model": "piper-joe"}).json()["voices"]}
@@ -194,6 +194,7 @@ def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
     assert "error" not in (row.locator("output.msg").get_attribute("class") or "")
     assert presets() == before
     assert reconfigures() == reconfigured
+    assert entry_of(ustack, "piper-joe")["state"] == "ready"
     page.context.close()
 
 
