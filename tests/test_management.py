@@ -941,8 +941,9 @@ def _reconfigures(stack, model_id: str) -> int:
 
 def test_a_plain_load_by_id_keeps_every_key_of_the_registration_and_only_sent_keys_change(mstack, token):
     """R4.4 through the API: ``{"id"}`` and ``{"id", "family"}`` load the registration as it is (voice
-    presets included: no reconfigure, no audit row of one), a lazy one too, now (it stays lazy); a body with one key changes only that key; the
-    private status entry shows every key of the entry, the way the config file sets it."""
+    presets included: no reconfigure, no audit row of one), a lazy one too, now (it stays lazy); a body
+    with one key changes only that key; the private status entry shows every key of the entry, the way
+    the config file sets it."""
     async def scenario():
         async with mclient(mstack, token) as op:
             resp = await op.post("/v1/models/load", json=PRESET_ENTRY)
