@@ -194,11 +194,11 @@ class ServerConfig(_Strict):
     wyoming_max_connections: int = Field(default=32, ge=1, le=4096)
     """Connections ``manage.py wyoming`` serves at once (``inference.wyoming_server``); one more gets an
     ``error`` event ``too_many_connections``. Each buffers at most one transcription's audio."""
-    model_processes: bool = False
-    """True: each loaded model's sessions run in a process of its own (``inference.worker.pool_process``):
-    a crash costs only that model, a run past its deadline is stopped, an unload returns the memory.
-    False (the default until the load-waiter gap of docs/troubleshooting.md is closed): pools run in the
-    worker process (no run deadlines; a crash ends the worker)."""
+    model_processes: bool = True
+    """True (the default): each loaded model's sessions run in a process of its own
+    (``inference.worker.pool_process``): a crash costs only that model, a run past its deadline is
+    stopped, an unload returns the memory. False: pools run in the worker process (no run deadlines; a
+    crash ends the worker; about 45 MB less per loaded model, docs/benchmarks.md)."""
     ui: bool = True
     """The browser UI at ``/ui/`` (``/`` redirects there); false: both answer 404."""
     ui_anonymous: Literal["status", "none"] = "status"
