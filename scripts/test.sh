@@ -5,9 +5,10 @@
 #                 on a unix socket in a temporary folder, removed afterwards; a PostgreSQL already running on
 #                 the machine is neither needed nor touched. Set it to use a server of your own (the tests
 #                 create and drop test_* and audiosite_* databases there).
-#   REDIS_URL     used only with AUDIOSITE_TEST_WORKERS=0 (default redis://127.0.0.1:6379/15; the tests FLUSH
-#                 databases 3 and 8 to 15 of that server); otherwise each xdist worker starts a Redis of its
-#                 own (tests/redis_per_worker.py)
+#   REDIS_URL     unset (default): each test process (each xdist worker) starts a Redis of its own
+#                 (tests/redis_per_worker.py), so runs at once never share one. Set it, with
+#                 AUDIOSITE_TEST_WORKERS=0, to use a server of your own (the tests FLUSH its databases 3 and
+#                 8 to 15)
 #   AUDIOSITE_TEST_WORKERS  3: pytest-xdist processes (--dist loadfile); 0 = one process. On 2 cores
 #                 3 took 428-432 s against 488-528 s with 2 (4: 436 s, the cores are then saturated)
 #   AUDIOSITE_REQUIRE_PROGRAMS=1  a test whose system program (chromium, nginx, promtool) is missing fails
@@ -24,7 +25,6 @@ if [ -z "${DATABASE_URL:-}" ]; then
   echo "audiosite: tests use a private PostgreSQL in $pg_root (removed afterwards)"
 fi
 export DATABASE_URL
-export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/15}
 export AUDIOSITE_REQUIRE_SERVICES=1
 export HF_HUB_OFFLINE=1
 status=0

