@@ -327,16 +327,16 @@ def record_soon(*events: Event) -> None:
         return
     batch = _batch()
     batch.events.extend(events)
+    if batch.task is None and batch.early is None:  # an early write pending carries them sooner
+        batch.task = asyncio.get_running_loop().create_task(_flush_later(batch))
 
 
 def _batch() -> _Batch:
-    """This event loop's batch, its write scheduled."""
+    """This event loop's batch."""
     loop = asyncio.get_running_loop()
     batch = _BATCHES.get(loop)
     if batch is None:
         batch = _BATCHES[loop] = _Batch()
-    if batch.task is None:
-        batch.task = loop.create_task(_flush_later(batch))
     return batch
 
 
@@ -445,7 +445,9 @@ def timing_note(*, queue_ms: float | None = None, run_ms: float | None = None) -
 
 def activity_soon(row: dict) -> None:
     """Queue one answered request for the activity list, written with this loop's metric events (at most
-    ``ACTIVITY_FLUSH_S`` later, the same ``MULTI``) and announced on ``Keys.activity_events``.
+    ``ACTIVITY_FLUSH_S`` later, the same ``MULTI``) and announced on ``Keys.activity_events``. That write
+    takes the place of the batch's ``FLUSH_INTERVAL_S`` timer (cancelled; events queued while it is
+    pending start none), so an answered request costs one ``MULTI``, not two.
 
     ``row``: JSON-able, ``{"at": ISO 8601 UTC, "model", "route", "status", "outcome", "code",
     "queue_ms", "run_ms", "total_ms", "client"}`` (``audiosite.http.apiview``); never a request body."""
@@ -453,6 +455,9 @@ def activity_soon(row: dict) -> None:
     batch.activity.append(row)
     if batch.early is None:
         batch.early = asyncio.get_running_loop().create_task(_write_early(batch))
+    if batch.task is not None:  # the early write takes every event queued so far, sooner than the timer
+        task, batch.task = batch.task, None
+        task.cancel()
 
 
 async def _write_early(batch: _Batch) -> None:
