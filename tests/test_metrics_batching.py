@@ -164,3 +164,64 @@ def test_flush_right_after_record_soon_writes_the_events(redis_client):
         return seen
 
     assert run(scenario()) == "1"
+
+
+def test_an_answered_request_costs_one_metrics_write_the_activity_row_carries_its_events(redis_client):
+    """Two answers 80 ms apart, the second one's queue-wait event recorded between them (as a request's
+    grant does): each answer's activity row is written with every event queued so far, and the batch's
+    ``FLUSH_INTERVAL_S`` timer that the first events started is cancelled, so two answers cost two
+    ``MULTI``s, not three (the timer used to write the second request's early event on its own)."""
+    key = KEYS.metric(metrics.REQUESTS.name)
+
+    def writes() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
+
+    async def scenario():
+        ctx = await async_context()
+        await ctx.redis.ping()
+        before = writes()
+        for n, model in enumerate(("one", "two")):
+            metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, 0.0, model))  # at the grant
+            await asyncio.sleep(0.03)
+            metrics.record_soon(metrics.count(metrics.REQUESTS, model, "ok"))  # at the answer
+            metrics.activity_soon({"model": model, "status": 200, "n": n})
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(metrics.FLUSH_INTERVAL_S + 0.2)
+        counted = [redis_client.hget(key, f'["{model}","ok"]') for model in ("one", "two")]
+        rows = await metrics.activity_recent(ctx.redis)
+        await ctx.listener.close()
+        return writes() - before, counted, rows
+
+    written, counted, rows = run(scenario())
+    assert counted == ["1", "1"]
+    assert [row["model"] for row in rows] == ["two", "one"]
+    assert written == 2, f"{written} metrics writes for two answers"
+
+
+def test_a_row_after_a_quiet_spell_is_written_at_once_and_the_next_waits_out_the_flush_delay(redis_client):
+    """The first activity row after ``ACTIVITY_FLUSH_S`` without a write is written ``ACTIVITY_SOON_S``
+    after its answer (while the web process is still awake), well before ``ACTIVITY_FLUSH_S``; a row
+    answered right after that write waits until ``ACTIVITY_FLUSH_S`` after it began (at most one write
+    per ``ACTIVITY_FLUSH_S`` while answers arrive)."""
+
+    async def seen_after(model: str, started: float) -> float:
+        ctx = await async_context()
+        while not any(row["model"] == model for row in await metrics.activity_recent(ctx.redis)):
+            await asyncio.sleep(0.001)
+        return time.monotonic() - started
+
+    async def scenario():
+        ctx = await async_context()
+        await ctx.redis.ping()
+        await asyncio.sleep(metrics.ACTIVITY_FLUSH_S)  # quiet
+        first_at = time.monotonic()
+        metrics.activity_soon({"model": "first", "status": 200})
+        first_s = await seen_after("first", first_at)
+        metrics.activity_soon({"model": "second", "status": 200})
+        second_s = await seen_after("second", first_at)
+        await ctx.listener.close()
+        return first_s, second_s
+
+    first_s, second_s = run(scenario())
+    assert first_s < metrics.ACTIVITY_FLUSH_S, first_s
+    assert second_s >= metrics.ACTIVITY_FLUSH_S, (first_s, second_s)

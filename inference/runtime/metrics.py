@@ -308,6 +308,7 @@ class _Batch:
         self.activity: list[dict] = []
         self.task: asyncio.Task | None = None
         self.early: asyncio.Task | None = None  # the sooner write of activity rows (activity_soon)
+        self.written_at = float("-inf")  # loop time the last write that had something to write began
         self.lock = asyncio.Lock()
 
 
@@ -327,16 +328,16 @@ def record_soon(*events: Event) -> None:
         return
     batch = _batch()
     batch.events.extend(events)
+    if batch.task is None and batch.early is None:  # an early write pending carries them sooner
+        batch.task = asyncio.get_running_loop().create_task(_flush_later(batch))
 
 
 def _batch() -> _Batch:
-    """This event loop's batch, its write scheduled."""
+    """This event loop's batch."""
     loop = asyncio.get_running_loop()
     batch = _BATCHES.get(loop)
     if batch is None:
         batch = _BATCHES[loop] = _Batch()
-    if batch.task is None:
-        batch.task = loop.create_task(_flush_later(batch))
     return batch
 
 
@@ -365,6 +366,7 @@ async def _write(batch: _Batch) -> None:
         events, batch.events = batch.events, []
         answered, batch.activity = batch.activity, []
         if events or answered:
+            batch.written_at = asyncio.get_running_loop().time()
             try:
                 async with asyncio.timeout(WRITE_TIMEOUT_S):
                     await _record_events(events, answered)
@@ -410,6 +412,13 @@ activity view shows an answer within the issue's 200 ms; it writes the metric ev
 Under traffic that is at most one more write per 30 ms per web process (the batches still sum)."""
 
 
+ACTIVITY_SOON_S = 0.001
+"""How long an activity row waits for its write when no write began in the last ``ACTIVITY_FLUSH_S``
+(seconds): the answer's bytes leave first (the reactor writes them on its next turn), and the web
+process, still awake from the answer, sends the write without waking from a 30 ms sleep for it (each
+such wake-up costs CPU on a slow-waking machine, docs/benchmarks.md "Waking up costs")."""
+
+
 @dataclass
 class RequestTiming:
     """The parts of one request's time the activity row shows, noted as the request goes (ms; None when
@@ -445,19 +454,28 @@ def timing_note(*, queue_ms: float | None = None, run_ms: float | None = None) -
 
 def activity_soon(row: dict) -> None:
     """Queue one answered request for the activity list, written with this loop's metric events (at most
-    ``ACTIVITY_FLUSH_S`` later, the same ``MULTI``) and announced on ``Keys.activity_events``.
+    ``ACTIVITY_FLUSH_S`` later, the same ``MULTI``) and announced on ``Keys.activity_events``. That write
+    takes the place of the batch's ``FLUSH_INTERVAL_S`` timer (cancelled; events queued while it is
+    pending start none), so an answered request costs one ``MULTI``, not two. It waits only
+    ``ACTIVITY_SOON_S`` when the last write began ``ACTIVITY_FLUSH_S`` ago or more, else until then:
+    at most one write per ``ACTIVITY_FLUSH_S`` while answers arrive.
 
     ``row``: JSON-able, ``{"at": ISO 8601 UTC, "model", "route", "status", "outcome", "code",
     "queue_ms", "run_ms", "total_ms", "client"}`` (``audiosite.http.apiview``); never a request body."""
     batch = _batch()
     batch.activity.append(row)
     if batch.early is None:
-        batch.early = asyncio.get_running_loop().create_task(_write_early(batch))
+        loop = asyncio.get_running_loop()
+        wait_s = max(ACTIVITY_SOON_S, batch.written_at + ACTIVITY_FLUSH_S - loop.time())
+        batch.early = loop.create_task(_write_early(batch, wait_s))
+    if batch.task is not None:  # the early write takes every event queued so far, sooner than the timer
+        task, batch.task = batch.task, None
+        task.cancel()
 
 
-async def _write_early(batch: _Batch) -> None:
+async def _write_early(batch: _Batch, wait_s: float) -> None:
     try:
-        await asyncio.sleep(ACTIVITY_FLUSH_S)
+        await asyncio.sleep(wait_s)
     finally:
         batch.early = None
     await _write(batch)
