@@ -44,6 +44,8 @@ def _entry_fields(entry: ModelConfig) -> dict:
             "default_voice_preset": entry.default_voice_preset,
             **({"modes": list(entry.modes)} if entry.modes else {}),
             "max_run_ms": entry.max_run_ms,
+            "max_batch": entry.max_batch,
+            "batch_window_ms": entry.batch_window_ms,
         },
         "busy_timeout_ms": entry.busy_timeout_ms,
         "slots": entry.slots,
