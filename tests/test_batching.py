@@ -118,7 +118,7 @@ def test_a_failing_request_in_a_batch_fails_alone_with_its_typed_error(bstack):
     assert first.status_code == 200 and third.status_code == 200, (first.text, third.text)
     assert bad.status_code == 500, bad.text
     assert bad.json()["error"]["message"] and "injected" in bad.json()["error"]["message"]
-    a, c = first.json()["result"], third.json()["result"]
+    a, c = first.json(), third.json()
     assert (a["tag"], c["tag"]) == ("a", "c")
     assert a["slot"] == c["slot"] and a["pool_id"] == c["pool_id"]  # one session served both
     assert batch_calls(bstack, "fxb").get(3, 0) >= 1
@@ -129,7 +129,7 @@ def test_without_max_batch_concurrent_runs_use_their_own_slots_and_no_batch_call
     """R9.3 (defaults): ``fx1`` and ``vad`` set no ``max_batch`` (1, window 0): three concurrent fixture runs
     each run on a slot of its own, and neither model makes a batch call."""
     answers = run(concurrently(bstack, "fx1", [body("fx1", sleep_ms=300, tag=str(i)) for i in range(3)]))
-    slots = {r.json()["result"]["slot"] for r in answers}
+    slots = {r.json()["slot"] for r in answers}
     assert len(slots) == 3, [r.text for r in answers]
     run(concurrently(bstack, "vad", [body("vad", data) for data in inputs()]))
     assert batch_calls(bstack, "fx1") == {} and batch_calls(bstack, "vad") == {}

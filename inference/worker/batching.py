@@ -17,7 +17,10 @@ So a batch is formed only from runs already granted leases: admission, FIFO and 
 unchanged, a batch of N holds N leases (and N slots' worth of admission) while it uses one session, and
 a run never waits behind a later one (a batch runs when its window closes, before any batch opened
 after it). Each member is answered alone: its own failure (expired input, ``invalid_input``, its
-client left) does not touch the others (``serving.execute_batch``). A batch's deadline (R3.6) is the
+client left) does not touch the others (``serving.execute_batch``); a member whose client leaves is
+answered ``cancelled`` at once and its lease released, while the call goes on for the others.
+The call itself runs on a thread of its own (started by the leader), so every member, the leader
+included, can leave while it runs. A batch's deadline (R3.6) is the
 sum of its members' deadlines (what they would take one after the other); past it the model's process
 is killed and every member answers ``deadline``.
 """
@@ -25,14 +28,18 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from inference.runtime import metrics
 from inference.runtime.context import sync_redis
+from inference.runtime.runs import RunFailure
 
 from . import serving
+
+log = logging.getLogger(__name__)
 
 BATCH_LOCK = threading.Lock()
 """Guards the creation of a pool's :class:`Batcher` (one per pool object)."""
@@ -71,7 +78,12 @@ class Batcher:
         self._open: _Batch | None = None
 
     def run(self, pool: Any, header: dict, inline: Any, deadline_s: float | None) -> dict:
-        """Serve one run as a member of a batch; returns its own reply (as ``pool.execute`` would)."""
+        """Serve one run as a member of a batch; returns its own reply (as ``pool.execute`` would).
+
+        While the call goes on, the member watches its stop marker (``serving.left_checker``, every
+        ``serving.CANCEL_CHECK_EVERY_S``): once its client left it returns a ``cancelled`` reply at once,
+        so its run thread answers and releases its lease without waiting for the others (the session
+        drops its request at its next step, ``VadSession.probabilities_many``)."""
         with self._lock:
             batch = self._open
             leader = batch is None
@@ -82,28 +94,36 @@ class Batcher:
             if len(batch.members) >= self.max_batch:
                 self._open = None
                 batch.full.set()
-        if not leader:
-            batch.done.wait()
-            return batch.replies[index]
-        batch.full.wait(self.window_s)
-        with self._lock:
-            if self._open is batch:
-                self._open = None  # closed: nobody joins after this
+        if leader:
+            batch.full.wait(self.window_s)
+            with self._lock:
+                if self._open is batch:
+                    self._open = None  # closed: nobody joins after this
+            threading.Thread(target=self._call, args=(pool, batch), name=f"batch {header['model_id']}",
+                             daemon=True).start()
+        left = serving.left_checker(header["request_id"])
+        while not batch.done.wait(serving.CANCEL_CHECK_EVERY_S):
+            if left():
+                return {"ok": False, "kind": RunFailure.CANCELLED, "message": "the request's client left its batch"}
+        return batch.replies[index]
+
+    @staticmethod
+    def _call(pool: Any, batch: _Batch) -> None:
+        """Make the batch's session call, hand each member its reply, then count the call."""
+        model_id = batch.members[0][0]["model_id"]
         try:
-            batch.replies = self._call(pool, batch.members)
+            batch.replies = Batcher._replies(pool, batch.members)
         except Exception as exc:  # a bug on the worker's side: every member answers it
-            batch.replies = [serving.failure(exc, f"batch of {header['model_id']}")] * len(batch.members)
+            batch.replies = [serving.failure(exc, f"batch of {model_id}")] * len(batch.members)
         finally:
             batch.done.set()
         try:  # after the replies were handed out: a metric never delays an answer
-            metrics.record_sync(sync_redis(), metrics.count(metrics.BATCH_CALLS, header["model_id"],
-                                                            str(len(batch.members))))
+            metrics.record_sync(sync_redis(), metrics.count(metrics.BATCH_CALLS, model_id, str(len(batch.members))))
         except Exception:
-            pass
-        return batch.replies[0]
+            log.warning("counting a batch call of %s failed", model_id, exc_info=True)
 
     @staticmethod
-    def _call(pool: Any, members: list[tuple[dict, Any, float | None]]) -> list[dict]:
+    def _replies(pool: Any, members: list[tuple[dict, Any, float | None]]) -> list[dict]:
         """One session call for ``members``: a lone run goes the plain way (``pool.execute``)."""
         if len(members) == 1:
             header, inline, deadline_s = members[0]
