@@ -355,6 +355,8 @@ def _watch_control(control: Any, closing: threading.Event) -> None:
 
 def _serve_pipe(pool: Any, conn: Any) -> None:
     """Serve the runs arriving on one slot's pipe, one at a time, until the worker closes it."""
+    inline: Any
+    payload: Any
     while True:
         try:
             kind, header, has_inline = conn.recv()
