@@ -9,12 +9,16 @@ The config checks run without a stack.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
 import time
 
 import httpx
 import numpy as np
 import pytest
+from django.conf import settings
 
 from audiosite.serverconfig import ConfigError, parse_config
 from inference.adapters.base import AudioRequest, Cancelled
@@ -207,3 +211,15 @@ def test_the_management_api_registers_and_shows_batch_keys(bstack):
         assert error["param"] == "max_batch", error
     [(options,)] = bstack.sql("SELECT options FROM registry_modelregistration WHERE model_id = %s", "vad-c")
     assert options["max_batch"] == 2 and options["batch_window_ms"] == 20, options
+
+
+def test_validate_slots_refuses_the_batch_mode_before_starting_anything(tmp_path):
+    """R9.2, R9.3: ``validate_slots --mode batch`` stops with an error naming the reason (a batch runs on
+    slots admitted for the registration's mode) and writes no record."""
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+    done = subprocess.run([sys.executable, "manage.py", "validate_slots", "--family", "silero_vad", "--mode", "batch",
+                           "--counts", "2", "--out", str(tmp_path / "out")], cwd=settings.BASE_DIR, env=env,
+                          capture_output=True, text=True, timeout=MODEL_S)
+    assert done.returncode != 0
+    assert "mode 'batch' admits no slot count of its own" in done.stderr + done.stdout
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("record.json"))

@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -212,8 +213,8 @@ class Command(BaseCommand):
         w(f"{'clients':>7} {'model':<6} {'wall ms':>8} {'req/s':>7} {'p50 ms':>7} {'vs serial':>9}")
         serial_rps = rows[0]["rps"]
         for row in rows:
-            w(f"{row['clients']:>7} {row['model']:<6} {row['wall_ms']:>8} {row['rps']:>7} {row['p50_ms']:>7} "
-              f"{row['rps'] / serial_rps:>8.2f}x")
+            w(f"{row['clients']:>7} {row['model'][:6]:<6} {row['wall_ms']:>8} {row['rps']:>7} {row['p50_ms']:>7} "
+              f"{row['rps'] / serial_rps:>8.2f}x {row['model'][6:]}")
         adapter = get_adapter("silero_vad")
         spec = specs.require_spec("silero_vad")
         shared = adapter.load(spec, LoadContext(specs.resolve_checkpoint("silero_vad", None), "cpu", 0, 1, {}, {}))
@@ -258,8 +259,14 @@ class Command(BaseCommand):
                 wall_s = time.perf_counter() - started
                 return {"clients": clients, "model": model, "wall_ms": round(wall_s * 1000),
                         "rps": round(BATCH_REQUESTS / wall_s, 1), "p50_ms": round(statistics.median(latencies), 1)}
-            return [await wave("vad4", 1), await wave("vad4", 2), await wave("vadb2", 2),
+            rows = [await wave("vad4", 1), await wave("vad4", 2), await wave("vadb2", 2),
                     await wave("vad4", 4), await wave("vadb4", 4)]
+            text = (await c.get("/metrics")).text
+        for row in rows:  # how the batched rows' requests were grouped (warm-up calls included)
+            if row["model"].startswith("vadb"):
+                found = re.findall(rf'audiosite_batch_calls_total\{{model="{row["model"]}",size="(\d+)"\}} (\S+)', text)
+                row["model"] += " (calls by size: " + ", ".join(f"{k}:{int(float(v))}" for k, v in sorted(found)) + ")"
+        return rows
 
     # -- measurements ------------------------------------------------------------------
     async def _one_request(self, server: Server, models: list[str]) -> dict:
