@@ -9,6 +9,7 @@ The config checks run without a stack.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -223,3 +224,43 @@ def test_validate_slots_refuses_the_batch_mode_before_starting_anything(tmp_path
     assert done.returncode != 0
     assert "mode 'batch' admits no slot count of its own" in done.stderr + done.stdout
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("record.json"))
+
+
+def test_the_admin_reconfigure_page_accepts_and_checks_batch_keys(bstack):
+    """R1.1 via the Django admin: the reconfigure page saves ``max_batch``/``batch_window_ms`` of a
+    batching family and shows the ``max_batch`` problem of one that does not batch (nothing saved)."""
+    made = bstack.manage("shell", "--no-imports", "-c", (
+        "from django.contrib.auth.models import User\n"
+        "u, _ = User.objects.get_or_create(username='badmin')\n"
+        "u.is_staff = u.is_superuser = True; u.set_password('pw-badmin-1'); u.save()"))
+    assert made.returncode == 0, made.stderr
+    done = bstack.manage("issue_token", "operator")
+    with bstack.client(headers={"Authorization": f"Token {done.stdout.strip()}"}) as api:
+        for model_id, family in (("vad-adm", "silero_vad"), ("emb-adm", "speaker_embedding")):
+            resp = api.post("/v1/models/load", json={"id": model_id, "family": family, "lazy": True})
+            assert resp.status_code == 200, resp.text
+
+    def csrf(c: httpx.Client, url: str) -> str:
+        return re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', c.get(url).text).group(1)
+
+    def page_of(model_id: str) -> str:
+        pk = bstack.sql("SELECT id FROM registry_modelregistration WHERE model_id = %s", model_id)[0][0]
+        return f"/admin/registry/modelregistration/{pk}/reconfigure/"
+
+    with bstack.client(follow_redirects=False) as c:
+        resp = c.post("/admin/login/?next=/admin/", data={"username": "badmin", "password": "pw-badmin-1",
+                                                           "csrfmiddlewaretoken": csrf(c, "/admin/login/")})
+        assert resp.status_code == 302, resp.text[:500]
+        page = page_of("vad-adm")
+        good = json.dumps({"id": "vad-adm", "family": "silero_vad", "lazy": True, "max_batch": 3,
+                           "batch_window_ms": 7})
+        resp = c.post(page, data={"entry": good, "csrfmiddlewaretoken": csrf(c, page)})
+        assert resp.status_code == 302, resp.text[:2000]
+        page = page_of("emb-adm")
+        bad = json.dumps({"id": "emb-adm", "family": "speaker_embedding", "lazy": True, "max_batch": 2})
+        resp = c.post(page, data={"entry": bad, "csrfmiddlewaretoken": csrf(c, page)})
+        assert resp.status_code == 200 and "max_batch" in resp.text and "does not batch" in resp.text
+    options = {m: o for m, o in bstack.sql(
+        "SELECT model_id, options FROM registry_modelregistration WHERE model_id IN ('vad-adm', 'emb-adm')")}
+    assert (options["vad-adm"]["max_batch"], options["vad-adm"]["batch_window_ms"]) == (3, 7)
+    assert "max_batch" not in options["emb-adm"]
