@@ -2,7 +2,7 @@
 one session call, and each request is still answered, failed, cancelled and counted on its own.
 
 One real stack (``manage.py serve --parallel-jobs``, each model in a process of its own, PostgreSQL,
-Redis db 15, the packaged Silero VAD graph and the fixture family): ``vad`` is registered without
+Redis db 8, the packaged Silero VAD graph and the fixture family): ``vad`` is registered without
 batching, ``vad-b`` with ``max_batch`` 4 and a 1 s window, ``fxb`` (fixture) with ``max_batch`` 3.
 The config checks run without a stack.
 """
@@ -42,7 +42,7 @@ MODELS = [
 
 @pytest.fixture(scope="module")
 def bstack(tmp_path_factory):
-    yield from run_stack(tmp_path_factory.mktemp("batching"), MODELS, redis_db=15, name="batching", parallel=True,
+    yield from run_stack(tmp_path_factory.mktemp("batching"), MODELS, redis_db=8, name="batching", parallel=True,
                          extra_env=FIXTURE_ENV, extra_config={"ui_management": True, "model_processes": True})
 
 
