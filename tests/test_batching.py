@@ -4,7 +4,8 @@ one session call, and each request is still answered, failed, cancelled and coun
 One real stack (``manage.py serve --parallel-jobs``, each model in a process of its own, PostgreSQL,
 Redis db 8, the packaged Silero VAD graph and the fixture family): ``vad`` is registered without
 batching, ``vad-b`` with ``max_batch`` 4 and a 1 s window, ``fxb`` (fixture) with ``max_batch`` 3.
-The config checks run without a stack.
+A second stack (Redis db 9) runs the pools inside the worker process (``model_processes`` off, the
+default). The config checks run without a stack.
 """
 from __future__ import annotations
 
@@ -264,3 +265,26 @@ def test_the_admin_reconfigure_page_accepts_and_checks_batch_keys(bstack):
         "SELECT model_id, options FROM registry_modelregistration WHERE model_id IN ('vad-adm', 'emb-adm')")}
     assert (options["vad-adm"]["max_batch"], options["vad-adm"]["batch_window_ms"]) == (3, 7)
     assert "max_batch" not in options["emb-adm"]
+
+
+@pytest.fixture(scope="module")
+def inproc_stack(tmp_path_factory):
+    yield from run_stack(tmp_path_factory.mktemp("batching-inproc"), MODELS[:3], redis_db=9, name="batching_inproc",
+                         parallel=True, extra_env=FIXTURE_ENV)
+
+
+def test_pools_in_the_worker_process_batch_the_same_way(inproc_stack):
+    """R9.3 with ``model_processes`` off (pools inside the worker process, the default): batched VAD
+    answers equal the unbatched model's, and a failing fixture run in a batch fails alone."""
+    payloads = [body("vad-b", data) for data in inputs()]
+    with inproc_stack.client() as client:
+        serial = [answer(client.post("/v1/tasks/run", json={**p, "model": "vad"})) for p in payloads]
+    assert [answer(r) for r in run(concurrently(inproc_stack, "vad-b", payloads))] == serial
+    first, bad, third = run(concurrently(inproc_stack, "fxb", [body("fxb", tag="a"), body("fxb", fail=True),
+                                                               body("fxb", tag="c")]))
+    assert (first.status_code, bad.status_code, third.status_code) == (200, 500, 200)
+    assert first.json()["slot"] == third.json()["slot"]
+    calls = batch_calls(inproc_stack, "vad-b")
+    assert any(size > 1 for size in calls) and batch_calls(inproc_stack, "fxb").get(3, 0) >= 1, calls
+    for model in ("vad", "vad-b", "fxb"):
+        inproc_stack.wait_idle(model, timeout_s=10)
