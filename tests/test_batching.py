@@ -4,8 +4,8 @@ one session call, and each request is still answered, failed, cancelled and coun
 One real stack (``manage.py serve --parallel-jobs``, each model in a process of its own, PostgreSQL,
 Redis db 8, the packaged Silero VAD graph and the fixture family): ``vad`` is registered without
 batching, ``vad-b`` with ``max_batch`` 4 and a 1 s window, ``fxb`` (fixture) with ``max_batch`` 3.
-A second stack (Redis db 9) runs the pools inside the worker process (``model_processes`` off, the
-default). The config checks run without a stack.
+A second stack (Redis db 9) runs the pools inside the worker process (``model_processes`` off). The
+config checks run without a stack.
 """
 from __future__ import annotations
 
@@ -270,11 +270,11 @@ def test_the_admin_reconfigure_page_accepts_and_checks_batch_keys(bstack):
 @pytest.fixture(scope="module")
 def inproc_stack(tmp_path_factory):
     yield from run_stack(tmp_path_factory.mktemp("batching-inproc"), MODELS[:3], redis_db=9, name="batching_inproc",
-                         parallel=True, extra_env=FIXTURE_ENV)
+                         parallel=True, extra_env=FIXTURE_ENV, extra_config={"model_processes": False})
 
 
 def test_pools_in_the_worker_process_batch_the_same_way(inproc_stack):
-    """R9.3 with ``model_processes`` off (pools inside the worker process, the default): batched VAD
+    """R9.3 with ``model_processes`` off (pools inside the worker process): batched VAD
     answers equal the unbatched model's, and a failing fixture run in a batch fails alone."""
     payloads = [body("vad-b", data) for data in inputs()]
     with inproc_stack.client() as client:
