@@ -45,6 +45,11 @@ MAX_BUSY_TIMEOUT_MS = 2**31 - 1  # about 24.8 days; larger values are refused, n
 DEFAULT_DECODE_BUDGET_BYTES = 192 * 1024 * 1024
 MIN_RUN_MS = 100
 """The smallest ``max_run_ms`` a registration may set (ms)."""
+MAX_BATCH = 64
+"""The largest ``max_batch`` a registration may set (requests per session call)."""
+MAX_BATCH_WINDOW_MS = 10000
+"""The longest ``batch_window_ms`` a registration may set (ms): every lone run of a batching model waits
+this long before it runs, so a longer window only adds latency."""
 DEFAULT_MAX_RUN_MS = 120000
 """A run's deadline (ms) when its registration sets no ``max_run_ms``: for up to
 ``RUN_DEADLINE_AUDIO_S`` of input, scaled for longer inputs. Two minutes per 30 s of audio leaves a
@@ -101,6 +106,10 @@ class ModelConfig(_Strict):
     milliseconds for up to ``RUN_DEADLINE_AUDIO_S`` of input (longer inputs
     scale it, ``inference.worker.work.run_deadline_s``); None means
     ``DEFAULT_MAX_RUN_MS`` (R3.6).
+    ``max_batch`` (None = 1: no batching) is how many granted runs of this model one session call may
+    serve, ``batch_window_ms`` (None = 0) how long the first of them waits for others
+    (``inference.worker.batching``); above 1 the family must serve the ``batch`` mode
+    (``inference.specs.check_model_entry``).
     """
 
     id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
@@ -113,6 +122,8 @@ class ModelConfig(_Strict):
     slots: Any = None  # checked by specs.slots_problems (parallel runtime only)
     busy_timeout_ms: int | None = Field(default=None, ge=0, le=MAX_BUSY_TIMEOUT_MS)
     max_run_ms: int | None = Field(default=None, ge=MIN_RUN_MS, le=MAX_BUSY_TIMEOUT_MS)
+    max_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
+    batch_window_ms: int | None = Field(default=None, ge=0, le=MAX_BATCH_WINDOW_MS)
     load_options: dict[str, Any] = Field(default_factory=dict)
     session_options: dict[str, Any] = Field(default_factory=dict)
     default_request_options: dict[str, Any] = Field(default_factory=dict)

@@ -172,6 +172,8 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]], Fr
         table[family] = {}
         for task in spec["tasks"]:
             for mode in spec["modes"]:
+                if mode == "batch":  # no slot count of its own: a batch runs on slots admitted for its mode
+                    continue        # (inference.worker.batching)
                 key = f"{task}/{mode}"
                 if spec.get("test_only"):
                     table[family][key] = list(TEST_ONLY_COUNTS)

@@ -151,6 +151,14 @@ def check_model_entry(entry: dict) -> list[EntryProblem]:
     if modes and entry.get("mode", "offline") not in modes:
         problems.append(EntryProblem("mode", f"{entry.get('mode', 'offline')!r} is not among the registration's "
                                              f"modes {modes} (the mode its slot count is admitted for)"))
+    if (entry.get("max_batch") or 1) > 1:
+        served = entry.get("modes") or spec["modes"]
+        if "batch" not in spec["modes"]:
+            problems.append(EntryProblem("max_batch", f"family {spec['family']!r} does not batch (its modes are "
+                                                      f"{spec['modes']}); max_batch must be 1"))
+        elif "batch" not in served:
+            problems.append(EntryProblem("max_batch", f"the registration's modes {served} leave out 'batch'; "
+                                                      "max_batch must be 1"))
     for block in ("load_options", "session_options"):
         problems.extend(_schema_problems(spec[block], entry.get(block) or {}, block))
     problems.extend(

@@ -27,7 +27,8 @@ class ModelRegistration(models.Model):
     server's); ``lazy`` null = the server's ``lazy_load``. ``options`` holds
     ``load_options``, ``session_options`` and ``default_request_options``, the voice presets,
     ``modes`` when the registration states the modes it serves (absent: its family's), and
-    ``max_run_ms`` (a run's deadline, null = the default; no column of its own).
+    ``max_run_ms`` (a run's deadline, null = the default), ``max_batch`` and ``batch_window_ms`` (native
+    batching, null = 1 and 0); none has a column of its own.
     """
 
     class Source(models.TextChoices):
@@ -73,6 +74,8 @@ class ModelRegistration(models.Model):
             "modes": self.options.get("modes"),
             "busy_timeout_ms": self.busy_timeout_ms,
             "max_run_ms": self.options.get("max_run_ms"),
+            "max_batch": self.options.get("max_batch"),
+            "batch_window_ms": self.options.get("batch_window_ms"),
             "slots": self.slots,
             "lazy": self.lazy,
             "source": self.source,

@@ -44,6 +44,9 @@ def _entry_fields(entry: ModelConfig) -> dict:
             "default_voice_preset": entry.default_voice_preset,
             **({"modes": list(entry.modes)} if entry.modes else {}),
             "max_run_ms": entry.max_run_ms,
+            # only when set: rows registered before these keys existed stay unchanged
+            **({"max_batch": entry.max_batch} if entry.max_batch is not None else {}),
+            **({"batch_window_ms": entry.batch_window_ms} if entry.batch_window_ms is not None else {}),
         },
         "busy_timeout_ms": entry.busy_timeout_ms,
         "slots": entry.slots,

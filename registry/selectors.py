@@ -36,9 +36,9 @@ def deployment_backend(census: Census, own_backend: str) -> str:
     return "cuda" if census.cuda_workers == census.live_workers else "cpu"
 
 
-ENTRY_KEYS = ("id", "family", "path", "task", "mode", "modes", "slots", "busy_timeout_ms", "max_run_ms", "lazy",
-                     "load_options", "session_options", "default_request_options", "voice_presets",
-                     "default_voice_preset")
+ENTRY_KEYS = ("id", "family", "path", "task", "mode", "modes", "slots", "busy_timeout_ms", "max_run_ms", "max_batch",
+              "batch_window_ms", "lazy", "load_options", "session_options", "default_request_options",
+              "voice_presets", "default_voice_preset")
 """The keys of a management entry: every key a model entry of the config file can set (``ModelConfig``)."""
 
 

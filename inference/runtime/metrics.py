@@ -129,8 +129,13 @@ INFERENCE = Stored("inference_seconds", Kind.HISTOGRAM, ("model",),
 MODEL_LOAD = Stored("model_load_seconds", Kind.HISTOGRAM, ("model",),
                     "Time a worker spent loading a model (successful and failed loads).")
 
+BATCH_CALLS = Stored("batch_calls_total", Kind.COUNTER, ("model", "size"),
+                     "Session calls of a model that batches (max_batch > 1), by how many requests the call served "
+                     "(size 1: a run no other joined within batch_window_ms).",
+                     lambda model_id, task: [])
+
 STORED = (REQUESTS, REJECTIONS, MODEL_LOADS, EVICTIONS, AUDIO_SECONDS, REALTIME_PARTIALS, QUEUE_WAIT, INFERENCE,
-          MODEL_LOAD)
+          MODEL_LOAD, BATCH_CALLS)
 
 
 def _field(labels: Iterable[str]) -> str:

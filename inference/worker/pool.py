@@ -70,6 +70,11 @@ class Pool:
         thread cannot be stopped): runs past their deadline are stopped only in a model's own process."""
         return serving.execute(self, kind, header, inline)
 
+    def execute_batch(self, headers: list[dict], inlines: list, deadline_s: float | None = None) -> list[dict]:
+        """Serve several runs in one session call in this process (``serving.execute_batch``; ``deadline_s``
+        is not enforced here, as for :meth:`execute`)."""
+        return serving.execute_batch(self, headers, inlines)
+
     def close(self, wait_s: float = 60.0) -> None:
         """Destroy the sessions, then the shared weights (R4.5 order), then give the memory back.
 

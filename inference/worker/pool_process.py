@@ -13,7 +13,10 @@ Protocol (``multiprocessing.Pipe``, pickled tuples): a control pipe, and one pip
 - a slot's pipe, worker → child: ``(kind, header, has_inline)`` then, when ``has_inline``, the
   samples as one ``send_bytes`` (from the popped queue element's own memory; the child reads them
   once: no other copy). A run whose samples wait in ``Keys.input`` carries none: the child reads the
-  key itself. Child → worker: the run's reply (``inference.worker.serving.execute``);
+  key itself. Child → worker: the run's reply (``inference.worker.serving.execute``). A batch
+  (``serving.BATCH``, ``inference.worker.batching``) sends a list of headers and a list of flags, then
+  each present sample buffer in order; its reply is the list of the runs' replies
+  (``serving.execute_batch``);
 - control, worker → child: ``("close",)``: finish the runs in progress, close sessions then weights
   (R4.5), exit. The process's end gives every page back to the operating system.
 
@@ -221,6 +224,42 @@ class ProcessPool:
         finally:
             self._free.put(conn)
 
+    def execute_batch(self, headers: list[dict], inlines: list, deadline_s: float | None = None) -> list[dict]:
+        """Serve several runs of the model in one session call in its process (``serving.execute_batch``),
+        on one pipe: ``(BATCH, headers, [has_inline, ...])``, then each present sample buffer in order.
+
+        Args:
+            inlines: per header, its samples (bytes-like) or None.
+            deadline_s: the batch's deadline (None = none); past it the process is killed and every
+                member answers ``deadline``.
+
+        Returns:
+            One reply per header, in order; every member gets :func:`crashed_reply` when the process
+            ended during the call.
+        """
+        if self._gone is not None:
+            return [crashed_reply(self._gone)] * len(headers)
+        try:
+            conn = self._free.get(timeout=SLOT_WAIT_S)
+        except queue.Empty:
+            return [{"ok": False, "kind": RunFailure.ERROR, "message": f"no free slot in {self.model_id}'s process"}
+                    ] * len(headers)
+        try:
+            conn.send((serving.BATCH, headers, [inline is not None for inline in inlines]))
+            for inline in inlines:
+                if inline is not None:
+                    conn.send_bytes(inline)
+            if not conn.poll(deadline_s):
+                self.kill(f"a batch passed its deadline of {round((deadline_s or 0) * 1000)} ms")
+                self._exited.wait(EXIT_WAIT_S)
+                return [deadline_reply(deadline_s or 0.0)] * len(headers)
+            return conn.recv()
+        except (EOFError, OSError, ValueError):
+            self._exited.wait(EXIT_WAIT_S)
+            return [crashed_reply(self._gone or "its pipe broke")] * len(headers)
+        finally:
+            self._free.put(conn)
+
     def kill(self, reason: str) -> None:
         """Kill the process now (SIGKILL); ``reason`` is what the runs in flight and the record say."""
         with self._lock:
@@ -316,13 +355,21 @@ def _watch_control(control: Any, closing: threading.Event) -> None:
 
 def _serve_pipe(pool: Any, conn: Any) -> None:
     """Serve the runs arriving on one slot's pipe, one at a time, until the worker closes it."""
+    inline: Any
+    payload: Any
     while True:
         try:
             kind, header, has_inline = conn.recv()
-            inline = conn.recv_bytes() if has_inline else None
+            if kind == serving.BATCH:  # header: a list of run headers; has_inline: one flag per header
+                inline = [conn.recv_bytes() if flag else None for flag in has_inline]
+            else:
+                inline = conn.recv_bytes() if has_inline else None
         except (EOFError, OSError):
             return
-        payload = serving.execute(pool, kind, header, inline)
+        if kind == serving.BATCH:
+            payload = serving.execute_batch(pool, header, inline)
+        else:
+            payload = serving.execute(pool, kind, header, inline)
         del inline
         try:
             conn.send(payload)

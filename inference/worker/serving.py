@@ -96,6 +96,67 @@ def run_audio(pool: Any, header: dict, inline: Any) -> dict:
     return {"ok": True, "result": result, "slot": slot, "inference_ms": round(inference_ms, 3)}
 
 
+BATCH = "batch"
+"""The kind of a batched run on a model's pipe: several ``run`` headers served in one session call
+(:func:`execute_batch`)."""
+
+
+def execute_batch(pool: Any, headers: list[dict], inlines: list[Any]) -> list[dict]:
+    """Serve several ``run`` requests of one model in one session call; one reply per header, in order.
+
+    Each request's input is read as :func:`run_audio` reads it; one whose input is gone answers
+    ``INPUT_EXPIRED`` alone. The others go through the session's ``run_batch`` (requests in, one result
+    dict or exception per request out; see ``inference.adapters.silero_vad.VadSession.run_batch``), or,
+    for a session without one, through ``run`` one after the other on the same slot. A request whose
+    run raised gets its own failure reply (:func:`failure`: ``invalid_input``, ``cancelled``, ``error``)
+    while the others are answered normally. Every reply of a served request carries the batch's
+    ``slot``, its ``inference_ms`` (the whole call's) and ``batch`` (how many requests the call served).
+
+    Args:
+        headers: run headers (``inference.runtime.runs.run_header``) of the same model.
+        inlines: per header, its samples (bytes-like) or None (they wait in ``Keys.input``).
+    """
+    replies: list[dict | None] = [None] * len(headers)
+    requests: list[AudioRequest] = []
+    places: list[int] = []
+    for place, (header, inline) in enumerate(zip(headers, inlines, strict=True)):
+        try:
+            raw = inline if inline is not None else sync_redis_bytes().getdel(KEYS.input(header["request_id"]))
+            if raw is None:
+                replies[place] = dict(INPUT_EXPIRED)
+                continue
+            requests.append(AudioRequest(audio.from_bytes(raw, header.get("sample_format", audio.F32LE)),
+                                         int(header["sample_rate_hz"]), {**pool.request_defaults, **header["options"]},
+                                         cancelled=left_checker(header["request_id"])))
+            places.append(place)
+        except Exception as exc:
+            replies[place] = failure(exc, f"run of {header['model_id']}")
+    if requests:
+        with pool.slot() as slot:
+            session = pool.sessions[slot]
+            started = time.monotonic()
+            if hasattr(session, "run_batch"):
+                try:
+                    results = session.run_batch(requests)
+                except Exception as exc:  # the batch call itself failed: every member gets the failure
+                    results = [exc] * len(requests)
+            else:
+                results = []
+                for request in requests:
+                    try:
+                        results.append(session.run(request))
+                    except Exception as exc:
+                        results.append(exc)
+            inference_ms = round((time.monotonic() - started) * 1000, 3)
+        for place, result in zip(places, results, strict=True):
+            if isinstance(result, Exception):
+                replies[place] = failure(result, f"run of {headers[place]['model_id']}")
+            else:
+                replies[place] = {"ok": True, "result": result, "slot": slot, "inference_ms": inference_ms,
+                                  "batch": len(requests)}
+    return [reply if reply is not None else dict(INPUT_EXPIRED) for reply in replies]
+
+
 def push_frame(channel: str, request_id: str, frame: bytes) -> None:
     """Append one frame to a streamed run's ``Keys.chunks`` list (TTL ``RESULT_TTL_MS``) and wake its reader
     with ``chunk:<request_id>`` on ``channel`` (one round trip)."""

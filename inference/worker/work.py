@@ -26,7 +26,7 @@ from inference.runtime.runs import RunFailure
 from inference.scheduler import LIVENESS_TTL_MS, LoadEnd, LoadOutcome
 from registry import records
 
-from . import serving
+from . import batching, serving
 # Re-exported: what a run does in the pool's process lives in ``serving`` (Django-free).
 from .serving import INPUT_EXPIRED, RESULT_TTL_MS, end_frame, failure, left_checker, push_frame  # noqa: F401
 from .state import AnyPool, PoolLoadFailed, WorkerState
@@ -215,9 +215,9 @@ def run_request(worker: WorkerState, pool: AnyPool, model_id: str, lease_id: str
     try:
         if held:
             payload = pool.execute(serving.RUN, header, inline, deadline_s)
-        else:
+        else:  # a registration with max_batch > 1 shares the session call with runs granted close by
             with sync_scheduler().keep_alive(model_id, lease_id):
-                payload = pool.execute(serving.RUN, header, inline, deadline_s)
+                payload = batching.execute_run(pool, header, inline, deadline_s)
     except Exception as exc:  # a bug on the worker's side: report it, keep the worker
         return failure(exc, f"run of {model_id}")
     if payload.get("ok"):

@@ -95,6 +95,9 @@ class Command(BaseCommand):
                     opts["memory_cycles"])
         if opts["mode"] not in spec.get("modes", []):  # also keeps the run folder inside --out
             raise CommandError(f"family {family} serves modes {spec.get('modes')}, not {opts['mode']!r}")
+        if opts["mode"] == "batch":  # a batch runs on slots admitted for the registration's mode
+            raise CommandError("mode 'batch' admits no slot count of its own (docs/scheduling.md, \"Native "
+                               "batching\"): validate the registration's mode (offline)")
         found = resolve_backend("auto")
         if opts["backend"] != found:
             raise CommandError(f"backend {opts['backend']!r} requested but this machine runs models on {found!r}; "
