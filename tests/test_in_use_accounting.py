@@ -45,7 +45,7 @@ pytestmark = pytest.mark.stack
 
 RATE = 16000
 MAX_SECONDS = 60.0
-WORKER_RESTART_DELAY_MS = 8000
+WORKER_RESTART_DELAY_MS = 20000
 
 
 def reservation(data: bytes) -> int:

@@ -415,8 +415,12 @@ def test_after_a_worker_restart_the_eager_models_it_held_load_again_by_themselve
         new_host = stack.redis.hget(KEYS.load("eager"), "owner")
         assert new_host == _worker_hostname(stack, worker_pids(stack)[0])
         assert "loading again the eager model(s) a lost worker held: eager" in stack.log_path.read_text()
-        assert loads_before == 1 and ("load", "ok", new_host) in events_of(stack, "eager")
-        assert stack.sql("SELECT state FROM registry_modelregistration WHERE model_id = 'eager'") == [("ready",)]
+        assert loads_before == 1
+        # the worker writes the database after the scheduler says ready
+        while not (("load", "ok", new_host) in events_of(stack, "eager") and
+                   stack.sql("SELECT state FROM registry_modelregistration WHERE model_id = 'eager'") == [("ready",)]):
+            assert time.monotonic() < deadline, (events_of(stack, "eager"), stack.log_path.read_text()[-3000:])
+            time.sleep(0.1)
         assert stack.redis.hget(KEYS.load("lazy"), "state") == "unloaded"
         assert entry_of(stack, "lazy")["state"] == "unloaded"
     finally:

@@ -102,7 +102,17 @@ def _shoot(page, name: str) -> None:
     shoot(page, f"ui-{name}-in-use-1280", docs=os.environ.get("AUDIOSITE_DOC_IMAGES") == "1")
 
 
+def _as_configured(stack, model_id: str) -> None:
+    """Put ``model_id`` back in the state the module's configuration starts it in (loaded unless lazy),
+    whatever the module's earlier tests did to it."""
+    lazy = next(m for m in UI_MODELS if m["id"] == model_id).get("lazy", False)
+    done = stack.manage("unload_model" if lazy else "load_models", model_id)
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_dashboard_lists_the_models_and_the_root_redirects(ustack, browser):
+    _as_configured(ustack, "fx-ui")
+    _as_configured(ustack, "whisper-tiny.en")
     page = _page(browser, ustack)
     page.goto("/")
     assert page.url.endswith("/ui/")
@@ -145,6 +155,7 @@ def test_an_in_flight_request_shows_one_active_slot_then_none_without_a_reload(u
 
 
 def test_unload_from_the_page_changes_the_state_live_and_writes_an_audit_row(ustack, browser, users):
+    _as_configured(ustack, "fx-gone")
     page = _page(browser, ustack, "operator")
     _open_dashboard(page)
     playwright_api.expect(_cell(page, "fx-gone", "state")).to_have_text("ready")
@@ -189,8 +200,8 @@ def test_load_from_the_page_keeps_the_voice_presets(ustack, browser, users):
     page = _page(browser, ustack, "operator")
     _open_dashboard(page)
     row = _menu(page, "piper-joe")
-    page.get_by_role("button", name="Load piper-joe", exact=True).click()
-    playwright_api.expect(row.locator("output.msg")).to_contain_text("piper-joe", timeout=LIVE_S * 1000)
+    page.get_by_role("button", name="Load piper-joe", exact=True).click()  # loads the real Piper voice
+    playwright_api.expect(row.locator("output.msg")).to_contain_text("piper-joe", timeout=MODEL_S * 1000)
     assert "error" not in (row.locator("output.msg").get_attribute("class") or "")
     assert presets() == before
     assert reconfigures() == reconfigured
@@ -237,6 +248,7 @@ def test_a_resize_to_an_unsupported_count_shows_the_400_and_keeps_the_old_count(
 
 
 def test_a_user_without_the_permission_sees_no_controls_and_a_forged_post_gets_403(ustack, browser, users):
+    _as_configured(ustack, "fx-ui")
     page = _page(browser, ustack, "viewer")
     _open_dashboard(page)
     playwright_api.expect(_cell(page, "fx-ui", "state")).to_have_text("ready")
