@@ -323,7 +323,8 @@ def test_a_taken_run_that_no_thread_serves_is_served_within_the_liveness_ttl(red
         waited_s = _served_within(redis_client, "stranded", LIVENESS_TTL_MS / 1000)
         limit_s = POP_RETRY_S + 1.0 if broken else SWEEP_EVERY_S + POP_TIMEOUT_S + 1.0
         assert waited_s < limit_s, waited_s
-        redis_client.lpush(KEYS.run_queue(worker.hostname, worker.boot), _run_header("next", "test-channel", worker.boot))
+        redis_client.lpush(KEYS.run_queue(worker.hostname, worker.boot),
+                           _run_header("next", "test-channel", worker.boot))
         _served_within(redis_client, "next", 5)  # the reader pops again afterwards
         deadline = time.monotonic() + 2
         while redis_client.llen(taken_key):
