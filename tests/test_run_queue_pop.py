@@ -59,7 +59,11 @@ def test_a_run_whose_pop_reply_is_lost_with_its_connection_is_answered_within_th
             try:
                 assert stack.redis.execute_command("CLIENT", "KILL", "ID", popper) == 1
                 request = asyncio.create_task(post(client, "m"))
-                await until(lambda: _run_lists(stack) == {queue: 1}, timeout_s=3)
+                # Paused at most ~5 s: its last beat keeps the liveness key (10 s TTL) alive meanwhile.
+                deadline = time.monotonic() + 5
+                while _run_lists(stack) != {queue: 1}:
+                    assert time.monotonic() < deadline, (_run_lists(stack), stack.counters("m"))
+                    await asyncio.sleep(0.01)
                 assert stack.redis.lmove(queue, taken, "RIGHT", "LEFT") is not None
                 assert _run_lists(stack) == {taken: 1}
             finally:
