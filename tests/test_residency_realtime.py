@@ -1,6 +1,6 @@
 """A realtime turn whose model must wait for residency room (R6.1, ``max_loaded_models`` 1) and whose
 client leaves meanwhile (R8.2): its lease goes back at once and nothing is evicted or loaded for it.
-A parallel stack (Redis db 15) with a Whisper model and a fixture model held at a barrier."""
+A parallel stack (Redis db 12) with a Whisper model and a fixture model held at a barrier."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +24,7 @@ MODELS = [{"id": "w", "family": "whisper", "task": "asr", "slots": 1, "lazy": Tr
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Stack:
-    yield from run_stack(tmp_path_factory.mktemp("residency_realtime"), MODELS, redis_db=15,
+    yield from run_stack(tmp_path_factory.mktemp("residency_realtime"), MODELS, redis_db=12,
                          name="residency_realtime", parallel=True, extra_env=FIXTURE_ENV,
                          extra_config={"max_loaded_models": 1})
 
