@@ -260,29 +260,93 @@ def test_the_run_dispatcher_pops_its_own_boots_queue_and_refuses_runs_it_holds_n
 
 def test_an_idle_dispatcher_keeps_its_blocking_pop_quietly_and_stops_at_once(redis_client, caplog):
     """While idle, the popping thread asks again every ``POP_TIMEOUT_S`` on the same connection, with no
-    error (its client's socket timeout outlasts the ``BRPOP``: redis-py's default 5 s cut a 5 s pop
+    error (its client's socket timeout outlasts the ``BLMOVE``: redis-py's default 5 s cut a 5 s pop
     as a failure, logged a traceback and slept 0.5 s before the next pop, delaying a run that came
-    then); ``stop`` wakes it through the wake list, so a warm shutdown never waits for the timeout."""
+    then); ``stop`` wakes it with its wake element, so a warm shutdown never waits for the timeout,
+    and leaves neither the queue nor the taken list behind."""
     worker = WorkerState()
     worker.hostname = "gpu0@idle"
     dispatcher = RunDispatcher(worker, threads=2)
     db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
 
     def popping() -> set[str]:
-        return {c["id"] for c in redis_client.client_list() if c["cmd"] == "brpop" and c["db"] == db}
+        return {c["id"] for c in redis_client.client_list() if c["cmd"] == "blmove" and c["db"] == db}
 
     with caplog.at_level(logging.INFO, logger="inference.worker.runs"):
         dispatcher.start()
         deadline = time.monotonic() + 5
-        while not (first := popping()):  # its BRPOP blocks now
+        while not (first := popping()):  # its BLMOVE blocks now
             assert time.monotonic() < deadline, "the dispatcher never blocked on its queue"
             time.sleep(0.02)
         time.sleep(POP_TIMEOUT_S * 1.6)  # at least one more pop, past the first one's timeout
-        assert popping() == first, "the reader reconnected: its BRPOP failed"
+        assert popping() == first, "the reader reconnected: its BLMOVE failed"
         started = time.monotonic()
         assert dispatcher.stop() == 0
-        assert time.monotonic() - started < POP_TIMEOUT_S / 2, "stop waited for the BRPOP's timeout"
+        assert time.monotonic() - started < POP_TIMEOUT_S / 2, "stop waited for the BLMOVE's timeout"
+    assert redis_client.exists(KEYS.run_queue(worker.hostname, worker.boot),
+                               KEYS.run_taken(worker.hostname, worker.boot)) == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def _served_within(redis_client, request_id: str, limit_s: float) -> float:
+    started = time.monotonic()
+    while redis_client.get(KEYS.result(request_id)) is None:
+        assert time.monotonic() - started < limit_s, f"run {request_id} was not served within {limit_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["idle-sweep", "pop-connection-killed"])
+def test_a_taken_run_that_no_thread_serves_is_served_within_the_liveness_ttl(redis_client, broken):
+    """R7.4 (reliable pop): an element the pop moved onto the worker's taken list while no run thread
+    got it (the pop's reply was lost with its connection) is served by the dispatcher's sweep well
+    inside the liveness TTL, after which its sender would otherwise wait in vain (the worker still
+    beats). ``pop-connection-killed``: the popping connection is killed (CLIENT KILL) with the element
+    stranded, as when a connection breaks at the pop; the failed pop sweeps at once. Nothing stays in
+    the queue or the taken list."""
+    from inference.scheduler.keys import LIVENESS_TTL_MS
+    from inference.worker.runs import POP_RETRY_S, SWEEP_EVERY_S
+    worker = WorkerState()
+    worker.hostname = "gpu0@stranded-" + ("killed" if broken else "idle")
+    taken_key = KEYS.run_taken(worker.hostname, worker.boot)
+    dispatcher = RunDispatcher(worker, threads=2)
+    db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
+    dispatcher.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not (popping := [c["id"] for c in redis_client.client_list() if c["cmd"] == "blmove" and c["db"] == db]):
+            assert time.monotonic() < deadline, "the dispatcher never blocked on its queue"
+            time.sleep(0.02)
+        redis_client.lpush(taken_key, _run_header("stranded", "test-channel", worker.boot))
+        if broken:
+            assert redis_client.execute_command("CLIENT", "KILL", "ID", popping[0]) == 1
+        waited_s = _served_within(redis_client, "stranded", LIVENESS_TTL_MS / 1000)
+        limit_s = POP_RETRY_S + 1.0 if broken else SWEEP_EVERY_S + POP_TIMEOUT_S + 1.0
+        assert waited_s < limit_s, waited_s
+        redis_client.lpush(KEYS.run_queue(worker.hostname, worker.boot),
+                           _run_header("next", "test-channel", worker.boot))
+        _served_within(redis_client, "next", 5)  # the reader pops again afterwards
+        deadline = time.monotonic() + 2
+        while redis_client.llen(taken_key):
+            assert time.monotonic() < deadline, redis_client.lrange(taken_key, 0, -1)
+            time.sleep(0.02)
+    finally:
+        assert dispatcher.stop() == 0
+    assert json.loads(redis_client.get(KEYS.result("stranded")))["kind"] == "not_loaded"
+    assert redis_client.exists(taken_key, KEYS.run_queue(worker.hostname, worker.boot)) == 0
+
+
+def test_a_stopping_worker_answers_a_stranded_taken_run_not_loaded(redis_client):
+    """Warm shutdown with an element left on the taken list by a pop whose reply was lost: the drain
+    answers it ``not_loaded`` like a queued run (its sender keeps the lease and loads again)."""
+    worker = WorkerState()
+    worker.hostname = "gpu0@stopping-stranded"
+    dispatcher = RunDispatcher(worker, threads=2)  # never started
+    redis_client.lpush(KEYS.run_taken(worker.hostname, worker.boot), _run_header("lost", "test-channel", worker.boot))
+    assert dispatcher.stop() == 1
+    assert json.loads(redis_client.get(KEYS.result("lost")))["kind"] == "not_loaded"
+    assert redis_client.exists(KEYS.run_taken(worker.hostname, worker.boot),
+                               KEYS.run_queue(worker.hostname, worker.boot)) == 0
 
 
 def _peak_rss_mb() -> float:

@@ -178,17 +178,18 @@ class Keys:
     def run_queue(self, hostname: str, boot: str) -> str:
         """LIST of run headers (JSON) for one worker process, ``hostname`` with boot id ``boot``.
 
-        Web processes ``LPUSH``; the worker's run dispatcher ``BRPOP``s (FIFO).
-        One list per boot, so a restarted worker never takes a run meant for
+        Web processes ``LPUSH``; the worker's run dispatcher ``BLMOVE``s each element (FIFO) onto
+        :meth:`run_taken`. One list per boot, so a restarted worker never takes a run meant for
         its predecessor (the sender is told ``worker_lost`` instead, R7.4).
         """
         return f"{self.run_queue_prefix}{hostname}:{boot}"
 
-    def run_queue_wake(self, hostname: str, boot: str) -> str:
-        """LIST the run dispatcher of ``hostname`` with boot id ``boot`` also ``BRPOP``s: its own
-        ``stop`` pushes one element there (with a short TTL) so that the blocked pop returns at once
-        instead of at its timeout. Never holds a run."""
-        return f"{self.prefix}runwake:{hostname}:{boot}"
+    def run_taken(self, hostname: str, boot: str) -> str:
+        """LIST of the run queue elements worker ``hostname`` (boot id ``boot``) has taken and not yet
+        finished: its pop moves each element here in the same step (``BLMOVE``), and the run's end
+        removes it (``LREM``). An element here that no run thread serves (its pop's connection broke
+        before the reply) is served again by the worker's next sweep (``inference.worker.runs``)."""
+        return f"{self.prefix}runtaken:{hostname}:{boot}"
 
     def chunks(self, request_id: str) -> str:
         """LIST of a streamed run's frames (with a TTL): the worker ``RPUSH``es, the web ``LPOP``s.

@@ -7,6 +7,7 @@ import asyncio
 from audiosite.errors import WorkerLost
 from inference.runtime import runs
 from inference.runtime.context import AsyncContext
+from inference.runtime.loads import Placement
 from inference.scheduler import Lease
 
 from .loading import model_ensure_loaded
@@ -20,8 +21,11 @@ async def live_turn_decode(ctx: AsyncContext, model_id: str, lease: Lease, sampl
     worker neither renews nor releases it (a ``held`` run, ``inference.runtime.runs.run_on_worker``).
 
     The model is loaded first if needed (a turn after an unload reloads it); a pool lost before the
-    worker took the run is loaded once more. The caller must not release the lease while this runs:
-    cancelled, it still waits for the worker's reply (the decode finishes: at most one decode
+    worker took the run is loaded once more. Cancelled while the model loads or waits for residency
+    room (its client left), it stops waiting at once, as a file request does
+    (:func:`model_ensure_loaded`): the caller can give the lease back, and nothing is evicted or
+    loaded for it. Once the run is handed to the worker, the caller must not release the lease:
+    cancelled then, it still waits for the worker's reply (the decode finishes: at most one decode
     step, R8.2), then re-raises.
 
     Args:
@@ -37,25 +41,11 @@ async def live_turn_decode(ctx: AsyncContext, model_id: str, lease: Lease, sampl
         ApplicationError: the adapter failed on valid input (a bug).
     """
     run_input = runs.RunInput(samples, sample_rate_hz, options)
-    task = asyncio.ensure_future(_live_turn_decode(ctx, model_id, lease, run_input, timeout_ms))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        try:
-            await task
-        except Exception:
-            pass
-        raise
-
-
-async def _live_turn_decode(ctx: AsyncContext, model_id: str, lease: Lease, run_input: runs.RunInput,
-                       timeout_ms: int) -> dict:
     try:
         for _attempt in range(2):
             left_ms = max(1, timeout_ms - int(lease.waited_ms)) if timeout_ms else 0
             placement = await model_ensure_loaded(ctx, model_id, room_timeout_ms=left_ms)
-            reply = await runs.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input, runs.Handover(),
-                                            held=True)
+            reply = await _held_run(ctx, model_id, lease, placement, run_input)
             if reply is None:
                 await ctx.scheduler.mark_unloaded(model_id, placement.boot, "worker lost")
                 raise WorkerLost(f"model {model_id!r}: its worker stopped responding; retry")
@@ -71,4 +61,20 @@ async def _live_turn_decode(ctx: AsyncContext, model_id: str, lease: Lease, run_
         return reply["result"]
     finally:
         run_input.release_samples()
-        await runs.drop_input(ctx, run_input)
+        await asyncio.shield(runs.drop_input(ctx, run_input))
+
+
+async def _held_run(ctx: AsyncContext, model_id: str, lease: Lease, placement: Placement,
+                    run_input: runs.RunInput) -> dict | None:
+    """``runs.run_on_worker`` of one held run, finished even when cancelled (then re-raised): the
+    worker decodes under the caller's lease, which must not go back before the reply."""
+    task = asyncio.ensure_future(runs.run_on_worker(ctx, model_id, lease.lease_id, placement, run_input,
+                                                    runs.Handover(), held=True))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        try:
+            await task
+        except Exception:
+            pass
+        raise

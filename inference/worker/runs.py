@@ -2,7 +2,7 @@
 
 Web processes push one header per run on ``Keys.run_queue(hostname, boot)``
 (``inference.runtime.runs.run_on_worker``, or ``enqueue.lua`` with the grant);
-the worker's run threads pop them in FIFO order (``BRPOP``) and serve them
+the worker's run threads pop them in FIFO order and serve them
 (``work.run_request``, ``work.reply``), one thread popping at a time
 (leader/follower): the thread that popped a header first starts another run
 thread popping, then serves its header itself, so a run is served by the
@@ -22,11 +22,17 @@ worker never took them; their senders still hold the leases and load the
 model again elsewhere). A worker killed outright leaves its queue behind:
 senders notice the missing liveness key within the TTL (``worker_lost``,
 R7.4) and the list expires on its own.
+
+The pop is reliable (``RunDispatcher``): each element is moved, in the same Redis step, onto the
+worker's ``Keys.run_taken`` list and stays there until its run ends, so an element whose pop's
+connection broke is found there by the popping thread's next sweep and served then, not lost.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,25 +50,39 @@ RUN_THREADS_MIN = 256
 """Upper bound of the run thread pool at least (threads are created only when runs wait for one)."""
 
 POP_TIMEOUT_S = 2.0
-"""How long one ``BRPOP`` blocks, in seconds. It returns at once when a run comes or when ``stop``
-pushes on the wake list, so this bounds only how often an idle worker asks again (each ask wakes
+"""How long one ``BLMOVE`` blocks, in seconds. It returns at once when a run comes or when ``stop``
+pushes its wake element, so this bounds only how often an idle worker asks again (each ask wakes
 the thread and Redis for nothing) and how late a reader stops if that push failed. The reader's
 client waits ``POP_SOCKET_TIMEOUT_S`` for an answer: redis-py's default socket timeout (5 s in
-redis-py 8) would cut a longer ``BRPOP`` as a failure."""
+redis-py 8) would cut a longer ``BLMOVE`` as a failure."""
 
 POP_SOCKET_TIMEOUT_S = POP_TIMEOUT_S + 5.0
-"""Socket timeout of the reader's client (s): longer than any ``BRPOP`` it sends, still finite so a
+"""Socket timeout of the reader's client (s): longer than any ``BLMOVE`` it sends, still finite so a
 dead connection is noticed."""
 
 POP_RETRY_S = 0.5
-"""After a failed ``BRPOP`` (Redis unreachable), how long the reader waits before it asks again."""
+"""After a failed ``BLMOVE`` (Redis unreachable, connection broken), how long the reader waits before
+it sweeps ``Keys.run_taken`` and asks again."""
 
-WAKE_TTL_MS = 10_000
-"""Expiry of the wake list's element (``Keys.run_queue_wake``), should nobody pop it."""
+SWEEP_EVERY_S = POP_TIMEOUT_S
+"""How often (s) the popping thread checks ``Keys.run_taken`` for elements no run thread serves: at
+most this plus one ``POP_TIMEOUT_S`` after an element was stranded, well inside the liveness TTL
+(``LIVENESS_TTL_MS``, 10 s) after which a sender would give up on a silent worker anyway."""
+
+WAKE_ELEMENT = b"wake"
+"""What ``stop_popping`` pushes on the popping end of the run queue to end a blocked ``BLMOVE`` at once
+(never a run: run elements are JSON objects). Whoever takes it drops it."""
 
 
 class RunDispatcher:
-    """Pops this worker's run headers and serves them on ``threads`` run threads.
+    """Pops this worker's run elements and serves them on ``threads`` run threads.
+
+    The pop is reliable: ``BLMOVE`` moves each element from ``Keys.run_queue`` onto ``Keys.run_taken``
+    in one Redis step, the thread that serves it removes it there when the run ends (``LREM``), and the
+    popping thread sweeps that list every ``SWEEP_EVERY_S`` (and after any failed pop): an element
+    there that no thread of this process holds was moved by a pop whose reply never arrived (its
+    connection broke), so it is served now. Elements are told apart by their bytes (each holds its
+    own request id).
 
     Args:
         worker: the worker's pools and identity (``hostname`` and ``boot`` must be set).
@@ -73,14 +93,20 @@ class RunDispatcher:
     def __init__(self, worker: WorkerState, threads: int):
         self.worker = worker
         self.queue_key = KEYS.run_queue(worker.hostname or "", worker.boot)
-        self.wake_key = KEYS.run_queue_wake(worker.hostname or "", worker.boot)
+        self.taken_key = KEYS.run_taken(worker.hostname or "", worker.boot)
         # Threads start on demand; admission (Redis) bounds how many runs are in flight, and models
         # registered later through the API may add slots beyond ``threads``: leave room for them.
         self._pool = ThreadPoolExecutor(max_workers=max(threads, RUN_THREADS_MIN) + 1, thread_name_prefix="run")
         self._stop = threading.Event()
-        # The popping thread's BRPOP holds one connection of this client's pool while it blocks.
+        # The popping thread's BLMOVE holds one connection of this client's pool while it blocks.
         self._client: Any = redis.Redis.from_url(redis_url(), decode_responses=False,
                                                  socket_timeout=POP_SOCKET_TIMEOUT_S)
+        # Elements of ``taken_key`` a thread of this process holds (serving, or served and not yet removed).
+        self._held: Counter[bytes] = Counter()
+        self._unremoved: list[bytes] = []  # served, but their LREM failed: the next sweep removes them
+        self._lock = threading.Lock()
+        self._swept_at = 0.0
+        self._sweep_all = True
 
     def start(self) -> None:
         """Start popping runs."""
@@ -88,22 +114,90 @@ class RunDispatcher:
 
     def _lead(self) -> None:
         """Pop the next element (the only thread popping now); once one came, start the next popping
-        thread and serve the run in this one."""
+        thread and serve the run in this one. Between pops, sweep ``taken_key`` when due."""
         while not self._stop.is_set():
+            if self._sweep_all or time.monotonic() - self._swept_at >= SWEEP_EVERY_S:
+                try:
+                    self._sweep()
+                except redis.RedisError:
+                    log.exception("sweeping the taken runs failed; retrying")
+                    self._stop.wait(POP_RETRY_S)
+                    continue
             try:
-                popped = self._client.brpop([self.queue_key, self.wake_key], timeout=POP_TIMEOUT_S)
+                with self._client.pipeline(transaction=False) as pipe:
+                    # Redis runs the PEXPIRE once the BLMOVE returns: a list it created gets its TTL at once.
+                    pipe.blmove(self.queue_key, self.taken_key, POP_TIMEOUT_S, "RIGHT", "LEFT")
+                    pipe.pexpire(self.taken_key, INPUT_TTL_MS)
+                    raw, _ = pipe.execute()
             except redis.RedisError:
                 log.exception("reading the run queue failed; retrying")
+                self._sweep_all = True  # the element of a pop whose reply was lost waits in taken_key
                 self._stop.wait(POP_RETRY_S)
                 continue
-            if popped is None or popped[0] == self.wake_key.encode():
-                continue  # (woken by stop: the loop's test ends it)
+            if raw is None:
+                continue
+            if raw == WAKE_ELEMENT:  # woken by stop: the loop's test ends it
+                self._drop_wake()
+                continue
+            self._hold(raw)
             try:
                 self._pool.submit(self._lead)
             except RuntimeError:  # stop() shut the pool down meanwhile: nobody pops any more
                 pass
-            self._serve(popped[1])
+            self._serve(raw)
             return
+
+    def _hold(self, raw: bytes) -> None:
+        with self._lock:
+            self._held[raw] += 1
+
+    def _drop_wake(self) -> None:
+        try:
+            self._client.lrem(self.taken_key, 1, WAKE_ELEMENT)
+        except redis.RedisError:  # the next sweep drops it
+            self._sweep_all = True
+
+    def _sweep(self) -> None:
+        """Remove what finished runs left in ``taken_key`` and serve (in pool threads) the elements there
+        that no thread of this process holds. Only the popping thread sweeps, and only it adds to
+        ``_held``; a run's end removes its element before it leaves ``_held``: so an element read from
+        the list and missing from the snapshot taken before the read is held by nobody.
+
+        Raises:
+            redis.RedisError: Redis unreachable (the caller retries).
+        """
+        with self._lock:
+            unremoved, self._unremoved = self._unremoved, []
+        for done, raw in enumerate(unremoved):
+            try:
+                self._client.lrem(self.taken_key, 1, raw)
+            except redis.RedisError:
+                with self._lock:
+                    self._unremoved.extend(unremoved[done:])
+                raise
+            self._forget(raw)
+        with self._lock:
+            held = Counter(self._held)
+        if not self._sweep_all:
+            with self._client.pipeline(transaction=False) as pipe:
+                count, _ = pipe.llen(self.taken_key).pexpire(self.taken_key, INPUT_TTL_MS).execute()
+            if count <= held.total():
+                self._swept_at = time.monotonic()
+                return
+        stranded = Counter(self._client.lrange(self.taken_key, 0, -1)) - held
+        self._sweep_all = False
+        self._swept_at = time.monotonic()
+        for raw in stranded.elements():
+            if raw == WAKE_ELEMENT:
+                self._drop_wake()
+                continue
+            log.warning("a run taken from the queue was served by no thread (its pop's connection broke?); "
+                        "serving it now")
+            self._hold(raw)
+            try:
+                self._pool.submit(self._serve, raw)
+            except RuntimeError:  # stopping: drain() answers it not_loaded
+                self._release(raw, served=False)
 
     def _serve(self, raw: bytes) -> None:
         try:
@@ -111,27 +205,63 @@ class RunDispatcher:
             serve_run(self.worker, header, inline)
         except Exception:  # never lose the thread; the sender's watchdog covers a missing reply
             log.exception("serving a run failed")
+        finally:
+            self._release(raw, served=True)
+
+    def _release(self, raw: bytes, served: bool) -> None:
+        """The run of ``raw`` ended (``served``) or was never started: remove its element from
+        ``taken_key`` (a served one whose removal fails is removed by the next sweep, never run again),
+        then forget it."""
+        if served:
+            try:
+                self._client.lrem(self.taken_key, 1, raw)
+            except redis.RedisError:
+                log.warning("could not remove a finished run from %s; the next sweep does", self.taken_key)
+                with self._lock:
+                    self._unremoved.append(raw)
+                return
+        self._forget(raw)
+
+    def _forget(self, raw: bytes) -> None:
+        with self._lock:
+            self._held[raw] -= 1
+            if self._held[raw] <= 0:
+                del self._held[raw]
 
     def drain(self) -> int:
-        """Answer every header still on this worker's queue ``not_loaded`` (after :meth:`stop`; again once
-        the liveness key is gone, for senders that pushed in between). Returns how many."""
+        """Answer every run still on this worker's queue ``not_loaded`` (after :meth:`stop`; again once
+        the liveness key is gone, for senders that pushed in between), and every element of
+        ``taken_key`` no run served (a pop whose reply was lost). Returns how many."""
         refused = 0
         client: Any = redis.Redis.from_url(redis_url(), decode_responses=False)
         try:
             while (raw := client.rpop(self.queue_key)) is not None:
-                refuse(*split_element(raw))
-                refused += 1
+                if raw != WAKE_ELEMENT:
+                    refuse(*split_element(raw))
+                    refused += 1
+            with self._lock:
+                served = Counter(self._held)  # after stop(), only served runs whose removal failed
+                self._held.clear()
+                self._unremoved.clear()
+            for raw in client.lrange(self.taken_key, 0, -1):
+                if served[raw] > 0:
+                    served[raw] -= 1
+                elif raw != WAKE_ELEMENT:
+                    refuse(*split_element(raw))
+                    refused += 1
+                client.lrem(self.taken_key, 1, raw)
         finally:
             client.close()
         return refused
 
     def stop_popping(self) -> None:
-        """Take no more runs: the popping thread returns at once (its blocked ``BRPOP`` is woken through
-        ``wake_key``); runs in progress go on. Safe from any thread, and more than once."""
+        """Take no more runs: the popping thread returns at once (its blocked ``BLMOVE`` takes the
+        ``WAKE_ELEMENT`` pushed on the queue's popping end); runs in progress go on. Safe from any
+        thread, and more than once."""
         self._stop.set()
         try:
             with self._client.pipeline(transaction=False) as pipe:
-                pipe.lpush(self.wake_key, b"stop").pexpire(self.wake_key, WAKE_TTL_MS).execute()
+                pipe.rpush(self.queue_key, WAKE_ELEMENT).pexpire(self.queue_key, INPUT_TTL_MS).execute()
         except redis.RedisError:
             log.warning("could not wake the run queue's reader; it stops within %s s", POP_TIMEOUT_S)
 
