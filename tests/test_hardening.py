@@ -270,8 +270,8 @@ def proxy(stack, tmp_path):
     site = (ROOT / "deploy" / "nginx" / "audiosite.conf").read_text()
     port = free_port()
     upstream = stack.url.removeprefix("http://")
-    assert site.count("server web:8080;") == 1 and site.count("listen 8080;") == 1
-    site = site.replace("server web:8080;", f"server {upstream};").replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    assert site.count("server web:8080 ") == 1 and site.count("listen 8080;") == 1
+    site = site.replace("server web:8080 ", f"server {upstream} ").replace("listen 8080;", f"listen 127.0.0.1:{port};")
     (tmp_path / "site.conf").write_text(site)
     temp = {name: tmp_path / name for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi")}
     main = "\n".join([

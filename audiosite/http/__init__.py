@@ -48,8 +48,15 @@ listed internal in the new version's source, adapt the module, then bump the pin
     ``connectionLost`` (overridden); ``twisted.web.http._GenericHTTPChannelProtocol``
   - ``daphne.ws_protocol.WebSocketProtocol.serverClose`` (overridden); autobahn's
     ``WebSocketProtocol.sendCloseFrame``
-  - ``daphne.server.Server.handle_reply``, ``.run`` (overridden), ``.connections``, ``.signal_handlers``,
-    ``.stop``
+  - ``daphne.server.Server.handle_reply``, ``.run``, ``.listen_success`` (overridden), ``.connections``,
+    ``.signal_handlers``, ``.stop``
+
+``audiosite.http.port_gate`` — closing and opening daphne's ports while Redis is out of reach:
+  daphne 4.2.3, Twisted 26.10.0
+  - ``twisted.internet.tcp.Port.stopListening`` and ``.startListening`` (a stopped port listens again on
+    its address), on the ports daphne's ``listen_success`` receives
+  - ``twisted.web.http.HTTPChannel.requests``, ``._handlingRequest``, ``.persistent`` (set False to close
+    after the request in progress), ``.transport``
 """
 from __future__ import annotations
 

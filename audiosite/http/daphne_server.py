@@ -81,6 +81,7 @@ from zope.interface import implementer
 from audiosite import heartbeat
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge, error_body
+from audiosite.http.port_gate import GATE, follow_redis
 from audiosite.serverconfig import get_config
 from inference.runtime import metrics
 
@@ -266,6 +267,7 @@ class DeadlineHTTPChannel(twisted.web.http.HTTPChannel):
 
     def connectionMade(self) -> None:  # noqa: N802 (Twisted's interface)
         super().connectionMade()
+        GATE.channels.add(self)  # closed when idle if Redis goes out of reach (audiosite.http.port_gate)
         self._arm("headers", get_config().request_header_timeout_ms)
         self._awaiting_request = False
 
@@ -400,7 +402,14 @@ class DrainingServer(Server):
             reactor.callWhenRunning(self._install_signal_handlers)
         reactor.callWhenRunning(heartbeat.start)  # serve's liveness check of this loop (audiosite.heartbeat)
         reactor.callWhenRunning(metrics.process_publish_start)  # this process's CPU and memory for /metrics
+        if get_config().refuse_connections_without_redis:
+            reactor.callWhenRunning(lambda: asyncio.ensure_future(follow_redis()))
         super().run()
+
+    def listen_success(self, port):
+        """daphne: a port is listening; :data:`GATE` keeps it to close and open it again."""
+        super().listen_success(port)
+        GATE.add_port(port)
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_event_loop()

