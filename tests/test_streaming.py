@@ -15,6 +15,7 @@ import base64
 import io
 import json
 import queue
+import re
 import signal
 import threading
 import time
@@ -28,6 +29,7 @@ import pytest
 import soundfile
 import soxr
 import websockets
+from django.core.management import call_command
 
 from .support.audio import wav_bytes, words
 from .support.bounds import MODEL_S, QUICK_S, run, until, within
@@ -732,3 +734,23 @@ def test_a_drain_ends_an_open_turn_with_its_transcript_or_failed_shutting_down_b
         assert stack.counters("whisper") == {"leases": 0, "queued": 0}
     finally:
         next(stacks, None)
+
+
+def test_bench_realtime_prints_sessions_against_the_file_route_with_a_verdict_up_to_the_slots(live):
+    """``bench_realtime`` (docs/benchmarks.md) on the 2-slot Whisper with 1 and 3 sessions of one turn: the
+    file route's reference time, one table row per count with numbers, the 3rd session judged as queued
+    beyond the slots, and both summary lines."""
+    out = io.StringIO()
+    call_command("bench_realtime", url=live.url, model="whisper", rounds=0, sessions=[1, 3], turns=1, stdout=out)
+    text = out.getvalue()
+    assert re.search(r"model whisper \(2 slot\(s\)\)", text), text
+    reference = re.search(r"as a file \(POST /v1/audio/transcriptions, median of 5\): (\d+) ms", text)
+    assert reference and int(reference.group(1)) > 0, text
+    rows = re.findall(r"^\| (\d) \| (\d+) \| (\d+) / (\d+) ms \| .* \| (PASS|FAIL|beyond the 2 slot\(s\): queued) \|$",
+                      text, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("1", "1"), ("3", "3")], text
+    assert rows[1][4] == "beyond the 2 slot(s): queued" and rows[0][4] in ("PASS", "FAIL"), rows
+    assert all(int(r[2]) <= int(r[3]) for r in rows), rows
+    assert re.search(r"^end of turn -> completed p50 doubles at: ", text, re.M), text
+    assert re.search(r"^goal up to the slots: (PASS|FAIL)$", text, re.M), text
+    assert live.counters("whisper") == {"leases": 0, "queued": 0}

@@ -18,20 +18,25 @@ and 1.2 s of silence, with OpenAI's default server VAD. Printed, of the same run
 WER: lower-cased words without punctuation, common contractions spelt out (the LibriSpeech
 references spell them out), :mod:`jiwer`.
 
-Sessions sustained (then, ``--max-sessions`` > 0): each session streams a speech file (default:
-the ``samples/`` speech files joined into
-one utterance of about 5 s, see :func:`_speech`), between 0.75 s of silence, in 20 ms appends of
-24 kHz PCM at real-time pace, with OpenAI's default server VAD,
-``--turns`` times. Measured per turn:
+Sessions at once (then, for each count of ``--sessions``, default 1 2 4 8; ``--sessions 0`` skips):
+each session streams a speech file (default: the ``samples/`` speech files joined into one
+utterance of about 5 s, see :func:`_speech`), between 0.75 s of silence, in 20 ms appends of
+24 kHz PCM at real-time pace, with OpenAI's default server VAD, ``--turns`` times, all sessions
+starting together. Measured per turn:
 
-- end of turn → completed: from the moment the turn's last speech chunk was sent to its
+- end of turn → completed (p50, p95): from the moment the turn's last speech chunk was sent to its
   ``…input_audio_transcription.completed`` event. It includes the ``silence_duration_ms`` (500 ms)
-  the server VAD waits before it ends the turn, and the final decode;
+  the server VAD waits before it ends the turn, any wait for a slot, and the final decode;
 - time to first delta: from the moment the turn's first speech chunk was sent to its first
   ``…transcription.delta`` (the partial transcripts);
-- sessions sustained: 1, 2, 3, … sessions at once, each at real-time pace; the count before the
-  median end-of-turn latency exceeds twice the single session's is the number this machine
-  sustains (every turn must also complete).
+- the reference: the same speech posted as a file to ``POST /v1/audio/transcriptions``, one after
+  the other (``REFERENCE_REPEATS`` times, median wall time), before the sessions;
+- the goal: end of turn → completed p50 ≤ the file route's time + ``GOAL_MARGIN_MS`` (the VAD's
+  500 ms of silence included), judged for every count up to the model's slots (``/v1/models``: a
+  turn holds one lease of the model while it is spoken and decoded, so the slots are the sessions
+  served at once; a turn of a session beyond them waits in the model's FIFO for a slot, and its
+  latency grows by that wait instead of every session slowing down);
+- the session count at which the p50 first exceeds twice the single session's.
 
 The machine's other load adds noise: compare numbers of one run.
 """
@@ -49,6 +54,7 @@ import io
 import logging
 import re
 
+import httpx
 import jiwer
 import numpy as np
 import openai
@@ -66,6 +72,11 @@ MODEL_RATE_HZ = 16000
 LEAD_SILENCE_S = 0.6
 TAIL_SILENCE_S = 1.2
 """Silence around each utterance of the accuracy run: the tail lets the server VAD (500 ms) end the turn."""
+REFERENCE_REPEATS = 5
+"""Times the speech is posted as a file for the reference decode time."""
+GOAL_MARGIN_MS = 600
+"""End of turn -> completed may exceed the file route's time by this much (ms): the server VAD's 500 ms
+of silence before it ends a turn, and 100 ms for the stream's own steps."""
 CONTRACTIONS = {"i'm": "i am", "it's": "it is", "don't": "do not", "can't": "cannot", "we're": "we are",
                 "you're": "you are", "that's": "that is", "he's": "he is", "she's": "she is"}
 
@@ -317,8 +328,8 @@ class Command(BaseCommand):
         parser.add_argument("--model", default="whisper-tiny.en")
         parser.add_argument("--file", default=None, help="a speech file (default: the fixtures as one utterance)")
         parser.add_argument("--turns", type=int, default=3, help="turns per session")
-        parser.add_argument("--max-sessions", type=int, default=6,
-                            help="sessions sustained: try up to this many at once (0: skip)")
+        parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8],
+                            help="session counts to run at once, in order (0: skip)")
         parser.add_argument("--rounds", type=int, default=3,
                             help="accuracy: times each utterance is streamed (0: skip)")
 
@@ -333,32 +344,76 @@ class Command(BaseCommand):
         asyncio.run(_session(url, model, speech, quiet, 1))  # warm: load, first decodes
         if opts["rounds"] > 0:
             asyncio.run(_accuracy(opts["url"], model, opts["rounds"], self.stdout.write))
-        if opts["max_sessions"] <= 0:
-            return
-        self.stdout.write(f"model {model} at {opts['url']}; turn of {len(speech) * CHUNK_MS / 1000:.2f} s of speech "
-                          f"between 0.75 s of silence, 24 kHz PCM in {CHUNK_MS} ms appends at real-time pace")
-        baseline = None
-        sustained = 0
-        for sessions in range(1, opts["max_sessions"] + 1):
-            async def many(n: int = sessions) -> list[list[dict]]:
-                return await asyncio.gather(*[_session(url, model, speech, quiet, turns) for _ in range(n)])
-            try:
-                results = [turn for session in asyncio.run(many()) for turn in session]
-            except CommandError as exc:
-                self.stdout.write(f"{sessions} session(s): {exc}")
-                break
-            end_s = statistics.median(r["end_to_done_s"] for r in results)
-            deltas = [r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
-            early = sum(r["delta_before_end"] for r in results)
-            first_s = statistics.median(deltas) if deltas else float("nan")
-            self.stdout.write(f"{sessions} session(s), {len(results)} turns: end of turn -> completed median "
-                              f"{end_s * 1000:7.0f} ms (max {max(r['end_to_done_s'] for r in results) * 1000:6.0f}); "
-                              f"first delta median {first_s * 1000:6.0f} ms after speech start; "
-                              f"{early}/{len(results)} turns had a delta before their audio ended")
-            if baseline is None:
-                baseline = end_s
-            if end_s > 2 * baseline:
-                break
-            sustained = sessions
-        self.stdout.write(f"sessions sustained at real-time pace before the end-of-turn latency doubles: {sustained}"
-                          + (" (the limit tried)" if sustained == opts["max_sessions"] else ""))
+        counts = [n for n in opts["sessions"] if n > 0]
+        if counts:
+            _sessions_at_once(opts["url"], url, model, opts["file"], speech, quiet, turns, counts, self.stdout.write)
+
+
+def _file_reference_s(base_url: str, model: str, samples: np.ndarray) -> float:
+    """Median wall time (s) of ``REFERENCE_REPEATS`` posts of ``samples`` (16 kHz float32) as a WAV file to
+    ``POST /v1/audio/transcriptions``, one after the other (the official SDK)."""
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=300)
+    wav = _wav((np.clip(samples, -1, 1) * 32767).astype("<i2"))
+    times = []
+    for _ in range(REFERENCE_REPEATS):
+        started = time.monotonic()
+        client.audio.transcriptions.create(model=model, file=("speech.wav", wav), language="en")
+        times.append(time.monotonic() - started)
+    return statistics.median(times)
+
+
+def _slots_of(base_url: str, model: str) -> int:
+    """The model's ``slots`` as ``GET /v1/models`` reports them."""
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        for entry in client.get("/v1/models").json()["data"]:
+            if entry["id"] == model:
+                return int(entry["slots"])
+    raise CommandError(f"{model} is not registered at {base_url}")
+
+
+def _sessions_at_once(base_url: str, ws_url: str, model: str, file: str | None, speech: list[str],
+                      quiet: list[str], turns: int, counts: list[int], write) -> None:
+    """The sessions-at-once run of the module doc, printed through ``write``."""
+    slots = _slots_of(base_url, model)
+    reference_s = _file_reference_s(base_url, model, _speech(file))
+    goal_s = reference_s + GOAL_MARGIN_MS / 1000
+    write(f"model {model} ({slots} slot(s)) at {base_url}; turn of {len(speech) * CHUNK_MS / 1000:.2f} s of speech "
+          f"between 0.75 s of silence, 24 kHz PCM in {CHUNK_MS} ms appends at real-time pace, {turns} turn(s) "
+          f"per session")
+    write(f"the same speech as a file (POST /v1/audio/transcriptions, median of {REFERENCE_REPEATS}): "
+          f"{reference_s * 1000:.0f} ms; goal up to {slots} session(s): end of turn -> completed p50 <= "
+          f"{goal_s * 1000:.0f} ms (+{GOAL_MARGIN_MS} ms)")
+    write("| sessions | turns | end of turn -> completed p50 / p95 | first delta p50 (from speech start) "
+          "| delta before audio end | goal |")
+    write("|---|---|---|---|---|---|")
+    single = None
+    doubled_at = None
+    verdicts = []
+    for sessions in counts:
+        async def many(n: int = sessions) -> list[list[dict]]:
+            return await asyncio.gather(*[_session(ws_url, model, speech, quiet, turns) for _ in range(n)])
+        try:
+            results = [turn for session in asyncio.run(many()) for turn in session]
+        except CommandError as exc:
+            write(f"| {sessions} | - | {exc} | | | |")
+            verdicts.append(sessions > slots)
+            continue
+        ends = [r["end_to_done_s"] for r in results]
+        p50, p95 = np.percentile(ends, [50, 95])
+        deltas = [r["first_delta_s"] for r in results if r["first_delta_s"] is not None]
+        first = f"{statistics.median(deltas) * 1000:.0f} ms" if deltas else "none"
+        early = sum(r["delta_before_end"] for r in results)
+        if sessions <= slots:
+            ok = p50 <= goal_s
+            verdicts.append(ok)
+            goal = "PASS" if ok else "FAIL"
+        else:
+            goal = f"beyond the {slots} slot(s): queued"
+        write(f"| {sessions} | {len(results)} | {p50 * 1000:.0f} / {p95 * 1000:.0f} ms | {first} | "
+              f"{early}/{len(results)} | {goal} |")
+        single = p50 if single is None else single
+        if doubled_at is None and p50 > 2 * single:
+            doubled_at = sessions
+    write("end of turn -> completed p50 doubles at: "
+          + (f"{doubled_at} session(s)" if doubled_at else f"not within {counts[-1]} session(s)"))
+    write("goal up to the slots: " + ("PASS" if verdicts and all(verdicts) else "FAIL"))
