@@ -229,7 +229,7 @@ def channel_layer_config(redis_url: str) -> dict:
     return {"hosts": [{"address": redis_url, "socket_timeout": None}], "prefix": "as:asgi"}
 
 
-CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+CHANNEL_LAYERS = {"default": {"BACKEND": "audiosite.channel_layer.RetryingRedisChannelLayer",
                               "CONFIG": channel_layer_config(REDIS_URL)}
                   if REDIS_URL else {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 

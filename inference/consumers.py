@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from urllib.parse import parse_qs, urlsplit
 
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -17,6 +18,7 @@ from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 from django.http.request import split_domain_port, validate_host
 
+from audiosite.channel_layer import REDIS_DOWN
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, DrainNotice
 from audiosite.serverconfig import get_config
 from audiosite.settings import channel_layer_config
@@ -33,6 +35,7 @@ server goes away)."""
 CLOSE_GOING_AWAY = 1001
 CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL_ERROR = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_NOT_FOUND = 4404
 """Close code (application range) of a WebSocket upgrade on a path that has no WebSocket route."""
 
@@ -52,16 +55,20 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         await self.accept()
         query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         intent = (query.get("intent") or ["transcription"])[0]
-        ctx = await async_context()
-        self.session = realtime.LiveSession(ctx, self.send_event, self.close_with, get_config().live_ingest,
-                                            await realtime.default_model(ctx, (query.get("model") or [None])[0]))
+        try:
+            ctx = await async_context()
+            model = await realtime.default_model(ctx, (query.get("model") or [None])[0])
+            if intent == "transcription" and self.channel_layer is not None:
+                await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
+        except REDIS_DOWN as exc:
+            await self._refuse_without_redis(exc)
+            return
+        self.session = realtime.LiveSession(ctx, self.send_event, self.close_with, get_config().live_ingest, model)
         if intent != "transcription":
             await self.session.end(realtime.ClientError(
                 f"intent {realtime.shown(intent)} is not served; this server offers ?intent=transcription",
                 "invalid_value", param="intent"), 1008)
             return
-        if self.channel_layer is not None:
-            await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
         # A drain of this web process (SIGTERM, R8.4) ends the session with a final event and 1001;
         # the drain waits for that (until its deadline).
         self._drain_watch = DRAIN.watch(self._on_drain)
@@ -96,6 +103,15 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             log.exception("a live session failed; closing it")
             await self._abort()
 
+    async def _refuse_without_redis(self, exc: BaseException) -> None:
+        """The session cannot start: Redis is unreachable. An ``error`` event (``server_error``,
+        ``redis_unavailable``), then close code 1013 (try again later)."""
+        log.warning("refused a live session: Redis is unreachable (%s)", exc)
+        await self.send_event({"type": "error", "event_id": f"event_{uuid.uuid4().hex[:20]}", "error": {
+            "type": "server_error", "code": "redis_unavailable", "param": None, "event_id": None,
+            "message": "the coordination store (Redis) is unavailable; try again"}})
+        await self.close(code=CLOSE_TRY_AGAIN_LATER)
+
     async def _abort(self) -> None:
         """End this session after an unexpected failure: its turns and leases go, then close 1011."""
         if self.session is not None:
@@ -114,7 +130,10 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         try:
             if self.channel_layer is not None:
-                await self.channel_layer.group_discard(LIVE_GROUP, self.channel_name)
+                try:
+                    await self.channel_layer.group_discard(LIVE_GROUP, self.channel_name)
+                except REDIS_DOWN as exc:  # the group's entry expires on its own (channels-redis group_expiry)
+                    log.info("live session left its group without Redis (%s)", exc)
             if self.session is not None:
                 await self.session.close()  # its turns' leases are back (at most one decode step)
         finally:

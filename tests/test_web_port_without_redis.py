@@ -1,15 +1,19 @@
-"""A web process whose Redis goes away and comes back (``refuse_connections_without_redis``).
+"""A web process whose Redis goes away and comes back (``refuse_connections_without_redis``, and its
+realtime sessions).
 
 On: while the process's scheduler listener has lost its subscription the process refuses connections
 and has closed its idle keep-alive ones (what lets nginx's ``proxy_next_upstream error`` pass requests
 to another web process); once Redis answers again it accepts and serves on the same address. Off (the
 default): it keeps accepting and answers each API request 503 ``redis_unavailable`` in the error shape.
+An open realtime session outlives a Redis restart (its Channels layer waits for Redis), and one opened
+while Redis is gone gets an ``error`` event ``redis_unavailable`` and close code 1013.
 
 Each test runs its own ``redis-server`` (killed and started again on the same port) and one
 ``python -m audiosite.web`` process on SQLite, with no worker: the routes used read Redis only.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -21,9 +25,10 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import websockets
 
 from .redis_per_worker import _binary as redis_binary
-from .support.bounds import QUICK_S
+from .support.bounds import QUICK_S, run
 from .support.processes import ROOT, free_port, kill_process_tree
 
 pytestmark = pytest.mark.stack
@@ -169,5 +174,35 @@ def test_off_a_web_process_keeps_accepting_without_redis_and_answers_503_redis_u
             own_redis.start()
             wait_for(lambda: client.get("/v1/models").status_code == 200, QUICK_S)
         assert "refusing connections" not in (tmp_path / "web.log").read_text()
+    finally:
+        kill_process_tree(proc)
+
+
+def test_a_realtime_session_outlives_a_redis_restart_and_one_opened_without_redis_is_told_to_retry(
+        tmp_path, own_redis):
+    proc, port = start_web(tmp_path, own_redis.url, refuse=False)
+    url = f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription"
+
+    async def scenario() -> None:
+        async with websockets.connect(url) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            own_redis.kill()
+            await asyncio.sleep(NOTICE_S)
+            async with websockets.connect(url) as refused:
+                event = json.loads(await asyncio.wait_for(refused.recv(), QUICK_S))
+                assert event["type"] == "error" and event["error"]["code"] == "redis_unavailable", event
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await asyncio.wait_for(refused.recv(), QUICK_S)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+            own_redis.start()
+            await asyncio.sleep(NOTICE_S)
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+            event = json.loads(await asyncio.wait_for(ws.recv(), QUICK_S))
+            assert event["type"] == "input_audio_buffer.cleared", event
+
+    try:
+        run(scenario())
+        assert proc.poll() is None
+        assert "Exception inside application" not in (tmp_path / "web.log").read_text()
     finally:
         kill_process_tree(proc)
