@@ -67,10 +67,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import redis.exceptions
 import soxr
 
 from audiosite.drain import refusal as drain_refusal
-from audiosite.errors import ApplicationError, InvalidRequest, NotFound
+from audiosite.errors import ApplicationError, InvalidRequest, NotFound, RedisUnavailable
 from audiosite.serverconfig import LiveIngest
 from audiosite.input_checks import b64decode_strict
 from inference import services, specs
@@ -768,6 +769,31 @@ class LiveSession:
                          "content_index": 0, "delta": text})
 
     async def _transcribe(self, turn: Turn, settings: Settings) -> None:
+        """The turn's task: :meth:`_transcribe_turn`, and a ``failed`` event for the turn whatever else
+        ends it: a Redis failure (``redis_unavailable``) or a bug (``server_error``, logged). Without
+        this the task's exception went unread and the client never heard of its turn again."""
+        try:
+            await self._transcribe_turn(turn, settings)
+        except asyncio.CancelledError:
+            raise
+        except redis.exceptions.RedisError as exc:
+            log.warning("live session %s: a turn lost Redis (%s)", self.session_id, exc)
+            await self._fail_unexpectedly(turn, RedisUnavailable(
+                f"the coordination store (Redis) is unavailable or overloaded: {type(exc).__name__}"))
+        except Exception:
+            log.exception("live session %s: a turn failed", self.session_id)
+            await self._fail_unexpectedly(turn, ApplicationError("internal server error"))
+
+    async def _fail_unexpectedly(self, turn: Turn, error: ApplicationError) -> None:
+        """Send ``failed`` for ``turn`` once it is committed (as every turn's last event comes after its
+        ``committed``); nothing if its last event went out already."""
+        try:
+            await self._until_committed(turn)
+            await self._failed(turn, error)
+        except Exception as exc:  # the client left meanwhile: nobody to tell
+            log.info("live session %s: could not report a failed turn (%s)", self.session_id, exc)
+
+    async def _transcribe_turn(self, turn: Turn, settings: Settings) -> None:
         """Take the turn's lease, send partial deltas while it is spoken, then its final transcript."""
         if settings.model is None:
             await self._until_committed(turn)

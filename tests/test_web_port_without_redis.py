@@ -14,6 +14,7 @@ Each test runs its own ``redis-server`` (killed and started again on the same po
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import socket
@@ -76,18 +77,24 @@ def own_redis():
         server.kill()
 
 
-def start_web(tmp: Path, redis_url: str, refuse: bool) -> tuple[subprocess.Popen, int]:
+def start_web(tmp: Path, redis_url: str, refuse: bool, registered: bool = False) -> tuple[subprocess.Popen, int]:
     """One web process (no worker) on SQLite in ``tmp``, with ``refuse_connections_without_redis``
-    set to ``refuse``; returns it and its port once it accepts."""
+    set to ``refuse``; returns it and its port once it accepts. Its one model, a lazy Whisper named
+    ``asr``, is never loaded (no worker); ``registered``: ``migrate`` and ``sync_config`` run first, so
+    the registry in Redis names it."""
     port = free_port()
     config = tmp / "server.json"
-    model = {"id": "vad", "family": "silero_vad", "task": "vad", "lazy": True}  # never loaded: no worker
+    model = {"id": "asr", "family": "whisper", "task": "asr", "lazy": True}
     config.write_text(json.dumps({"host": "127.0.0.1", "port": port, "backend": "cpu", "models": [model],
                                   "refuse_connections_without_redis": refuse}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
     env.pop("DATABASE_URL", None)
     env.update(REDIS_URL=redis_url, AUDIOSITE_CONFIG=str(config), AUDIOSITE_VAR_DIR=str(tmp / "var"),
                PYTHONUNBUFFERED="1")
+    for command in (["migrate", "--verbosity", "0"], ["sync_config"]) if registered else ():
+        done = subprocess.run([sys.executable, "manage.py", *command], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=QUICK_S * 2)
+        assert done.returncode == 0, done.stdout + done.stderr
     log = tmp / "web.log"
     proc = subprocess.Popen([sys.executable, "-m", "audiosite.web", "-b", "127.0.0.1", "-p", str(port),
                              "audiosite.asgi:application"], cwd=ROOT, env=env, stdout=log.open("wb"),
@@ -180,13 +187,25 @@ def test_off_a_web_process_keeps_accepting_without_redis_and_answers_503_redis_u
 
 def test_a_realtime_session_outlives_a_redis_restart_and_one_opened_without_redis_is_told_to_retry(
         tmp_path, own_redis):
-    proc, port = start_web(tmp_path, own_redis.url, refuse=False)
+    """Also: a turn committed while Redis is gone ends with ``…transcription.failed`` ``redis_unavailable``
+    (its task's error used to go unread: the client never heard of the turn again)."""
+    proc, port = start_web(tmp_path, own_redis.url, refuse=False, registered=True)
     url = f"ws://127.0.0.1:{port}/v1/realtime?intent=transcription"
 
     async def scenario() -> None:
         async with websockets.connect(url) as ws:
             assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
+                "input": {"turn_detection": None, "transcription": {"model": "asr"}}}}}))
+            assert json.loads(await ws.recv())["type"] == "session.updated"
             own_redis.kill()
+            await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                      "audio": base64.b64encode(bytes(48000)).decode()}))  # 1 s at 24 kHz
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), QUICK_S))["type"] == "input_audio_buffer.committed"
+            event = json.loads(await asyncio.wait_for(ws.recv(), QUICK_S))
+            assert event["type"] == "conversation.item.input_audio_transcription.failed", event
+            assert event["error"]["code"] == "redis_unavailable", event
             await asyncio.sleep(NOTICE_S)
             async with websockets.connect(url) as refused:
                 event = json.loads(await asyncio.wait_for(refused.recv(), QUICK_S))
