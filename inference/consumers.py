@@ -109,7 +109,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         log.warning("refused a live session: Redis is unreachable (%s)", exc)
         await self.send_event({"type": "error", "event_id": f"event_{uuid.uuid4().hex[:20]}", "error": {
             "type": "server_error", "code": "redis_unavailable", "param": None, "event_id": None,
-            "message": "the coordination store (Redis) is unavailable; try again"}})
+            "message": f"the coordination store (Redis) is unavailable, or this server's connections to it are "
+                       f"all in use ({exc}); try again"}})
         await self.close(code=CLOSE_TRY_AGAIN_LATER)
 
     async def _abort(self) -> None:
