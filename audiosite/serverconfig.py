@@ -205,10 +205,11 @@ class ServerConfig(_Strict):
     wyoming_max_connections: int = Field(default=32, ge=1, le=4096)
     """Connections ``manage.py wyoming`` serves at once (``inference.wyoming_server``); one more gets an
     ``error`` event ``too_many_connections``. Each buffers at most one transcription's audio."""
-    refuse_connections_without_redis: bool = False
+    refuse_connections_when_unready: bool = False
     """A web process closes its listening ports (and its idle keep-alive connections) while its Redis
-    subscription is lost, so that a proxy passes requests to another web process
-    (``audiosite.http.port_gate``); false: it keeps accepting and answers 503 ``redis_unavailable``."""
+    subscription is lost and once it drains, so that a proxy passes requests to another web process
+    (``audiosite.http.port_gate``); false: it keeps accepting and answers 503 ``redis_unavailable`` or
+    ``shutting_down``."""
     model_processes: bool = True
     """True (the default): each loaded model's sessions run in a process of its own
     (``inference.worker.pool_process``): a crash costs only that model, a run past its deadline is

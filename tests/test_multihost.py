@@ -17,7 +17,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from .support.clients import body, error_of, post
 from .support.delay_relay import ask
 from .support.multihost import NGINX, Rig, run_rig
 from .support.netns import netns_problem
-from .support.processes import ROOT, free_port, need_program
+from .support.processes import ROOT, accepts_connections, free_port, need_program
 from .support.stacks import FIXTURE_ENV, REDIS_BASE
 
 pytestmark = pytest.mark.stack
@@ -212,7 +211,7 @@ def test_a_worker_host_cut_off_loses_its_runs_then_rejoins_without_answering_fro
 
 def test_a_web_host_cut_off_redis_leaves_nginxs_rotation_and_serves_again_once_restored(rig):
     """web1 is cut off the Redis path (a firewall that rejects: new connections refused, open ones
-    reset). With ``refuse_connections_without_redis`` (set as docs/operations.md tells an operator
+    reset). With ``refuse_connections_when_unready`` (set as docs/operations.md tells an operator
     behind nginx) web1 refuses connections within a second, so every request through the proxy is
     answered 200 (nginx passes each refused one to web2), and web2 serves directly too. Restored,
     web1 accepts again within a second and serves without a restart, and nothing is held."""
@@ -227,7 +226,7 @@ def test_a_web_host_cut_off_redis_leaves_nginxs_rotation_and_serves_again_once_r
             cut_at = time.monotonic()
             rig.cut_off_redis("web1")
             try:
-                await until(lambda: not accepts(web1_address.hostname, web1_address.port), 1.0)
+                await until(lambda: not accepts_connections(web1_address.hostname, web1_address.port), 1.0)
                 refused_s = time.monotonic() - cut_at
                 through_proxy = [(await post(proxy, "fx"))[0] for _ in range(6)]
                 assert [r.status_code for r in through_proxy] == [200] * 6, [r.text[:200] for r in through_proxy]
@@ -235,7 +234,7 @@ def test_a_web_host_cut_off_redis_leaves_nginxs_rotation_and_serves_again_once_r
             finally:
                 rig.net.unblock("web1", "relay")
             restored_at = time.monotonic()
-            await until(lambda: accepts(web1_address.hostname, web1_address.port), 2.0)
+            await until(lambda: accepts_connections(web1_address.hostname, web1_address.port), 2.0)
             print(f"web1 refused connections {refused_s * 1000:.0f} ms after the cut and accepted again "
                   f"{(time.monotonic() - restored_at) * 1000:.0f} ms after the link was restored")
             answers = [(await post(web1, "fx"))[0] for _ in range(6)]
@@ -246,14 +245,6 @@ def test_a_web_host_cut_off_redis_leaves_nginxs_rotation_and_serves_again_once_r
     rig.wait_idle("fx")
     assert_nothing_held(rig)
 
-
-def accepts(host: str, port: int) -> bool:
-    """True if a TCP connection to ``host:port`` is accepted, False if it is refused."""
-    try:
-        with socket.create_connection((host, port), timeout=2):
-            return True
-    except ConnectionRefusedError:
-        return False
 
 
 def test_redis_restarted_with_its_state_lost_is_recovered_without_restarting_a_process(rig):
@@ -270,7 +261,7 @@ def test_redis_restarted_with_its_state_lost_is_recovered_without_restarting_a_p
             assert (await post(proxy, "vad"))[0].status_code == 200
             rig.kill_redis()
             webs = [urlsplit(rig.members[name].url) for name in ("web1", "web2")]
-            await until(lambda: not any(accepts(web.hostname, web.port) for web in webs), 1.0)
+            await until(lambda: not any(accepts_connections(web.hostname, web.port) for web in webs), 1.0)
             resp, _, _ = await post(proxy, "vad")  # no web process accepts: nginx's answer, in the API's shape
             assert error_of(resp, (503,))["code"] == "no_web_process" and resp.headers["Retry-After"] == "1"
             rig.start_redis()

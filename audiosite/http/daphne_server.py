@@ -81,7 +81,7 @@ from zope.interface import implementer
 from audiosite import heartbeat
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge, error_body
-from audiosite.http.port_gate import GATE, follow_redis
+from audiosite.http.port_gate import DRAINING, GATE, follow_redis
 from audiosite.serverconfig import get_config
 from inference.runtime import metrics
 
@@ -264,6 +264,7 @@ class DeadlineHTTPChannel(twisted.web.http.HTTPChannel):
         super().__init__()
         self._deadline_call = None
         self._awaiting_request = True  # the next byte begins a request's headers
+        self.partial_request = False  # bytes of a request arrived and its body is not complete yet
 
     def connectionMade(self) -> None:  # noqa: N802 (Twisted's interface)
         super().connectionMade()
@@ -275,6 +276,7 @@ class DeadlineHTTPChannel(twisted.web.http.HTTPChannel):
         if self._awaiting_request and self._deadline_call is None:
             self._arm("headers", get_config().request_header_timeout_ms)
         self._awaiting_request = False
+        self.partial_request = True
         super().dataReceived(data)
 
     def allHeadersReceived(self) -> None:  # noqa: N802 (Twisted's interface)
@@ -286,6 +288,7 @@ class DeadlineHTTPChannel(twisted.web.http.HTTPChannel):
     def allContentReceived(self) -> None:  # noqa: N802 (Twisted's interface)
         self._disarm()
         self._awaiting_request = True
+        self.partial_request = False
         super().allContentReceived()
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:  # noqa: N802 (Twisted's interface)
@@ -402,7 +405,7 @@ class DrainingServer(Server):
             reactor.callWhenRunning(self._install_signal_handlers)
         reactor.callWhenRunning(heartbeat.start)  # serve's liveness check of this loop (audiosite.heartbeat)
         reactor.callWhenRunning(metrics.process_publish_start)  # this process's CPU and memory for /metrics
-        if get_config().refuse_connections_without_redis:
+        if get_config().refuse_connections_when_unready:
             reactor.callWhenRunning(lambda: asyncio.ensure_future(follow_redis()))
         super().run()
 
@@ -429,6 +432,8 @@ class DrainingServer(Server):
     async def _drain_then_stop(self) -> None:
         started = time.monotonic()
         try:
+            if get_config().refuse_connections_when_unready:  # a proxy sends new requests elsewhere
+                GATE.close(DRAINING)
             DRAIN.begin(get_config().shutdown_timeout_ms)
             clean = await DRAIN.wait(EXPIRY_GRACE_S)
             await self._close_connections()

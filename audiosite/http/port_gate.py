@@ -1,25 +1,24 @@
-"""A web process behind a proxy leaves its rotation while it cannot reach Redis (``refuse_connections_without_redis``).
+"""A web process behind a proxy leaves its rotation while it cannot serve (``refuse_connections_when_unready``).
 
-A web process that cannot reach Redis can admit nothing: every API request it accepts is answered
-503 ``redis_unavailable``. A proxy without active health checks (open-source nginx) keeps sending it
-its share of the requests, and passes a request to another upstream only when *connecting* fails
-(``proxy_next_upstream error``; a POST that reached an upstream is never sent to a second one). So,
-with ``refuse_connections_without_redis`` on, the web process makes connecting fail while Redis is
-out of reach:
+A web process that cannot reach Redis can admit nothing (every API request it accepts is answered 503
+``redis_unavailable``), and one that drains (R8.4, SIGTERM) answers new calls 503 ``shutting_down``. A
+proxy without active health checks (open-source nginx) keeps sending such a process its share of the
+requests, and passes a request to another upstream only when *connecting* fails (``proxy_next_upstream
+error``; a POST that reached an upstream is never sent to a second one). So, with
+``refuse_connections_when_unready`` on, the web process makes connecting fail while it is unready:
 
-- when its scheduler listener's subscription fails (``Listener.watch_subscription``: Redis reset,
-  refused or closed the connection), it stops listening on its ports (connections are refused) and
-  closes every idle keep-alive connection, so that the proxy's cached connections to it are dropped
-  too; a connection with a request in progress is closed once that request has been answered
-  (HTTP ``persistent`` off), and WebSockets are left to their own fate;
-- when the listener has subscribed again, it listens again on the same addresses.
+- it stops listening on its ports (connections are refused) and closes every idle keep-alive
+  connection, so that the proxy's cached connections to it are dropped too; a connection with a
+  request in progress is closed once that request has been answered (HTTP ``persistent`` off), and
+  WebSockets are left open (a drain ends them with its own close frame);
+- *Redis*: from the moment its scheduler listener's subscription fails (``Listener.watch_subscription``:
+  Redis reset, refused or closed the connection) until the listener has subscribed again; at start, a
+  web process that cannot reach Redis closes its ports at its first try and opens them once Redis
+  answers (the scheduler context exists). A silent partition (packets dropped, no reset) is not noticed;
+- *drain*: from the drain's start until the process exits (admitted requests finish meanwhile).
 
-At start, a web process that cannot reach Redis closes its ports at its first try and opens them
-once Redis answers (the scheduler context exists). A silent
-partition (packets dropped, no reset) is not noticed (the listener's ``watch_subscription``).
-Off (the default, one web process as ``manage.py serve`` runs it), the port stays open and every
-request is answered 503 ``redis_unavailable`` instead: a client then gets the error shape instead of a
-refused connection. docs/operations.md, "Faults between hosts".
+Off (the default, one web process as ``manage.py serve`` runs it), the port stays open: a client then
+gets the error shape instead of a refused connection. docs/operations.md, "Faults between hosts".
 """
 from __future__ import annotations
 
@@ -34,10 +33,13 @@ log = logging.getLogger("audiosite.web")
 
 CONTEXT_RETRY_S = 0.5
 """How long to wait before asking Redis again for the scheduler context at start (s)."""
+REDIS = "Redis is out of reach"
+DRAINING = "draining"
+"""The reasons a gate is closed for (:meth:`PortGate.close`)."""
 
 
 class PortGate:
-    """The listening ports and open HTTP channels of one web process, closed and opened together.
+    """The listening ports and open HTTP channels of one web process, closed while any reason holds.
 
     Ports are Twisted ``IListeningPort`` objects (``tcp.Port``: ``stopListening`` then
     ``startListening`` binds the same address again); channels are ``twisted.web.http.HTTPChannel``
@@ -47,8 +49,13 @@ class PortGate:
     def __init__(self) -> None:
         self.ports: list[Any] = []
         self.channels: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.open = True
+        self.reasons: set[str] = set()
         self._port_calls: list[Any] = []
+
+    @property
+    def open(self) -> bool:
+        """True while no reason to refuse holds."""
+        return not self.reasons
 
     def add_port(self, port: Any) -> None:
         """A port daphne listens on (closed at once if the gate is closed)."""
@@ -56,23 +63,26 @@ class PortGate:
         if not self.open:
             self._port_calls.append(port.stopListening())
 
-    def close(self, why: str) -> None:
-        """Refuse new connections and close the idle ones (no-op if already closed)."""
-        if not self.open:
+    def close(self, reason: str) -> None:
+        """Refuse new connections and close the idle ones, for ``reason`` (:data:`REDIS`, :data:`DRAINING`)."""
+        was_open = self.open
+        self.reasons.add(reason)
+        if not was_open:
             return
-        self.open = False
-        log.warning("%s: refusing connections until it answers again (refuse_connections_without_redis)", why)
+        log.warning("%s: refusing connections (refuse_connections_when_unready)", reason)
         for port in self.ports:
             self._port_calls.append(port.stopListening())
         for channel in list(self.channels):
             channel_idle_close(channel)
 
-    def reopen(self) -> None:
-        """Listen again on every port (no-op if open)."""
-        if self.open:
+    def reopen(self, reason: str) -> None:
+        """``reason`` no longer holds; listen again on every port once no other one does."""
+        if reason not in self.reasons:
             return
-        self.open = True
-        log.warning("Redis answers again: accepting connections")
+        self.reasons.discard(reason)
+        if not self.open:
+            return
+        log.warning("%s no longer: accepting connections", reason)
         for port in self.ports:
             try:
                 port.startListening()
@@ -85,7 +95,7 @@ def channel_idle_close(channel: Any) -> None:
     transport = getattr(channel, "transport", None)
     if transport is None:
         return
-    if not channel.requests and not channel._handlingRequest and getattr(channel, "_awaiting_request", True):
+    if not channel.requests and not channel._handlingRequest and not getattr(channel, "partial_request", False):
         transport.loseConnection()
     else:
         channel.persistent = False  # Twisted closes the connection once this request is done
@@ -96,7 +106,8 @@ GATE = PortGate()
 
 
 async def follow_redis(gate: PortGate = GATE) -> None:
-    """Keep ``gate`` open exactly while this loop's scheduler listener is subscribed (module doc).
+    """Keep ``gate`` closed for :data:`REDIS` exactly while this loop's scheduler listener is not
+    subscribed (module doc).
 
     Waits for the scheduler context (retrying every :data:`CONTEXT_RETRY_S`; the gate is closed
     meanwhile), then leaves a watcher on its listener and returns.
@@ -108,14 +119,15 @@ async def follow_redis(gate: PortGate = GATE) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            gate.close(f"Redis is unreachable at start ({exc})")
+            log.warning("Redis is unreachable at start (%s)", exc)
+            gate.close(REDIS)
             await asyncio.sleep(CONTEXT_RETRY_S)
 
     def on_change(subscribed: bool) -> None:
         if subscribed:
-            gate.reopen()
+            gate.reopen(REDIS)
         else:
-            gate.close("lost the connection to Redis")
+            gate.close(REDIS)
 
     ctx.listener.watch_subscription(on_change)
     on_change(ctx.listener.subscribed)

@@ -72,9 +72,9 @@ class Rig(Deployment):
         self.extra_env = extra_env or {}
         ip = {name: host.ip for name, host in self.hosts.items()}
         self.proxy_url = f"http://{ip['proxy']}:{PROXY_PORT}"
-        # refuse_connections_without_redis: as docs/operations.md sets it for web processes behind nginx
+        # refuse_connections_when_unready: as docs/operations.md sets it for web processes behind nginx
         self.config = {"host": "0.0.0.0", "port": WEB_PORT, "backend": "cpu", "shutdown_timeout_ms": 5000,
-                       "refuse_connections_without_redis": True,
+                       "refuse_connections_when_unready": True,
                        "allowed_hosts": [ip["proxy"], ip["web1"], ip["web2"]], "models": models,
                        **(extra_config or {})}
         self.dsn = f"postgres://postgres:{self.pg_password}@{ip['db']}:{PG_PORT}/audiosite"

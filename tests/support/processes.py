@@ -147,3 +147,12 @@ def need_program(found: str | os.PathLike | None, name: str, package: str) -> st
     if os.environ.get("AUDIOSITE_REQUIRE_PROGRAMS") == "1":
         pytest.fail(message + ", and AUDIOSITE_REQUIRE_PROGRAMS=1 turns the skip into a failure", pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+def accepts_connections(host: str, port: int) -> bool:
+    """True if a TCP connection to ``host:port`` is accepted, False if it is refused (other errors raise)."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except ConnectionRefusedError:
+        return False

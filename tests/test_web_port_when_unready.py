@@ -1,5 +1,5 @@
-"""A web process whose Redis goes away and comes back (``refuse_connections_without_redis``, and its
-realtime sessions).
+"""A web process that cannot serve for a while (``refuse_connections_when_unready``): its Redis goes away
+and comes back, or it drains; and its realtime sessions across a Redis outage.
 
 On: while the process's scheduler listener has lost its subscription the process refuses connections
 and has closed its idle keep-alive ones (what lets nginx's ``proxy_next_upstream error`` pass requests
@@ -8,8 +8,13 @@ default): it keeps accepting and answers each API request 503 ``redis_unavailabl
 An open realtime session outlives a Redis restart (its Channels layer waits for Redis), and one opened
 while Redis is gone gets an ``error`` event ``redis_unavailable`` and close code 1013.
 
-Each test runs its own ``redis-server`` (killed and started again on the same port) and one
-``python -m audiosite.web`` process on SQLite, with no worker: the routes used read Redis only.
+On, it also refuses connections from the start of its drain (SIGTERM) while the request it holds is
+answered.
+
+The Redis tests run their own ``redis-server`` (killed and started again on the same port) and one
+``python -m audiosite.web`` process on SQLite, with no worker: the routes used read Redis only. The
+drain test runs a web process and a worker as docs/operations.md ("Scale-out") starts them, with a
+fixture run held at a barrier.
 """
 from __future__ import annotations
 
@@ -26,11 +31,15 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import signal
 import websockets
 
 from .redis_per_worker import _binary as redis_binary
-from .support.bounds import QUICK_S, run
-from .support.processes import ROOT, free_port, kill_process_tree
+from .support.bounds import QUICK_S, run, until, within
+from .support.clients import mclient, post
+from .support.cluster import run_cluster
+from .support.processes import ROOT, accepts_connections, free_port, kill_process_tree
+from .support.stacks import FIXTURE_ENV
 
 pytestmark = pytest.mark.stack
 
@@ -78,7 +87,7 @@ def own_redis():
 
 
 def start_web(tmp: Path, redis_url: str, refuse: bool, registered: bool = False) -> tuple[subprocess.Popen, int]:
-    """One web process (no worker) on SQLite in ``tmp``, with ``refuse_connections_without_redis``
+    """One web process (no worker) on SQLite in ``tmp``, with ``refuse_connections_when_unready``
     set to ``refuse``; returns it and its port once it accepts. Its one model, a lazy Whisper named
     ``asr``, is never loaded (no worker); ``registered``: ``migrate`` and ``sync_config`` run first, so
     the registry in Redis names it."""
@@ -86,7 +95,7 @@ def start_web(tmp: Path, redis_url: str, refuse: bool, registered: bool = False)
     config = tmp / "server.json"
     model = {"id": "asr", "family": "whisper", "task": "asr", "lazy": True}
     config.write_text(json.dumps({"host": "127.0.0.1", "port": port, "backend": "cpu", "models": [model],
-                                  "refuse_connections_without_redis": refuse}))
+                                  "refuse_connections_when_unready": refuse}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUDIOSITE_")}
     env.pop("DATABASE_URL", None)
     env.update(REDIS_URL=redis_url, AUDIOSITE_CONFIG=str(config), AUDIOSITE_VAR_DIR=str(tmp / "var"),
@@ -100,19 +109,11 @@ def start_web(tmp: Path, redis_url: str, refuse: bool, registered: bool = False)
                              "audiosite.asgi:application"], cwd=ROOT, env=env, stdout=log.open("wb"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + QUICK_S * 2
-    while not accepts(port):
+    while not accepts_connections("127.0.0.1", port):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
     return proc, port
 
-
-def accepts(port: int) -> bool:
-    """True if a TCP connection to the port is accepted (False if refused)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except ConnectionRefusedError:
-        return False
 
 
 def wait_for(predicate, timeout_s: float) -> float:
@@ -145,14 +146,14 @@ def test_on_a_web_process_refuses_connections_while_redis_is_gone_and_serves_onc
             assert b" 200 " in idle.recv(65536).split(b"\r\n", 1)[0]
 
             own_redis.kill()
-            closed_s = wait_for(lambda: not accepts(port), NOTICE_S)
+            closed_s = wait_for(lambda: not accepts_connections("127.0.0.1", port), NOTICE_S)
             wait_for(lambda: connection_closed_by_server(idle), NOTICE_S)
             idle.close()
             time.sleep(0.5)  # the listener's retries (every 0.2 s) fail meanwhile; still refused
-            assert not accepts(port)
+            assert not accepts_connections("127.0.0.1", port)
 
             own_redis.start()
-            opened_s = wait_for(lambda: accepts(port), NOTICE_S + 1)
+            opened_s = wait_for(lambda: accepts_connections("127.0.0.1", port), NOTICE_S + 1)
             resp = client.get("/v1/models")
             assert resp.status_code == 200, resp.text
         assert proc.poll() is None
@@ -177,7 +178,7 @@ def test_off_a_web_process_keeps_accepting_without_redis_and_answers_503_redis_u
                 assert time.monotonic() - started < 1.0
                 assert resp.status_code == 503 and resp.headers.get("Retry-After") == "1", resp.text
                 assert resp.json()["error"]["code"] == "redis_unavailable"
-            assert accepts(port)
+            assert accepts_connections("127.0.0.1", port)
             own_redis.start()
             wait_for(lambda: client.get("/v1/models").status_code == 200, QUICK_S)
         assert "refusing connections" not in (tmp_path / "web.log").read_text()
@@ -225,3 +226,38 @@ def test_a_realtime_session_outlives_a_redis_restart_and_one_opened_without_redi
         assert "Exception inside application" not in (tmp_path / "web.log").read_text()
     finally:
         kill_process_tree(proc)
+
+
+def test_on_a_draining_web_process_refuses_connections_and_answers_the_request_it_holds(tmp_path):
+    """SIGTERM to a web process holding a fixture run at a barrier: its port refuses connections within
+    a second (a proxy would send new requests elsewhere) and its idle keep-alive connection is closed,
+    while the held request is still answered 200 once released; then the process exits 0."""
+    models = [{"id": "held", "family": "fixture", "slots": 1, "lazy": True}]
+    clusters = run_cluster(tmp_path, models, redis_db=8, name="unready", webs=1, workers=1, extra_env=FIXTURE_ENV,
+                           extra_config={"refuse_connections_when_unready": True})
+    cluster = next(clusters)
+    try:
+        (web,) = cluster.webs
+        address = httpx.URL(web.url)
+
+        async def scenario() -> None:
+            async with mclient(web, None) as client:
+                assert (await post(client, "held"))[0].status_code == 200
+                idle = socket.create_connection((address.host, address.port))
+                held = asyncio.create_task(post(client, "held", barrier="unready-hold"))
+                await until(lambda: cluster.arrived("unready-hold") == 1)
+                web.proc.send_signal(signal.SIGTERM)
+                await until(lambda: not accepts_connections(address.host, address.port), 1.0)
+                await until(lambda: connection_closed_by_server(idle), 1.0)
+                idle.close()
+                assert web.proc.poll() is None and not held.done()
+                cluster.release("unready-hold")
+                resp, _, _ = await within(held)
+                assert resp.status_code == 200, resp.text
+
+        run(scenario())
+        assert web.proc.wait(QUICK_S) == 0
+        assert cluster.counters("held") == {"leases": 0, "queued": 0}
+    finally:
+        next(clusters, None)
+
