@@ -151,6 +151,10 @@ def check_model_entry(entry: dict) -> list[EntryProblem]:
     if modes and entry.get("mode", "offline") not in modes:
         problems.append(EntryProblem("mode", f"{entry.get('mode', 'offline')!r} is not among the registration's "
                                              f"modes {modes} (the mode its slot count is admitted for)"))
+    if modes and (task or spec["tasks"][0]) == "tts" and "streaming" not in modes:
+        problems.append(EntryProblem("modes", f"a speech model answers /v1/audio/speech as a stream (sentence by "
+                                              f"sentence, R8.3): its modes {modes} must include 'streaming' "
+                                              f"(or leave modes out)"))
     if (entry.get("max_batch") or 1) > 1:
         served = entry.get("modes") or spec["modes"]
         if "batch" not in spec["modes"]:

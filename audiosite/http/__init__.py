@@ -40,7 +40,8 @@ listed internal in the new version's source, adapt the module, then bump the pin
   - module attributes replaced by ``install()``: ``daphne.http_protocol.WebRequest``,
     ``daphne.server.HTTPFactory``, ``daphne.ws_protocol.WebSocketFactory.protocol``,
     ``daphne.cli.CommandLineInterface.server_class``
-  - ``daphne.http_protocol.WebRequest.process``, ``.handle_reply``, ``.connectionLost`` (overridden)
+  - ``daphne.http_protocol.WebRequest.process``, ``.handle_reply``, ``.connectionLost``, ``.handle_exception``
+    (overridden), ``._response_started``
   - ``twisted.web.http.Request._parsePOSTFormSubmission`` (set), ``.gotLength``, ``.handleContentChunk``
     (overridden), ``.content``, ``.channel``, ``.producer``
   - ``twisted.web.http.HTTPChannel._handlingRequest``, ``._waitingForTransport``, ``.length``,

@@ -236,6 +236,19 @@ class BoundedWebRequest(daphne.http_protocol.WebRequest):
         if channel is not None and channel.transport is not None:
             channel.transport.abortConnection()
 
+    def handle_exception(self, exception) -> None:
+        """daphne: the application raised. Before the response started, daphne's own 500. After it (a
+        streamed body cut by a failure, e.g. the model's process ended mid-speech), the connection is
+        closed without ending the body, so the client sees it cut short (a chunked body without its last
+        chunk) at once instead of waiting for bytes that will never come."""
+        if not self._response_started:
+            super().handle_exception(exception)
+            return
+        log.warning("a streamed response was cut by %s: closing its connection", type(exception).__name__)
+        channel = getattr(self, "channel", None)
+        if channel is not None and channel.transport is not None:
+            channel.transport.loseConnection()
+
     def connectionLost(self, reason) -> None:
         if self._linger_call is not None and self._linger_call.active():
             self._linger_call.cancel()

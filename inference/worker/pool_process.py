@@ -150,6 +150,7 @@ class ProcessPool:
         self._closing = False
         self._kill_reason = ""
         self._exited = threading.Event()
+        self._pidfd = _pidfd_open(process.pid)
         self._watcher = threading.Thread(target=self._watch, name=f"pool {model_id}", daemon=True)
 
     @classmethod
@@ -262,13 +263,16 @@ class ProcessPool:
 
     def kill(self, reason: str) -> None:
         """Kill the process now (SIGKILL); ``reason`` is what the runs in flight and the record say."""
-        with self._lock:
-            self._kill_reason = self._kill_reason or reason
         log.warning("killing the process of %s (pid %s): %s", self.model_id, self.pid, reason)
-        try:
-            self._process.kill()
-        except (OSError, ValueError):  # already gone or closed
-            pass
+        with self._lock:  # the watcher closes the pidfd under it: never a stale descriptor
+            self._kill_reason = self._kill_reason or reason
+            try:
+                if self._pidfd is not None:  # the process itself, even once the fork server is gone
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                elif not self._exited.is_set():
+                    self._process.kill()
+            except (OSError, ValueError):  # already gone or closed
+                pass
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Ask the process to finish its runs, close sessions then weights (R4.5) and exit; wait for it
@@ -278,8 +282,7 @@ class ProcessPool:
             self._control.send(("close",))
         except (OSError, ValueError):
             pass
-        self._process.join(wait_s)
-        if self._process.is_alive():
+        if not self._exited.wait(wait_s):  # the watcher saw the process end (its pidfd, not the fork server)
             log.warning("the process of %s did not exit within %.0f s; killing it", self.model_id, wait_s)
             self.kill("closing took too long")
         self._exited.wait(EXIT_WAIT_S + 1)
@@ -287,9 +290,23 @@ class ProcessPool:
 
     def _watch(self) -> None:
         """Wait for the process's end; unless it was asked to close, record it (``on_exit``) before the runs
-        in flight, which see their pipes end, answer ``crashed`` (class docstring)."""
-        multiprocessing.connection.wait([self._process.sentinel])
-        reason = self._kill_reason or exit_text(_joined(self._process))
+        in flight, which see their pipes end, answer ``crashed`` (class docstring).
+
+        The end is the process's pidfd becoming readable (Linux 5.3+). ``multiprocessing``'s sentinel is
+        a socket to the fork server, which also ends when the *fork server* dies (the OOM killer may
+        pick it) while every model's process lives on: that alone is not taken for this process's end
+        (its exit status, which only the fork server could report, is then unknown)."""
+        sentinel = self._process.sentinel
+        status_lost = False
+        if self._pidfd is None:  # no pidfd here: the sentinel is all there is
+            multiprocessing.connection.wait([sentinel])
+        elif self._pidfd not in multiprocessing.connection.wait([sentinel, self._pidfd]):
+            log.warning("the fork server of %s's process ended; the process (pid %s) runs on, watched by its pid",
+                        self.model_id, self.pid)
+            multiprocessing.connection.wait([self._pidfd])
+            status_lost = True
+        reason = self._kill_reason or ("ended (its exit status was lost with the fork server)" if status_lost
+                                       else exit_text(_joined(self._process)))
         if not self._closing:
             log.error("the process of %s (pid %s) ended: %s", self.model_id, self.pid, reason)
             try:
@@ -300,11 +317,24 @@ class ProcessPool:
         self._exited.set()
         for conn in (self._control, *self._pipes):
             conn.close()
+        with self._lock:
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+
 
 
 SLOT_WAIT_S = 5.0
 """How long a run waits for a free pipe (s); admission grants no more runs than slots, so a run finds
 one at once (as ``pool.Pool.slot``)."""
+
+
+def _pidfd_open(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once the process has ended), or None where the kernel has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _joined(process: Any) -> int | None:

@@ -1,0 +1,158 @@
+"""Failures around the models' own processes (``model_processes``, ``inference.worker.pool_process``) that
+the isolation tests (``tests/test_model_processes.py``) do not provoke, and a registration whose modes
+leave a speech model nothing to serve. Real ``manage.py serve --parallel-jobs``, real Celery worker,
+Redis db 4, PostgreSQL, the packaged Piper voice beside fixture models.
+
+- The worker's fork server (the process every model's process is forked from) killed: no model's
+  process ended, so their runs in flight and their next requests are answered as before.
+- A raw-audio speech response (no SSE) whose model's process is killed mid-stream ends at once (a
+  short body or a broken connection), not when the client's own timeout runs out.
+- A speech registration with ``modes: ["offline"]`` is either refused or serves speech.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from inference.runtime.context import KEYS
+
+from .support.bounds import MODEL_S, QUICK_S, run, until
+from .support.clients import body, mclient, post
+from .support.stacks import FIXTURE_ENV, entry_of, fx, live_workers, run_stack, worker_pid
+
+pytestmark = pytest.mark.stack
+
+MODELS = [
+    fx("fx", slots=2),
+    fx("fx-idle"),
+    {**fx("fx-later"), "lazy": True},
+    {"id": "piper", "family": "piper", "task": "tts", "lazy": True},
+]
+LONG_TEXT = " ".join(f"This is sentence number {n} of a long answer that keeps the voice busy." for n in range(40))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    yield from run_stack(tmp_path_factory.mktemp("process_failures"), MODELS, redis_db=4, name="process_failures",
+                         parallel=True, extra_env=FIXTURE_ENV,
+                         extra_config={"model_processes": True, "ui_management": True})
+
+
+@pytest.fixture(scope="module")
+def token(stack) -> str:
+    done = stack.manage("issue_token", "operator")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def pool_pids(stack) -> dict[str, int]:
+    """Model id -> process id of each model's process on the stack's one worker (``Keys.pool_pids``)."""
+    (host,) = live_workers(stack)
+    return {model: int(pid) for model, pid in stack.redis.hgetall(KEYS.pool_pids(host)).items()}
+
+
+def fork_server(stack) -> psutil.Process:
+    """The worker's ``multiprocessing`` fork server (its child whose command line runs ``forkserver``)."""
+    found = [child for child in psutil.Process(worker_pid(stack)).children()
+             if "forkserver" in " ".join(child.cmdline())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_killing_the_fork_server_leaves_every_models_process_and_its_runs_alone(stack):
+    """SIGKILL of the fork server (about 230 MB resident: the OOM killer may pick it) while a run of
+    ``fx`` is held in its model's process and ``fx-idle`` is loaded and idle: no model's process ended,
+    so the held run is answered 200 once released, ``fx-idle`` answers its next request from the same
+    process, and both models still read ``ready``; a model loaded afterwards gets a process from a new
+    fork server."""
+    async def scenario():
+        async with mclient(stack, None, timeout=MODEL_S) as c:
+            for model in ("fx", "fx-idle"):
+                assert (await c.post("/v1/tasks/run", json=body(model))).status_code == 200
+            before = pool_pids(stack)
+            held = asyncio.create_task(post(c, "fx", barrier="held-over-fork-server"))
+            await until(lambda: stack.arrived("held-over-fork-server") == 1, QUICK_S)
+            fork_server(stack).kill()
+            await asyncio.sleep(0.5)
+            alive = {model: psutil.pid_exists(pid) for model, pid in before.items()}
+            stack.release("held-over-fork-server")
+            resp, _, _ = await held
+            idle = await c.post("/v1/tasks/run", json=body("fx-idle"))
+            later = await c.post("/v1/tasks/run", json=body("fx-later"))  # its load needs a new fork server
+            return before, alive, resp, idle, later
+
+    before, alive, held, idle, later = run(scenario())
+    assert later.status_code == 200, later.text
+    assert held.status_code == 200, (alive, held.text)
+    assert idle.status_code == 200, (alive, idle.text)
+    for model in ("fx", "fx-idle"):
+        assert entry_of(stack, model)["state"] == "ready", entry_of(stack, model)
+        assert pool_pids(stack)[model] == before[model]
+        assert stack.counters(model) == {"leases": 0, "queued": 0}
+
+
+@pytest.mark.parametrize("response_format", ["wav", "mp3"])
+def test_a_raw_speech_stream_whose_models_process_dies_ends_at_once(stack, response_format):
+    """A speech response without SSE (``response_format`` wav or mp3, streamed sentence by sentence) whose
+    model's process is SIGKILLed after its first bytes: its body ends within a few seconds of the kill
+    (short, or with a broken connection: its headers were out), not when the client's read timeout
+    (here 60 s) runs out; the lease is back and the next request is served."""
+    with stack.client() as c:  # load the voice (lazy) before the clock starts
+        assert c.post("/v1/tasks/run", json={"model": "piper", "request": {"text": "Warm up."}}).status_code == 200
+
+    async def scenario():
+        pid = pool_pids(stack)["piper"]
+        received, killed_at, outcome = 0, None, "complete"
+        async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(MODEL_S, read=60)) as c:
+            try:
+                request = {"model": "piper", "input": LONG_TEXT, "voice": "joe", "response_format": response_format}
+                async with c.stream("POST", "/v1/audio/speech", json=request) as resp:
+                    assert resp.status_code == 200
+                    async for chunk in resp.aiter_bytes():
+                        received += len(chunk)
+                        if killed_at is None:
+                            os.kill(pid, signal.SIGKILL)
+                            killed_at = time.monotonic()
+            except httpx.ReadTimeout:
+                outcome = "read timeout"
+            except httpx.TransportError as exc:
+                outcome = f"broken: {exc!r}"
+        return received, outcome, time.monotonic() - (killed_at or time.monotonic())
+
+    received, outcome, after_kill_s = run(scenario())
+    print(f"\n{response_format}: {received} bytes, {outcome}, ended {after_kill_s:.1f} s after the kill")
+    assert outcome != "read timeout" and after_kill_s < 10, (outcome, after_kill_s)
+    stack.wait_idle("piper", timeout_s=10)
+    time.sleep(1.1)  # the backoff after the crash (R6.7)
+    with stack.client() as c:
+        assert c.post("/v1/tasks/run", json={"model": "piper", "request": {"text": "Again."}}).status_code == 200
+
+
+def test_a_speech_registration_with_only_the_offline_mode_is_refused_or_serves_speech(stack, token):
+    """``modes: ["offline"]`` for a piper registration: the management API either refuses it (400 naming
+    ``modes``) or the registration it accepted serves speech (a ``/v1/tasks/run`` answered at once and
+    ``POST /v1/audio/speech``): an accepted registration that refuses every request it can get is
+    neither."""
+    async def scenario():
+        async with mclient(stack, token, timeout=MODEL_S) as c:
+            registered = await c.post("/v1/models/load", json={
+                "id": "piper-offline", "family": "piper", "task": "tts", "modes": ["offline"], "lazy": True})
+            if registered.status_code != 200:
+                return registered, None, None
+            whole = await c.post("/v1/tasks/run", json={"model": "piper-offline", "request": {"text": "Hello there."}})
+            speech = await c.post("/v1/audio/speech", json={
+                "model": "piper-offline", "input": "Hello there.", "voice": "joe", "response_format": "wav"})
+            return registered, whole, speech
+
+    registered, whole, speech = run(scenario())
+    if registered.status_code != 200:
+        assert registered.status_code == 400 and registered.json()["error"]["param"] == "modes", registered.text
+        return
+    assert whole.status_code == 200, whole.text
+    assert speech.status_code == 200, speech.text
