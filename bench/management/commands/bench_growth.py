@@ -314,7 +314,7 @@ class Command(BaseCommand):
                 for count in opts["queued"]:
                     rss_before = _rss_bytes(web)
                     waiting.grow_to(count)
-                    time.sleep(1.0)
+                    time.sleep(0.5)
                     rss_after = _rss_bytes(web)
                     cpu_before = _stack_cpu_s(server)
                     time.sleep(opts["wait_seconds"])
@@ -388,13 +388,13 @@ class Command(BaseCommand):
             return ws
 
         await (await open_one()).close()
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         before = await asyncio.to_thread(_rss_bytes, web)
         opened: list = []
         try:
             for _ in range(count):
                 opened.append(await open_one())
-            await asyncio.sleep(1.0)  # the appends are handled
+            await asyncio.sleep(0.5)  # the appends are handled
             during = await asyncio.to_thread(_rss_bytes, web)
         finally:
             await asyncio.gather(*(ws.close() for ws in opened), return_exceptions=True)
