@@ -127,13 +127,24 @@ class Server:
         Raises:
             CommandError: no such child (the worker died and was not restarted yet).
         """
+        return self._child("celery", "worker")
+
+    def web(self) -> psutil.Process:
+        """The web process child (``python -m audiosite.web``, daphne).
+
+        Raises:
+            CommandError: no such child.
+        """
+        return self._child("audiosite.web", "web")
+
+    def _child(self, needle: str, what: str) -> psutil.Process:
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if "celery" in " ".join(child.cmdline()):
+                if needle in " ".join(child.cmdline()):
                     return child
             except psutil.Error:
                 continue
-        raise CommandError("no worker process found")
+        raise CommandError(f"no {what} process found")
 
     def tree_rss_bytes(self) -> int:
         """Resident set size of ``serve`` and every child (web, worker, Redis) in bytes."""

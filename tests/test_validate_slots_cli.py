@@ -29,6 +29,7 @@ import onnxruntime
 
 from gate.servers import kill_process_tree
 
+from .support.processes import leftovers_stopped
 from .support.records import admission, framework_record, rows
 
 
@@ -44,30 +45,6 @@ def _validate_slots(out: Path, *args: str, mark: str = "") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "manage.py", "validate_slots", "--family", "silero_vad", "--counts", "2",
                              "--starts", "1", "--memory-cycles", "10", "--out", str(out), *args],
                             cwd=settings.BASE_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def _marked(mark: str) -> list[psutil.Process]:
-    """Every process of a marked run: those whose environment carries ``MARK=mark`` (also started after
-    any snapshot of its tree, or orphaned by a killed parent), and the embedded Redis of each of its
-    servers (started with an environment of its own; its command line names the server's var folder)."""
-    marked, var_dirs = [], set()
-    for proc in psutil.process_iter():
-        try:
-            environ = proc.environ()
-        except psutil.Error:
-            continue
-        if environ.get(MARK) == mark:
-            marked.append(proc)
-            if environ.get("AUDIOSITE_VAR_DIR"):
-                var_dirs.add(environ["AUDIOSITE_VAR_DIR"])
-    for proc in psutil.process_iter():
-        try:
-            command = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if proc not in marked and any(var_dir in command for var_dir in var_dirs):
-            marked.append(proc)
-    return marked
 
 
 def _serve_children(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -109,21 +86,8 @@ def test_sigterm_during_a_run_leaves_no_server_behind(tmp_path, after_s):
     proc.wait(timeout=90)
     # Every process of the run (a snapshot of the tree would miss the children a starting serve adds
     # later, which a loaded machine's run once left behind while this test passed).
-    gone, alive = psutil.wait_procs(_marked(mark), timeout=60)
-    described = []
-    for leftover in alive:
-        try:
-            described.append(" ".join(leftover.cmdline())[:120])
-        except psutil.Error:
-            pass
-    for leftover in alive:  # clean up what the command left, by pid, before failing
-        try:
-            leftover.send_signal(signal.SIGINT if leftover in servers else signal.SIGTERM)
-        except psutil.Error:
-            pass
-    for stubborn in psutil.wait_procs(alive, timeout=30)[1]:
-        stubborn.kill()
-    assert not alive, f"left running 60 s after SIGTERM (now stopped by the test): {described}"
+    left = leftovers_stopped(MARK, mark)
+    assert not left, f"left running 60 s after SIGTERM (now stopped by the test): {left}"
 
 
 @pytest.mark.skipif("CUDAExecutionProvider" in onnxruntime.get_available_providers()

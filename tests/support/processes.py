@@ -5,6 +5,7 @@ and a process as the kernel sees it (``/proc``); system programs some tests driv
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -156,3 +157,45 @@ def accepts_connections(host: str, port: int) -> bool:
             return True
     except ConnectionRefusedError:
         return False
+
+
+def marked_processes(variable: str, value: str) -> list[psutil.Process]:
+    """Every process of a marked run: those whose environment carries ``variable=value`` (also started
+    after any snapshot of its tree, or orphaned by a killed parent), and the embedded Redis of each of
+    its servers (started with an environment of its own; its command line names the server's var folder)."""
+    marked, var_dirs = [], set()
+    for proc in psutil.process_iter():
+        try:
+            environ = proc.environ()
+        except psutil.Error:
+            continue
+        if environ.get(variable) == value:
+            marked.append(proc)
+            if environ.get("AUDIOSITE_VAR_DIR"):
+                var_dirs.add(environ["AUDIOSITE_VAR_DIR"])
+    for proc in psutil.process_iter():
+        try:
+            command = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if proc not in marked and any(var_dir in command for var_dir in var_dirs):
+            marked.append(proc)
+    return marked
+
+
+def leftovers_stopped(variable: str, value: str, timeout_s: float = 60) -> list[str]:
+    """Wait up to ``timeout_s`` for the processes of a marked run (:func:`marked_processes`) to end; stop
+    those still running, by pid (``serve`` with SIGINT, the others with SIGTERM, SIGKILL after 30 s),
+    and return their command lines (empty: the run left nothing)."""
+    _gone, alive = psutil.wait_procs(marked_processes(variable, value), timeout=timeout_s)
+    described = []
+    for leftover in alive:
+        try:
+            command = " ".join(leftover.cmdline())
+            described.append(command[:120])
+            leftover.send_signal(signal.SIGINT if "manage.py serve" in command else signal.SIGTERM)
+        except psutil.Error:
+            pass
+    for stubborn in psutil.wait_procs(alive, timeout=30)[1]:
+        stubborn.kill()
+    return described

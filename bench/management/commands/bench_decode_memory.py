@@ -48,6 +48,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from gate.servers import Server
 
+from bench.common import proc_status_kb
+
 HELD = "bench-held"
 WIDE = [f"bench-wide-{i}" for i in (1, 2, 3)]
 MODELS = [{"id": HELD, "family": "fixture", "slots": 1},
@@ -65,13 +67,6 @@ def silent_flac(seconds: int, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-def _status_kb(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise CommandError(f"no {field} in /proc/{pid}/status")
-
-
 class RssSampler:
     """Samples ``VmRSS`` of ``pid`` every ``interval_s`` in a thread; ``VmHWM`` is reset at start when allowed."""
 
@@ -85,7 +80,7 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples_bytes.append(_status_kb(self.pid, "VmRSS") * 1024)
+            self.samples_bytes.append(proc_status_kb(self.pid, "VmRSS") * 1024)
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> RssSampler:
@@ -105,7 +100,7 @@ class RssSampler:
         """The highest RSS seen: the sampled maximum, or the kernel's peak when it could be reset."""
         peak = max(self.samples_bytes)
         if self.hwm_reset:
-            peak = max(peak, _status_kb(self.pid, "VmHWM") * 1024)
+            peak = max(peak, proc_status_kb(self.pid, "VmHWM") * 1024)
         return peak
 
 
@@ -153,19 +148,12 @@ class Command(BaseCommand):
                     self.stdout.write("starting audiosite (manage.py serve --parallel-jobs, fixture models, SQLite, "
                                       "embedded Redis) ...")
                     server = Server(Path(tmp), MODELS, parallel=True, extra_config=extra)
-                    url, pid = server.url, self._web_child(server)
+                    url, pid = server.url, server.web().pid
                 phases = asyncio.run(self._measure(url, pid, data, opts))
             finally:
                 if server is not None:
                     server.stop()
         self._report(phases, data, pid, opts, time.monotonic() - began)
-
-    @staticmethod
-    def _web_child(server: Server) -> int:
-        for child in psutil.Process(server.proc.pid).children(recursive=True):
-            if "audiosite.web" in " ".join(child.cmdline()):
-                return child.pid
-        raise CommandError("no web process (python -m audiosite.web) under manage.py serve")
 
     @staticmethod
     def _listening_pid(url: str) -> int:
@@ -178,7 +166,7 @@ class Command(BaseCommand):
     async def _baseline(self, pid: int) -> int:
         values = []
         for _ in range(50):
-            values.append(_status_kb(pid, "VmRSS") * 1024)
+            values.append(proc_status_kb(pid, "VmRSS") * 1024)
             await asyncio.sleep(0.02)
         return int(statistics.median(values))
 

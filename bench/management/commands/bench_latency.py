@@ -36,7 +36,6 @@ the machine wakes a process.
 from __future__ import annotations
 
 import base64
-import http.client
 import io
 import json
 import logging
@@ -52,7 +51,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -68,7 +66,7 @@ from audiosite.serverconfig import get_config
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
-from bench.common import SAMPLE
+from bench.common import SAMPLE, KeepAliveConn, stack_processes
 from gate.servers import kill_process_tree
 
 VAD, ASR = "silero-vad", "whisper-tiny.en"
@@ -86,32 +84,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class _Conn:
-    """A keep-alive HTTP/1.1 connection (http.client: a light client, so it adds little noise)."""
-
-    def __init__(self, url: str):
-        parts = urlsplit(url)
-        self.conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=120)
-
-    def get(self, path: str) -> tuple[int, float]:
-        started = time.perf_counter()
-        self.conn.request("GET", path)
-        resp = self.conn.getresponse()
-        resp.read()
-        return resp.status, (time.perf_counter() - started) * 1000
-
-    def post_json(self, path: str, body: bytes) -> tuple[int, bytes, float]:
-        """``POST`` of a JSON ``body`` (bytes): status, response body, milliseconds."""
-        started = time.perf_counter()
-        self.conn.request("POST", path, body, {"Content-Type": "application/json"})
-        resp = self.conn.getresponse()
-        data = resp.read()
-        return resp.status, data, (time.perf_counter() - started) * 1000
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 class Command(BaseCommand):
@@ -179,14 +151,10 @@ class Command(BaseCommand):
 
     def _serve_processes(self) -> dict[str, psutil.Process]:
         """The web, worker and Redis processes of the ``manage.py serve`` this command started."""
-        serve = psutil.Process(self.procs[-1].pid)
         found: dict[str, psutil.Process] = {}
-        for child in serve.children(recursive=True):
-            line = " ".join(child.cmdline())
-            role = ("web" if "audiosite.web" in line else "worker" if "celery" in line
-                    else "redis" if "redis-server" in line else None)
-            if role and role not in found:
-                found[role] = child
+        for pid, role in stack_processes(self.procs[-1].pid).items():
+            if role in ("web", "worker", "redis") and role not in found:
+                found[role] = psutil.Process(pid)
         return found
 
     def _serve(self, tmp: Path) -> tuple[str, str]:
@@ -227,7 +195,7 @@ class Command(BaseCommand):
     # -- measurements ------------------------------------------------------------------------------
     def _latency(self, targets: dict[str, tuple[str, str]], repeats: int) -> dict[str, list[float]]:
         """Sequential GETs, interleaved: ``rounds`` rounds of ``repeats/rounds`` on each target."""
-        conns = {name: _Conn(url) for name, (url, _) in targets.items()}
+        conns = {name: KeepAliveConn(url) for name, (url, _) in targets.items()}
         times: dict[str, list[float]] = {name: [] for name in targets}
         for name, (_, path) in targets.items():
             for _ in range(20):
@@ -251,7 +219,7 @@ class Command(BaseCommand):
         Every hop of a request wakes a process that was waiting (the web process, Redis, the worker);
         on some virtual machines that costs far more than on others, and more the longer the process
         slept (docs/benchmarks.md, "Waking up costs"). This line tells such a machine apart."""
-        conn = _Conn(url)
+        conn = KeepAliveConn(url)
         try:
             for _ in range(20):
                 conn.get("/health")
@@ -274,7 +242,7 @@ class Command(BaseCommand):
         stop_at = [0.0]
 
         def client(index: int) -> None:
-            conn = _Conn(url)
+            conn = KeepAliveConn(url)
             conn.get(path)
             start.wait()
             while time.perf_counter() < stop_at[0]:
@@ -345,7 +313,7 @@ class Command(BaseCommand):
         body = json.dumps({"model": VAD, "request": {"audio_base64": base64.b64encode(wav).decode()}}).encode()
         samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
         direct = self._direct_session("silero_vad", samples)
-        conns = {name: _Conn(url) for name, url in urls.items()}  # the light client: httpx costs ~2.5 ms more
+        conns = {name: KeepAliveConn(url) for name, url in urls.items()}  # the light client: httpx costs ~2.5 ms more
 
         def post(name: str) -> tuple[bytes, float]:
             status, data, ms = conns[name].post_json("/v1/tasks/run", body)
@@ -411,7 +379,7 @@ class Command(BaseCommand):
                 done = threading.Event()
 
                 def reader(done: threading.Event) -> None:
-                    conn = _Conn(url)
+                    conn = KeepAliveConn(url)
                     while not done.is_set():
                         reads.append(conn.get("/v1/models")[1])
                     conn.close()

@@ -29,21 +29,11 @@ from django.core.management.base import BaseCommand, CommandError
 
 from gate.servers import Server
 
+from bench.common import process_role
+
 POLL_S = 0.01
 STOP_TIMEOUT_S = 60.0
 ROLES = ("web", "worker", "redis")
-
-
-def _role(cmdline: list[str]) -> str:
-    """Which child of ``serve`` a command line belongs to (``web``, ``worker``, ``redis`` or ``other``)."""
-    joined = " ".join(cmdline)
-    if "audiosite.web" in joined:
-        return "web"
-    if "celery" in joined:
-        return "worker"
-    if "redis-server" in joined:
-        return "redis"
-    return "other"
 
 
 class Command(BaseCommand):
@@ -87,7 +77,7 @@ class Command(BaseCommand):
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=10) as resp:
                 resp.read()
-            children = {c: _role(c.cmdline()) for c in psutil.Process(server.proc.pid).children()}
+            children = {c: process_role(c.cmdline()) for c in psutil.Process(server.proc.pid).children()}
             stopped = time.monotonic()
             server.proc.send_signal(signal.SIGINT)
             exited: dict[str, float] = {}
