@@ -8,6 +8,11 @@ Redis db 4, PostgreSQL, the packaged Piper voice beside fixture models.
 - A raw-audio speech response (no SSE) whose model's process is killed mid-stream ends at once (a
   short body or a broken connection), not when the client's own timeout runs out.
 - A speech registration with ``modes: ["offline"]`` is either refused or serves speech.
+- A registration with the largest ``max_run_ms`` it may state serves an input longer than 30 s (the
+  deadline scales past what a pipe's poll accepts), and no later request of that model is answered
+  with the samples of an earlier one.
+- An unload of a model whose process is frozen (SIGSTOP: a native hang) while idle finishes within its
+  run deadline plus a few seconds, as for a model wedged in a run (R3.6), not after ``CLOSE_WAIT_S``.
 """
 from __future__ import annotations
 
@@ -17,13 +22,15 @@ import signal
 import time
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 
 from inference.runtime.context import KEYS
 
+from .support.audio import load_speech, wav_bytes
 from .support.bounds import MODEL_S, QUICK_S, run, until
-from .support.clients import body, mclient, post
+from .support.clients import body, mclient, post, without_timing
 from .support.stacks import FIXTURE_ENV, entry_of, fx, live_workers, run_stack, worker_pid
 
 pytestmark = pytest.mark.stack
@@ -32,6 +39,9 @@ MODELS = [
     fx("fx", slots=2),
     fx("fx-idle"),
     {**fx("fx-later"), "lazy": True},
+    {**fx("fx-frozen"), "max_run_ms": 1500},
+    {"id": "vad", "family": "silero_vad", "task": "vad"},
+    {"id": "vad-unhurried", "family": "silero_vad", "task": "vad", "max_run_ms": 2_147_483_647},
     {"id": "piper", "family": "piper", "task": "tts", "lazy": True},
 ]
 LONG_TEXT = " ".join(f"This is sentence number {n} of a long answer that keeps the voice busy." for n in range(40))
@@ -57,6 +67,16 @@ def pool_pids(stack) -> dict[str, int]:
     return {model: int(pid) for model, pid in stack.redis.hgetall(KEYS.pool_pids(host)).items()}
 
 
+def served(stack, payload: dict) -> None:
+    """Send ``payload`` to ``/v1/tasks/run`` until it is answered 200 (a model another test left failed
+    is loaded again once its backoff is over, R6.7); AssertionError after ``QUICK_S``."""
+    deadline = time.monotonic() + QUICK_S
+    with stack.client() as c:
+        while (resp := c.post("/v1/tasks/run", json=payload)).status_code != 200:
+            assert resp.status_code == 503 and time.monotonic() < deadline, resp.text
+            time.sleep(0.25)
+
+
 def fork_server(stack) -> psutil.Process:
     """The worker's ``multiprocessing`` fork server (its child whose command line runs ``forkserver``)."""
     found = [child for child in psutil.Process(worker_pid(stack)).children()
@@ -74,7 +94,7 @@ def test_killing_the_fork_server_leaves_every_models_process_and_its_runs_alone(
     async def scenario():
         async with mclient(stack, None, timeout=MODEL_S) as c:
             for model in ("fx", "fx-idle"):
-                assert (await c.post("/v1/tasks/run", json=body(model))).status_code == 200
+                await asyncio.to_thread(served, stack, body(model))
             before = pool_pids(stack)
             held = asyncio.create_task(post(c, "fx", barrier="held-over-fork-server"))
             await until(lambda: stack.arrived("held-over-fork-server") == 1, QUICK_S)
@@ -103,8 +123,7 @@ def test_a_raw_speech_stream_whose_models_process_dies_ends_at_once(stack, respo
     model's process is SIGKILLed after its first bytes: its body ends within a few seconds of the kill
     (short, or with a broken connection: its headers were out), not when the client's read timeout
     (here 60 s) runs out; the lease is back and the next request is served."""
-    with stack.client() as c:  # load the voice (lazy) before the clock starts
-        assert c.post("/v1/tasks/run", json={"model": "piper", "request": {"text": "Warm up."}}).status_code == 200
+    served(stack, {"model": "piper", "request": {"text": "Warm up."}})  # the voice loaded before the clock starts
 
     async def scenario():
         pid = pool_pids(stack)["piper"]
@@ -129,9 +148,7 @@ def test_a_raw_speech_stream_whose_models_process_dies_ends_at_once(stack, respo
     print(f"\n{response_format}: {received} bytes, {outcome}, ended {after_kill_s:.1f} s after the kill")
     assert outcome != "read timeout" and after_kill_s < 10, (outcome, after_kill_s)
     stack.wait_idle("piper", timeout_s=10)
-    time.sleep(1.1)  # the backoff after the crash (R6.7)
-    with stack.client() as c:
-        assert c.post("/v1/tasks/run", json={"model": "piper", "request": {"text": "Again."}}).status_code == 200
+    served(stack, {"model": "piper", "request": {"text": "Again."}})  # after the crash's backoff (R6.7)
 
 
 def test_a_speech_registration_with_only_the_offline_mode_is_refused_or_serves_speech(stack, token):
@@ -156,3 +173,55 @@ def test_a_speech_registration_with_only_the_offline_mode_is_refused_or_serves_s
         return
     assert whole.status_code == 200, whole.text
     assert speech.status_code == 200, speech.text
+
+
+def test_an_unload_of_a_model_whose_idle_process_is_frozen_finishes_within_its_deadline(stack, token):
+    """``fx-frozen`` (``max_run_ms`` 1500) loaded and idle, its process stopped with SIGSTOP (what a hang in
+    native code looks like from outside): ``POST /v1/models/unload`` answers 200 within the deadline plus
+    10 s, the model reads ``unloaded`` and a request sent after the unload is served by a new process.
+    (Measured before: 180 s, ``CLOSE_WAIT_S``, with every request behind the unload waiting.) The
+    process is continued at the end whatever happened, so nothing stays frozen."""
+    served(stack, body("fx-frozen"))
+    pid = pool_pids(stack)["fx-frozen"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async def scenario():
+            async with mclient(stack, token, timeout=MODEL_S) as c:
+                started = time.monotonic()
+                try:
+                    unload = await asyncio.wait_for(c.post("/v1/models/unload", json={"id": "fx-frozen"}), 1.5 + 10)
+                except TimeoutError:
+                    return None, time.monotonic() - started
+                return unload, time.monotonic() - started
+
+        unload, took = run(scenario())
+    finally:
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGCONT)
+    assert unload is not None, f"the unload had not finished {took:.1f} s after it was sent"
+    assert unload.status_code == 200, unload.text
+    assert entry_of(stack, "fx-frozen")["state"] == "unloaded"
+    with stack.client() as c:
+        assert c.post("/v1/tasks/run", json=body("fx-frozen")).status_code == 200
+    assert pool_pids(stack)["fx-frozen"] != pid
+
+
+def test_the_largest_max_run_ms_serves_long_inputs_and_never_answers_with_another_requests_result(stack):
+    """``vad-unhurried`` states ``max_run_ms`` 2147483647 (the largest accepted). A request of 31.5 s of
+    speech scales that deadline past what the pipe's poll accepts (measured: 500 ``OverflowError:
+    timeout is too large``, the samples already sent and the pipe put back with the reply unread).
+    Then a request of the 3.5 s utterance must get its own answer, equal to ``vad``'s, not the result
+    of the long request left on the pipe (measured: ``duration`` 31.545 and 9 segments)."""
+    utterance = load_speech()[0]
+    short = wav_bytes(utterance.samples, utterance.rate)
+    long = wav_bytes(np.tile(utterance.samples, 9), utterance.rate)
+    with stack.client() as c:
+        expected = without_timing(c.post("/v1/tasks/run", json=body("vad", short)))
+        served(stack, body("vad-unhurried", short))
+        long_answer = c.post("/v1/tasks/run", json=body("vad-unhurried", long))
+        time.sleep(1)  # the long run's samples were handed over: give its reply time to arrive
+        answers = [without_timing(c.post("/v1/tasks/run", json=body("vad-unhurried", short))) for _ in range(2)]
+    for answer in answers:
+        assert {**answer, "model": "vad"} == expected, (answer.get("duration"), expected.get("duration"))
+    assert long_answer.status_code == 200, long_answer.text
+    stack.wait_idle("vad-unhurried", timeout_s=10)

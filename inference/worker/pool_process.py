@@ -17,7 +17,8 @@ Protocol (``multiprocessing.Pipe``, pickled tuples): a control pipe, and one pip
   (``serving.BATCH``, ``inference.worker.batching``) sends a list of headers and a list of flags, then
   each present sample buffer in order; its reply is the list of the runs' replies
   (``serving.execute_batch``);
-- control, worker → child: ``("close",)``: finish the runs in progress, close sessions then weights
+- control, worker → child: ``("close",)``, answered at once ``("closing",)`` (a process that does not
+  answer within ``CLOSE_ACK_S`` is killed): finish the runs in progress, close sessions then weights
   (R4.5), exit. The process's end gives every page back to the operating system.
 
 The worker watches each child (:class:`ProcessPool`'s watcher thread): when it ends without being
@@ -64,6 +65,15 @@ process is killed."""
 
 EXIT_WAIT_S = 10.0
 """After a killed process's pipe ends, how long the reader waits for its exit status (s)."""
+
+CLOSE_ACK_S = 5.0
+"""How long a closing pool's process may take to acknowledge the close (s; its control thread answers at
+once, whatever its other threads do): one that does not, stopped (SIGSTOP) or hung with the GIL held,
+is killed then instead of after :data:`CLOSE_WAIT_S`."""
+
+MAX_POLL_S = 2_000_000.0
+"""The longest single wait for a reply (s, about 23 days): a pipe's poll refuses a timeout past 2**31 ms
+(``OverflowError``), which the largest ``max_run_ms`` scaled by a long input exceeds."""
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _PRELOAD_SET = threading.Lock()
@@ -210,20 +220,20 @@ class ProcessPool:
             conn = self._free.get(timeout=SLOT_WAIT_S)
         except queue.Empty:  # more runs than slots: admission should make this impossible
             return {"ok": False, "kind": RunFailure.ERROR, "message": f"no free slot in {self.model_id}'s process"}
-        try:
+        def send() -> None:
             conn.send((kind, header, inline is not None))
             if inline is not None:
                 conn.send_bytes(inline)
-            if not conn.poll(deadline_s):
-                self.kill(f"a run passed its deadline of {round((deadline_s or 0) * 1000)} ms")
-                self._exited.wait(EXIT_WAIT_S)  # the model is recorded failed before this run's lease goes back
-                return deadline_reply(deadline_s or 0.0)
-            return conn.recv()
-        except (EOFError, OSError, ValueError):  # the process ended during the run
-            self._exited.wait(EXIT_WAIT_S)  # recorded failed first (``on_exit``), then the reply frees the slot
-            return crashed_reply(self._gone or "its pipe broke")
+
+        try:
+            reply = self._exchange(conn, send, deadline_s, "a run")
         finally:
             self._free.put(conn)
+        if reply is _DEADLINE:
+            return deadline_reply(deadline_s or 0.0)
+        if reply is _CRASHED:
+            return crashed_reply(self._gone or "its pipe broke")
+        return reply
 
     def execute_batch(self, headers: list[dict], inlines: list, deadline_s: float | None = None) -> list[dict]:
         """Serve several runs of the model in one session call in its process (``serving.execute_batch``),
@@ -245,21 +255,47 @@ class ProcessPool:
         except queue.Empty:
             return [{"ok": False, "kind": RunFailure.ERROR, "message": f"no free slot in {self.model_id}'s process"}
                     ] * len(headers)
-        try:
+        def send() -> None:
             conn.send((serving.BATCH, headers, [inline is not None for inline in inlines]))
             for inline in inlines:
                 if inline is not None:
                     conn.send_bytes(inline)
-            if not conn.poll(deadline_s):
-                self.kill(f"a batch passed its deadline of {round((deadline_s or 0) * 1000)} ms")
-                self._exited.wait(EXIT_WAIT_S)
-                return [deadline_reply(deadline_s or 0.0)] * len(headers)
-            return conn.recv()
-        except (EOFError, OSError, ValueError):
-            self._exited.wait(EXIT_WAIT_S)
-            return [crashed_reply(self._gone or "its pipe broke")] * len(headers)
+
+        try:
+            reply = self._exchange(conn, send, deadline_s, "a batch")
         finally:
             self._free.put(conn)
+        if reply is _DEADLINE:
+            return [deadline_reply(deadline_s or 0.0)] * len(headers)
+        if reply is _CRASHED:
+            return [crashed_reply(self._gone or "its pipe broke")] * len(headers)
+        return reply
+
+    def _exchange(self, conn: Any, send: Callable[[], None], deadline_s: float | None, what: str) -> Any:
+        """Send a request on ``conn`` (``send``) and wait for its reply, at most ``deadline_s`` (None: no
+        limit; capped at :data:`MAX_POLL_S`). Returns the reply, :data:`_DEADLINE` (past it the process
+        is killed: every other run of the model answers ``crashed``) or :data:`_CRASHED` (the process
+        ended). Once the model is recorded failed (``on_exit``) the caller's reply frees the slot.
+
+        Raises:
+            Exception: anything else between the send and the reply (a bug on the worker's side). The
+                pipe may then still get the reply meant for this request, and the next request on it
+                would read that one: the process is killed first, so no pipe of it is used again.
+        """
+        try:
+            send()
+            if not conn.poll(None if deadline_s is None else min(deadline_s, MAX_POLL_S)):
+                self.kill(f"{what} passed its deadline of {round((deadline_s or 0) * 1000)} ms")
+                self._exited.wait(EXIT_WAIT_S)
+                return _DEADLINE
+            return conn.recv()
+        except (EOFError, OSError, ValueError):  # the process ended during the run
+            self._exited.wait(EXIT_WAIT_S)
+            return _CRASHED
+        except Exception as exc:
+            self.kill(f"{what} failed on the worker's side, its pipe in an unknown state ({type(exc).__name__})")
+            self._exited.wait(EXIT_WAIT_S)
+            raise
 
     def kill(self, reason: str) -> None:
         """Kill the process now (SIGKILL); ``reason`` is what the runs in flight and the record say."""
@@ -278,11 +314,17 @@ class ProcessPool:
         """Ask the process to finish its runs, close sessions then weights (R4.5) and exit; wait for it
         (killed after ``wait_s``). Its memory goes back to the operating system as it exits."""
         self._closing = True
+        acknowledged = False
         try:
             self._control.send(("close",))
+            acknowledged = self._control.poll(CLOSE_ACK_S)  # its ack, or the pipe's end (it exited)
         except (OSError, ValueError):
             pass
-        if not self._exited.wait(wait_s):  # the watcher saw the process end (its pidfd, not the fork server)
+        if not acknowledged:
+            log.warning("the process of %s did not answer the close within %.0f s (stopped or hung); killing it",
+                        self.model_id, CLOSE_ACK_S)
+            self.kill("it did not answer the close")
+        elif not self._exited.wait(wait_s):  # the watcher saw the process end (its pidfd, not the fork server)
             log.warning("the process of %s did not exit within %.0f s; killing it", self.model_id, wait_s)
             self.kill("closing took too long")
         self._exited.wait(EXIT_WAIT_S + 1)
@@ -337,6 +379,11 @@ def _pidfd_open(pid: int) -> int | None:
         return None
 
 
+_DEADLINE = object()
+_CRASHED = object()
+"""What :meth:`ProcessPool._exchange` returns instead of a reply."""
+
+
 def _joined(process: Any) -> int | None:
     """``process``'s exit code, after waiting up to ``EXIT_WAIT_S`` for it (None if it still runs)."""
     process.join(EXIT_WAIT_S)
@@ -380,6 +427,10 @@ def _watch_control(control: Any, closing: threading.Event) -> None:
         control.recv()
     except (EOFError, OSError):
         os._exit(0)  # the worker died: its runs are answered by the web's liveness watch (R7.4)
+    try:
+        control.send(("closing",))  # the acknowledgement ProcessPool.close waits for (CLOSE_ACK_S)
+    except (OSError, ValueError):
+        os._exit(0)
     closing.set()
 
 
