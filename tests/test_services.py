@@ -343,7 +343,8 @@ def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_
     its 16-bit samples take while sent (4 bytes a frame), not a float32 decode's peak, so a burst of such
     uploads to a busy model does not fill the budget that granted requests need (8 s clips reserving a
     float32 decode's 2.9 MB each would fill a 3.9 MB budget). The same samples in any other
-    layout reserve their decode's peak. Every reservation goes back when the client leaves."""
+    layout reserve their decode's peak. Every reservation goes back when the client leaves (a decode
+    already running in its thread: when that thread is done)."""
     meta = _register("asis")
     pcm = (np.arange(8 * 16000) * 37 % 65536 - 32768).astype(np.int16).tobytes()
     data = {"wav read as-is": pcm_wav(pcm),
@@ -364,6 +365,8 @@ def test_a_wav_read_as_is_waits_in_the_queue_holding_only_its_send_copies(redis_
         with pytest.raises(asyncio.CancelledError):
             await request
         await ctx.scheduler.release("asis", holder.lease_id)
+        # a decode still running in its pool thread keeps its reservation until that thread is done
+        await until(lambda: budget.in_flight_bytes == before, 10)
         return probe, held, budget.in_flight_bytes - before
 
     probe, held, left = _run(scenario)

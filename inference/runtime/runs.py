@@ -300,19 +300,30 @@ async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wa
     ``CANCEL_TTL_MS``) names the lease: an adapter that asks ``cancelled()`` between bounded steps
     stops its run, the worker's reply is not stored, and a ``not_loaded`` one gives the lease back.
     ``lease_id`` '': a held run (its caller releases the lease itself)."""
+    answered = False
     try:
         answered = await await_reply(ctx, wake, KEYS.result(request_id),
                                      lambda: until_worker_lost(ctx, placement.owner, placement.boot))
+        if not answered:
+            await ctx.redis.delete(KEYS.input(request_id))
+            return None
+        inline = wake.result() if wake.done() and not wake.cancelled() else None
+        if inline is not None:  # carried by the wake-up (inference.worker.work.reply): no round trip
+            return json.loads(inline)
+        return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
     except asyncio.CancelledError:
-        try:
-            await asyncio.shield(ctx.scheduler.run_left(model_id, request_id, lease_id, CANCEL_TTL_MS))
-        except Exception:  # Redis gone or cancelled again: the run then finishes for nobody, as before
-            log.warning("could not mark run %s as left by its client", request_id, exc_info=True)
+        await asyncio.shield(_client_left(ctx, model_id, request_id, lease_id, answered))
         raise
-    if not answered:
-        await ctx.redis.delete(KEYS.input(request_id))
-        return None
-    inline = wake.result() if wake.done() and not wake.cancelled() else None
-    if inline is not None:  # carried by the wake-up (inference.worker.work.reply): no round trip
-        return json.loads(inline)
-    return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
+
+
+async def _client_left(ctx: AsyncContext, model_id: str, request_id: str, lease_id: str, answered: bool) -> None:
+    """``run_reply``'s caller was cancelled (its client left): ``Scheduler.run_left`` (a reply there is
+    deleted unread; else the stop marker). When the reply had already come (``answered``: the client left
+    while it was being read), the stop marker that step may set for a reply read meanwhile is deleted:
+    no run is left to stop. Redis errors are logged (the run then finishes for nobody)."""
+    try:
+        outcome = await ctx.scheduler.run_left(model_id, request_id, lease_id, CANCEL_TTL_MS)
+        if answered and outcome == "marked":
+            await ctx.redis.delete(KEYS.stop(request_id))
+    except Exception:  # Redis gone: the run then finishes for nobody, as before
+        log.warning("could not mark run %s as left by its client", request_id, exc_info=True)

@@ -74,14 +74,21 @@ class Listener:
         await self.redis.set(Keys.process_live(self.channel), "1", px=self.liveness_ttl_ms)
 
     async def _beat_loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.liveness_ttl_ms / 5000)  # five beats per TTL, as the workers'
             try:
                 await self._beat()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # Redis trouble: the next beat retries; waiters re-check their tickets
-                log.exception("liveness beat of %s failed", self.channel)
+            except Exception as exc:  # Redis trouble: the next beat retries; waiters re-check their tickets
+                if not failing:  # once per outage, not every beat
+                    log.warning("liveness beat of %s failed (%s); retrying every beat", self.channel, exc)
+                failing = True
+                continue
+            if failing:
+                log.warning("liveness beat of %s succeeded again", self.channel)
+            failing = False
 
     async def _run(self) -> None:
         while True:
@@ -89,9 +96,10 @@ class Listener:
                 message = await self._pubsub.get_message(timeout=None)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # connection trouble: resubscribe and go on
+            except Exception as exc:  # connection trouble: resubscribe and go on
                 if self.subscribed:
-                    log.exception("listener %s lost its subscription; resubscribing", self.channel)
+                    log.warning("listener %s lost its subscription (%s); resubscribing every 0.2 s", self.channel,
+                                exc)
                 self._set_subscribed(False)
                 await asyncio.sleep(0.2)
                 try:
