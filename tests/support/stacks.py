@@ -247,15 +247,23 @@ def fx(model_id: str, slots: int | None = None, **load_options) -> dict:
 def web_pid(stack) -> int:
     """The pid of the daphne child (``python -m audiosite.web``) of a stack's ``manage.py serve``."""
     for child in psutil.Process(stack.proc.pid).children(recursive=True):
-        if "audiosite.web" in " ".join(child.cmdline()):
+        if "audiosite.web" in " ".join(_cmdline(child)):
             return child.pid
     raise AssertionError("no daphne child of manage.py serve")
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    """``process``'s command line, or [] if it exited since it was listed (serve replaces children)."""
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
 
 
 def worker_pids(stack) -> list[int]:
     """The pids of the Celery worker children (``celery … worker``) of a stack's ``manage.py serve``."""
     return [child.pid for child in psutil.Process(stack.proc.pid).children(recursive=True)
-            if "celery" in " ".join(child.cmdline())]
+            if "celery" in " ".join(_cmdline(child))]
 
 
 def live_workers(stack) -> dict[str, str]:
