@@ -38,7 +38,7 @@ from inference.runtime.context import KEYS
 
 from .support.audio import FIXTURES, pcm_wav, silent_flac
 from .support.bounds import MODEL_S, run, within
-from .support.clients import body, error_of, mclient
+from .support.clients import body, error_of, mclient, operator_token
 from .support.stacks import FIXTURE_ENV, entry_of, fx, live_workers, run_stack, worker_pid
 
 pytestmark = pytest.mark.stack
@@ -77,9 +77,7 @@ def astack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token(astack) -> str:
-    done = astack.manage("issue_token", "operator")
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return operator_token(astack)
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from inference.runtime.context import KEYS
 
 from .support.audio import load_speech, wav_bytes
 from .support.bounds import MODEL_S, QUICK_S, run, until
-from .support.clients import body, mclient, post, without_timing
+from .support.clients import body, mclient, operator_token, post, without_timing
 from .support.stacks import FIXTURE_ENV, entry_of, fx, live_workers, run_stack, worker_pid
 
 pytestmark = pytest.mark.stack
@@ -56,9 +56,7 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token(stack) -> str:
-    done = stack.manage("issue_token", "operator")
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return operator_token(stack)
 
 
 def pool_pids(stack) -> dict[str, int]:

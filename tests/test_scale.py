@@ -22,7 +22,7 @@ import pytest
 from inference.scheduler import LIVENESS_TTL_MS
 
 from .support.bounds import MODEL_S, run, until, within
-from .support.clients import mclient, post
+from .support.clients import mclient, operator_token, post
 from .support.cluster import Cluster, run_cluster
 from .support.stacks import FIXTURE_ENV, events_of, fx
 
@@ -51,9 +51,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token(cluster) -> str:
-    done = cluster.manage("issue_token", "operator")
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return operator_token(cluster)
 
 
 def assert_drained(cluster: Cluster) -> None:

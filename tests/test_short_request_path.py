@@ -25,7 +25,7 @@ from inference.runtime.context import KEYS
 
 from .support.audio import FIXTURES, TINY, pcm_wav, silent_flac, wav_bytes
 from .support.bounds import MODEL_S, run, within
-from .support.clients import mclient, post, without_timing
+from .support.clients import mclient, operator_token, post, without_timing
 from .support.stacks import FIXTURE_ENV, fx, run_stack, worker_pids
 
 pytestmark = pytest.mark.stack
@@ -47,9 +47,7 @@ def astack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def token(astack) -> str:
-    done = astack.manage("issue_token", "operator")
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return operator_token(astack)
 
 
 # -- invariants ----------------------------------------------------------------------------------------

@@ -60,6 +60,14 @@ async def post(client: httpx.AsyncClient, model: str, data: bytes = TINY, **opti
     return resp, started, time.monotonic()
 
 
+def operator_token(deployment) -> str:
+    """A fresh management token for user ``operator`` from the deployment's ``manage.py issue_token``
+    (a stack or a cluster); AssertionError with its stderr if the command fails."""
+    done = deployment.manage("issue_token", "operator")
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 def mclient(stack, token: str | None, **kw) -> httpx.AsyncClient:
     """An async client of ``stack`` (with ``token`` for the management routes). Its timeout bounds
     every request, also one awaited later through a task: QUICK_S unless ``timeout`` says otherwise;
