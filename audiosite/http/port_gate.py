@@ -50,7 +50,6 @@ class PortGate:
         self.ports: list[Any] = []
         self.channels: weakref.WeakSet[Any] = weakref.WeakSet()
         self.reasons: set[str] = set()
-        self._port_calls: list[Any] = []
 
     @property
     def open(self) -> bool:
@@ -61,7 +60,7 @@ class PortGate:
         """A port daphne listens on (closed at once if the gate is closed)."""
         self.ports.append(port)
         if not self.open:
-            self._port_calls.append(port.stopListening())
+            port.stopListening()
 
     def close(self, reason: str) -> None:
         """Refuse new connections and close the idle ones, for ``reason`` (:data:`REDIS`, :data:`DRAINING`)."""
@@ -71,7 +70,7 @@ class PortGate:
             return
         log.warning("%s: refusing connections (refuse_connections_when_unready)", reason)
         for port in self.ports:
-            self._port_calls.append(port.stopListening())
+            port.stopListening()
         for channel in list(self.channels):
             channel_idle_close(channel)
 
