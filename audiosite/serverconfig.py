@@ -479,6 +479,14 @@ def _model_problems(config: ServerConfig, data: dict, parallel: bool, backend_re
                 task = entry.task or specs.default_task(entry.family)
                 problems.extend(f"{who}: {p}" for p in specs.slots_problems(
                     entry.family, task, entry.mode, raw["slots"], backend_resolver(config.backend)))
+            if (entry.max_batch or 1) > 1:
+                if backend_resolver is None:
+                    backend_resolver = resolve_backend
+                task = entry.task or specs.default_task(entry.family)
+                batch_problem = specs.batch_size_problem(entry.family, task, entry.max_batch,
+                                                         backend_resolver(config.backend))
+                if batch_problem:
+                    problems.append(f"{who}: {batch_problem}")
     return problems
 
 

@@ -172,15 +172,15 @@ def build(root: Path, backend: str) -> tuple[dict, dict[str, list[Decision]], Fr
         table[family] = {}
         for task in spec["tasks"]:
             for mode in spec["modes"]:
-                if mode == "batch":  # no slot count of its own: a batch runs on slots admitted for its mode
-                    continue        # (inference.worker.batching)
                 key = f"{task}/{mode}"
                 if spec.get("test_only"):
                     table[family][key] = list(TEST_ONLY_COUNTS)
                     decisions[f"{family} {key}"] = [Decision(n, True, "test-only family (no model to check)")
                                                     for n in TEST_ONLY_COUNTS]
                     continue
-                admitted, rows = [1], [Decision(1, True, "serial path: count 1 needs no record (R9.2)")]
+                first = ("batch size 1 is no batching: it needs no record (R9.2)" if mode == "batch" else
+                         "serial path: count 1 needs no record (R9.2)")
+                admitted, rows = [1], [Decision(1, True, first)]
                 ran = sorted(n for (f, k, n) in newest if f == family and k == key and n > 1)
                 gap = False
                 for n in ran:

@@ -779,6 +779,11 @@ class ModeChecks:
     m1: Callable[[Run, Path, Path], dict]
     m6: Callable[[Plan, dict, dict], dict]
     m4_extra: ExtraRecovery | None = None
+    slots_at: Callable[[int, int], int] = lambda count, capacity: count
+    """The slots the model gets at ``count`` (given the family's advertised capacity): the count itself,
+    except for a batch run, where the count is the batch size (``gate/batching.py``)."""
+    registration_extra: Callable[[int], dict] = lambda count: {}
+    """Keys added to the model's registration at ``count`` (a batch run's ``max_batch``)."""
 
 
 def run_admits_only_its_mode(plan: Plan, spec: dict, record: dict | None = None) -> dict:
@@ -853,10 +858,14 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print,
             starts_m2, starts_m3 = [], []
             m4 = m5 = None
             perf[str(n)] = {"cold_wave_ms": [], "warm_wave_ms": [], "server_start_s": []}
+            # room for slots: the capacity, within the counts the offline row admits (a batch run's slots)
+            room = min(capacity, specs.admitted_counts(plan.family, plan.task, "offline", plan.backend))
+            slots = checks.slots_at(n, room)
             for s in range(1, plan.starts + 1):
                 folder = work / f"count{n}-start{s}"
                 folder.mkdir()
-                models = [*workload.component_registrations(n), workload.registration(MODEL_ID, n)]
+                models = [*workload.component_registrations(slots),
+                          workload.registration(MODEL_ID, slots, **checks.registration_extra(n))]
                 print_line(f"count {n}, start {s}/{plan.starts}")
                 server = Server(folder, models, True, {"backend": plan.backend, "ui_management": True},
                                 {specs.ADMISSION_DIR_ENV: str(admission)})
@@ -864,11 +873,11 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print,
                     server.issue_token("validator")
                     perf[str(n)]["server_start_s"].append(round(server.start_s, 2))
 
-                    async def one_start(server: Server = server, s: int = s, n: int = n,
-                                        folder: Path = folder) -> tuple:
+                    async def one_start(server: Server = server, s: int = s, n: int = slots,
+                                        folder: Path = folder, largest: bool = n == max(plan.counts)) -> tuple:
                         client = checks.client(server, workload)
                         try:
-                            m2, m3 = await _concurrent_answers_match_serial(run, client, n, s, n == max(plan.counts))
+                            m2, m3 = await _concurrent_answers_match_serial(run, client, n, s, largest)
                             got4 = got5 = None
                             if s == 1:
                                 got4 = await _serving_recovers_from_failures(run, client, n, folder,

@@ -73,6 +73,9 @@ class Workload:
         bad_component: for a pipeline, a component registration that gets the garbage checkpoint file;
             ``bad_load`` then names it among the pipeline's components, so the first request fails
             to load that component (a real load failure; the pipeline itself has no weights).
+        batch_invalid_options: request options that pass the web process's checks but make the model
+            refuse the request (a 4xx raised inside the session call), for the batch run's "a bad request
+            in a batch fails alone" (``gate/batching.py``); None when the family has none.
     """
 
     family: str
@@ -87,6 +90,7 @@ class Workload:
     bad_load: str | dict = "file"
     hold_load: str | None = None
     bad_component: dict | None = None
+    batch_invalid_options: dict | None = None
 
     def registration(self, model_id: str, slots: int | None, **extra) -> dict:
         """The ``server.json`` / ``POST /v1/models/load`` entry for ``model_id`` (no ``slots`` key when
@@ -218,7 +222,8 @@ WORKLOADS: dict[str, Workload] = {
                Item("long_words", "speech_x2", {"word_timestamps": True}),
                Item("pad_prompt", "speech_pad", {"prompt": "Concorde, tents."}),
                Item("quiet_en", "speech_quiet", {"language": "en", "beam_size": 2})),
-        volatile={"timing": TIMING_REASON}, bad_load="directory"),
+        volatile={"timing": TIMING_REASON}, bad_load="directory",
+        batch_invalid_options={"language": "de"}),  # tiny.en is English-only: the session refuses it
     "silero_vad": Workload(
         "silero_vad", "vad",
         items=(Item("speech", "speech"), Item("short_t03", "speech_2s", {"threshold": 0.3}),

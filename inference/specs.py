@@ -434,6 +434,18 @@ def slots_count_problem(family: str, task: str, mode: str, slots: int, backend: 
     return None
 
 
+def batch_size_problem(family: str, task: str, max_batch: int | None, backend: str) -> str | None:
+    """Why ``max_batch`` cannot run here (R9.2, R9.3): a batch size above 1 must be admitted in the family's
+    ``<task>/batch`` row (its validated batch sizes, ``validate_slots --mode batch``); None when it is."""
+    if not max_batch or max_batch <= 1:
+        return None
+    admitted = admitted_counts(family, task, "batch", backend)
+    if max_batch > admitted:
+        return (f"key 'max_batch': batches of {max_batch} are not validated for {family} {task}/batch on "
+                f"{backend}; admitted batch sizes are 1..{admitted} ({_shown(admission_table_path(backend))})")
+    return None
+
+
 def slots_problems(family: str, task: str, mode: str, slots, backend: str) -> list[str]:
     """Every problem with a requested slot count on the parallel runtime (R1.3, R9.1, R9.2)."""
     problem = slots_value_problem(slots) or slots_count_problem(family, task, mode, slots, backend)

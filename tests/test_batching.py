@@ -10,20 +10,19 @@ config checks run without a stack.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 
 import httpx
 import numpy as np
 import pytest
-from django.conf import settings
 
 from audiosite.serverconfig import ConfigError, parse_config
-from inference.adapters.base import AudioRequest, Cancelled
+from inference import specs
+from inference.adapters.base import AudioRequest, Cancelled, InvalidInput
+from inference.adapters.whisper_batching import transcribe_together
 
 from .support.audio import adapter_session, load_speech, padded, wav_bytes
 from .support.bounds import MODEL_S, run, until
@@ -38,6 +37,7 @@ MODELS = [
      "batch_window_ms": WINDOW_MS},
     {"id": "fxb", "family": "fixture", "slots": 3, "max_batch": 3, "batch_window_ms": WINDOW_MS},
     {"id": "fx1", "family": "fixture", "slots": 3},
+    {"id": "asr-b", "family": "whisper", "slots": 2, "max_batch": 2, "batch_window_ms": WINDOW_MS, "lazy": True},
 ]
 
 
@@ -98,6 +98,34 @@ def test_the_batched_graph_gives_each_clip_its_serial_probabilities_and_drops_a_
                                          "min_silence_duration_ms": 100, "speech_pad_ms": 30}))["segments"]
 
 
+def test_batched_whisper_answers_equal_serial_ones_and_a_failing_or_leaving_request_goes_alone():
+    """R9.3: ``WhisperSession.run_batch`` over requests of different lengths (one of two 30 s windows) and
+    options (a prompt, beam size 1, word timestamps) gives each exactly its serial ``run`` answer (no
+    tolerance: measured identical); windows with equal options share ``generate`` calls. A request with
+    an unsupported language fails alone with :class:`InvalidInput`, and one whose client left raises
+    :class:`Cancelled` while the others are answered."""
+    session = adapter_session("whisper")
+    first, second = (u.samples for u in load_speech())
+    long_clip = np.concatenate([padded(load_speech()[0])] * 5)  # about 35 s: two windows
+    cases = [(first, {}), (second, {}), (padded(load_speech()[1]), {}), (long_clip, {}),
+             (first, {"prompt": "Concorde and the tents."}), (second, {"beam_size": 1}),
+             (first, {"word_timestamps": True})]
+    requests = [AudioRequest(clip, RATE_HZ, options) for clip, options in cases]
+    serial = [session.run(r) for r in requests]
+    assert len(serial[3]["segments"]) > 1 and serial[3]["duration"] > 30
+    members = [(functools.partial(session._answer, request=r), r.cancelled) for r in requests]
+    outcomes, sizes = transcribe_together(session.model, members)
+    assert outcomes == serial
+    assert max(sizes) >= 3, sizes  # the four requests without options decoded their first windows together
+    assert sum(sizes) >= len(cases) + 1, sizes  # every window was decoded, the long clip's second one too
+    refused = AudioRequest(first, RATE_HZ, {"language": "de"})
+    leaving = AudioRequest(second, RATE_HZ, {}, cancelled=lambda: True)
+    mixed = session.run_batch([requests[0], refused, leaving, requests[1]])
+    assert mixed[0] == serial[0] and mixed[3] == serial[1]
+    assert isinstance(mixed[1], InvalidInput) and mixed[1].param == "language"
+    assert isinstance(mixed[2], Cancelled)
+
+
 def test_batched_answers_equal_serial_answers_and_nothing_stays_held(bstack):
     """R9.3, R2.5: four different requests sent together to ``vad-b`` (max_batch 4) are served in shared
     session calls, and each answer is identical to the one ``vad`` (no batching) gives the same input
@@ -114,6 +142,28 @@ def test_batched_answers_equal_serial_answers_and_nothing_stays_held(bstack):
     assert any(size > 1 and n for size, n in calls.items()), calls  # and at least one call served several
     for model in ("vad", "vad-b"):
         bstack.wait_idle(model, timeout_s=10)
+
+
+def test_whisper_batches_through_the_server_answer_as_alone_and_a_refused_language_fails_alone(bstack):
+    """R9.3 through HTTP: two different transcriptions sent together to ``asr-b`` (whisper, ``max_batch`` 2)
+    share one session call and each answer equals the one the same model gives it alone; a request
+    whose ``language`` the English-only checkpoint refuses, batched with a healthy one, gets its own 400
+    ``invalid_input`` naming ``language`` while the other is answered exactly; nothing stays held."""
+    datas = [u.data for u in load_speech()]
+    with bstack.client() as client:
+        serial = [answer(client.post("/v1/tasks/run", json=body("asr-b", d))) for d in datas]
+    assert all(a["text"] for a in serial)
+    before = batch_calls(bstack, "asr-b")
+    together = run(concurrently(bstack, "asr-b", [body("asr-b", d) for d in datas]))
+    assert [answer(r) for r in together] == serial
+    refused, healthy = run(concurrently(bstack, "asr-b", [
+        body("asr-b", datas[0], language="de"), body("asr-b", datas[1])]))
+    error = error_of(refused, (400,))
+    assert error["param"] == "language", error
+    assert answer(healthy) == serial[1]
+    calls = {size: n - before.get(size, 0) for size, n in batch_calls(bstack, "asr-b").items()}
+    assert calls.get(2, 0) == 2, calls  # both pairs were one call each
+    bstack.wait_idle("asr-b", timeout_s=10)
 
 
 def test_a_failing_request_in_a_batch_fails_alone_with_its_typed_error(bstack):
@@ -215,16 +265,20 @@ def test_the_management_api_registers_and_shows_batch_keys(bstack):
     assert options["max_batch"] == 2 and options["batch_window_ms"] == 20, options
 
 
-def test_validate_slots_refuses_the_batch_mode_before_starting_anything(tmp_path):
-    """R9.2, R9.3: ``validate_slots --mode batch`` stops with an error naming the reason (a batch runs on
-    slots admitted for the registration's mode) and writes no record."""
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-    done = subprocess.run([sys.executable, "manage.py", "validate_slots", "--family", "silero_vad", "--mode", "batch",
-                           "--counts", "2", "--out", str(tmp_path / "out")], cwd=settings.BASE_DIR, env=env,
-                          capture_output=True, text=True, timeout=MODEL_S)
-    assert done.returncode != 0
-    assert "mode 'batch' admits no slot count of its own" in done.stderr + done.stdout
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("record.json"))
+def test_a_batch_size_above_the_admitted_batch_sizes_is_refused_on_the_parallel_runtime():
+    """R9.2, R9.3: on the parallel runtime a ``max_batch`` above the largest batch size of the family's
+    ``<task>/batch`` admission row is refused, naming ``max_batch`` and the admitted sizes; the
+    legacy runtime (one session per model: nothing to batch) does not judge it."""
+    top = specs.admitted_counts("silero_vad", "vad", "batch", "cpu")
+    assert top >= 2  # the committed records admit batching of silero_vad
+    entry = {"id": "v", "family": "silero_vad", "slots": 4, "max_batch": top + 1}
+    with pytest.raises(ConfigError) as info:
+        parse_config({"runtime": "parallel", "backend": "cpu", "models": [entry]})
+    [problem] = info.value.problems
+    assert f"key 'max_batch': batches of {top + 1} are not validated for silero_vad vad/batch on cpu" in problem
+    assert f"admitted batch sizes are 1..{top}" in problem
+    assert parse_config({"runtime": "parallel", "backend": "cpu", "models": [{**entry, "max_batch": top}]})
+    assert parse_config({"backend": "cpu", "models": [entry]}).models[0].max_batch == top + 1
 
 
 def test_the_admin_reconfigure_page_accepts_and_checks_batch_keys(bstack):

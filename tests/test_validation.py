@@ -80,6 +80,29 @@ def test_validate_slots_on_the_fixture_family_passes_each_count_and_writes_one_r
     assert "M4     PASS" in printed and "ready  True" in printed
 
 
+def test_a_batch_run_registers_each_batch_size_with_room_for_two_batches_and_shows_them(tmp_path, monkeypatch):
+    """R9.3, VALIDATION.md M6: ``validate_slots --mode batch`` at count 2 registers the model with
+    ``max_batch`` 2 and 4 slots; its concurrent waves (M2, M3) equal the serial references, M2 sees all
+    4 slots busy at once (two batches of 2 running together), M4's batch wave is served by calls of 2
+    (from ``/metrics``), and M6 says batch evidence admits batch sizes only."""
+    monkeypatch.setenv("AUDIOSITE_ENABLE_FIXTURE_FAMILY", "1")
+    _framework_record(tmp_path, evidence.PASS)
+    call_command("validate_slots", "--family", "fixture", "--mode", "batch", "--counts", "2", "--starts", "1",
+                 "--memory-cycles", "10", "--out", str(tmp_path))
+    [record] = [r for _, r in evidence.load_all(tmp_path) if r["kind"] == "model"]
+    assert record["manifest"]["mode"] == "batch"
+    checks = record["counts"]["2"]["model_checks"]
+    assert {k: v["status"] for k, v in checks.items()} == dict.fromkeys(("M2", "M3", "M4", "M5"), evidence.PASS), \
+        {k: v["limits"] for k, v in checks.items()}
+    assert checks["M2"]["evidence"]["starts"][0]["max_active_slots_seen"] == 4
+    batch = checks["M4"]["evidence"]["batch"]
+    assert (batch["batch_size"], batch["slots"]) == (2, 4) and max(batch["wave"]["calls_by_size"]) == 2, batch
+    assert all(batch["wave"]["exact"])
+    assert batch["bad_request_in_batch"].startswith(evidence.NOT_APPLICABLE)  # the fixture has no such request
+    assert record["model_checks"]["M6"]["status"] == evidence.PASS
+    assert record["counts"]["2"]["admission_ready"] is True
+
+
 def test_a_count_whose_answers_differ_from_the_serial_reference_fails(tmp_path, monkeypatch):
     """The fixture's answers carry the serving slot. A workload that does not declare ``slot`` volatile
     passes at one slot (always slot 0) and must fail at two, where the second slot serves some requests;

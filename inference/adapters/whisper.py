@@ -7,6 +7,7 @@ downloaded (``HF_HUB_OFFLINE=1`` is set before faster-whisper is imported).
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import tokenizers  # noqa: E402
 from faster_whisper import WhisperModel  # noqa: E402
 
 from .base import AudioRequest, InvalidInput, LoadContext, joined_text, spec_capacity  # noqa: E402
+from .whisper_batching import transcribe_together  # noqa: E402
 
 _tokenizers: dict[tuple[str, int, int], tokenizers.Tokenizer] = {}
 _tokenizers_lock = threading.Lock()
@@ -88,7 +90,21 @@ class WhisperSession:
         Raises:
             InvalidInput: a language the checkpoint cannot transcribe.
         """
-        stream = self.stream(request)
+        return self._answer(self.model, request)
+
+    def run_batch(self, requests: list[AudioRequest]) -> list[dict | Exception]:
+        """Serve several requests together: each runs :meth:`run`'s transcription on a thread of its
+        own and their CTranslate2 ``generate`` calls are batched (``whisper_batching``), so each answer
+        is the one :meth:`run` gives for it alone. A request that fails (an unsupported language, its
+        client left: :class:`Cancelled`) gets its exception in its place; the others go on."""
+        members = [(functools.partial(self._answer, request=request), request.cancelled) for request in requests]
+        outcomes, _sizes = transcribe_together(self.model, members)
+        return outcomes
+
+    def _answer(self, model: WhisperModel, request: AudioRequest) -> dict:
+        """The reply of :meth:`run` for ``request``, decoded by ``model`` (the loaded one, or a batch
+        member's view of it)."""
+        stream = self._transcribe(model, request)
         segments, words = [], []
         for seg in stream:
             words.extend(seg.pop("words", []))
@@ -104,17 +120,22 @@ class WhisperSession:
         ``{"id", "start", "end" (s), "text"[, "words"]}`` at a time, each decoded only when asked for
         (faster-whisper decodes 30 s windows on demand). Options and errors as :meth:`run`; an
         unsupported language raises here, before any segment."""
+        return self._transcribe(self.model, request)
+
+    @staticmethod
+    def _transcribe(model: WhisperModel, request: AudioRequest) -> SegmentStream:
+        """:meth:`stream` over ``model``."""
         opts = request.options
         language = opts.get("language") or None
         if language is not None:
             language = language.lower()
-            if not self.model.model.is_multilingual and language != "en":
+            if not model.model.is_multilingual and language != "en":
                 raise InvalidInput(f"this checkpoint is English-only; language {language!r} is not supported",
                                    param="language")
         duration_s = len(request.samples) / request.sample_rate_hz
         if len(request.samples) == 0 or not request.samples.any():
             return SegmentStream(iter(()), language or "en", duration_s)
-        segments, info = self.model.transcribe(
+        segments, info = model.transcribe(
             request.samples,
             language=language,
             initial_prompt=opts.get("prompt") or None,

@@ -30,7 +30,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import soundfile
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from bench.batching import FAMILIES, batch_report
 from bench.common import SAMPLE, quantile, task_body
 from inference import specs
 from inference.adapters import get_adapter
@@ -60,11 +60,6 @@ from gate.streaming import StreamClient
 from gate.workloads import get_workload
 
 REPEATS = 3
-BATCH_REQUESTS = 48
-"""Requests per row of ``--batch``."""
-BATCH_WINDOW_MS = 10
-"""``batch_window_ms`` of ``--batch``'s batched models: long enough for closed-loop clients' requests
-to meet, short beside a VAD run of the sample (about 100 ms)."""
 
 
 class Command(BaseCommand):
@@ -81,12 +76,21 @@ class Command(BaseCommand):
         parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
         parser.add_argument("--repeats", type=int, default=REPEATS, help="warm repeats (at least 3)")
         parser.add_argument("--batch", action="store_true",
-                            help="only the native batching comparison of silero_vad (serial, N slots, N slots "
-                                 "batched; and the graph alone at batch sizes 1/2/4/8)")
+                            help="only the native batching report of --family (silero_vad by default, or whisper): "
+                                 "serial, N slots, batch N through HTTP; the model alone at batch sizes 1/2/4/8 "
+                                 "(bench/batching.py)")
+        parser.add_argument("--requests", type=int, help="with --batch: requests per HTTP row (default: silero_vad "
+                                                         "48, whisper 16)")
 
     def handle(self, *args, **opts):
         if opts["batch"]:
-            return self._batch_report()
+            family = opts["family"] or "silero_vad"
+            if family not in FAMILIES:
+                raise CommandError(f"--batch: family {family!r} does not batch; families that do: "
+                                   f"{', '.join(sorted(FAMILIES))}")
+            batch_report(family, opts["requests"], Path(opts["out"] or Path(settings.VAR_DIR) / "evidence"),
+                         write=self.stdout.write)
+            return None
         if opts["family"]:
             return self._family(opts)
         opts["out"] = opts["out"] or str(Path(settings.VAR_DIR) / "bench_slots.json")
@@ -184,91 +188,6 @@ class Command(BaseCommand):
         Path(opts["out"]).write_text(json.dumps(report, indent=2))
         self._print(report)
         self.stdout.write(f"report written to {opts['out']}")
-
-    def _batch_report(self) -> None:
-        """``--batch``: silero_vad through HTTP, ``BATCH_REQUESTS`` requests of the LibriSpeech sample, sent
-        by 1 client to a 4-slot model (serial), then by N closed-loop clients to the same model (N slots)
-        and to one with ``slots`` N, ``max_batch`` N, ``batch_window_ms`` ``BATCH_WINDOW_MS`` (batched);
-        then the graph alone (``VadSession.probabilities`` one clip after another vs
-        ``probabilities_many``) at sizes 1/2/4/8 (the admission table admits at most 4 vad slots, so 8
-        leases are never held at once through the server)."""
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        samples, rate = soundfile.read(SAMPLE, dtype="float32")
-        path = Path(tempfile.mkstemp(suffix=".wav")[1])
-        soundfile.write(path, samples, rate)
-        wav = path.read_bytes()
-        path.unlink()
-        w = self.stdout.write
-        w(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; input "
-          f"{len(samples) / rate:.1f} s of speech, {BATCH_REQUESTS} requests per row")
-        models: list[dict] = [{"id": "vad4", "family": "silero_vad", "slots": 4},
-                  *[{"id": f"vadb{n}", "family": "silero_vad", "slots": n, "max_batch": n,
-                     "batch_window_ms": BATCH_WINDOW_MS} for n in (2, 4)]]
-        with tempfile.TemporaryDirectory() as tmp:
-            server = Server(Path(tmp), models, True)
-            try:
-                rows = asyncio.run(self._batch_rows(server, wav))
-            finally:
-                server.stop()
-        w(f"{'clients':>7} {'model':<6} {'wall ms':>8} {'req/s':>7} {'p50 ms':>7} {'p95 ms':>7} {'vs serial':>9}")
-        serial_rps = rows[0]["rps"]
-        for row in rows:
-            w(f"{row['clients']:>7} {row['model'][:6]:<6} {row['wall_ms']:>8} {row['rps']:>7} {row['p50_ms']:>7} "
-              f"{row['p95_ms']:>7} "
-              f"{row['rps'] / serial_rps:>8.2f}x {row['model'][6:]}")
-        adapter = get_adapter("silero_vad")
-        spec = specs.require_spec("silero_vad")
-        shared = adapter.load(spec, LoadContext(specs.resolve_checkpoint("silero_vad", None), "cpu", 0, 1, {}, {}))
-        session = adapter.new_session(shared, 0)
-        w(f"graph alone, {len(samples) / rate:.1f} s clips: {'size':>4} {'serial ms':>10} {'batched ms':>11} "
-          f"{'speedup':>8}")
-        for size in (1, 2, 4, 8):
-            clips = [samples] * size
-            serial, batched = [], []
-            for _ in range(REPEATS):
-                t = time.perf_counter()
-                for clip in clips:
-                    session.probabilities(clip)
-                serial.append((time.perf_counter() - t) * 1000)
-                t = time.perf_counter()
-                session.probabilities_many(clips, [lambda: False] * size)
-                batched.append((time.perf_counter() - t) * 1000)
-            s_ms, b_ms = statistics.median(serial), statistics.median(batched)
-            w(f"{'':>35} {size:>4} {s_ms:>10.1f} {b_ms:>11.1f} {s_ms / b_ms:>7.2f}x")
-        w(f"load average {os.getloadavg()[0]:.2f} at the end")
-
-    async def _batch_rows(self, server: Server, wav: bytes) -> list[dict]:
-        """The HTTP rows of :meth:`_batch_report`: ``{"clients", "model", "wall_ms", "rps", "p50_ms"}``."""
-        body_of = {m: task_body(m, wav) for m in ("vad4", "vadb2", "vadb4")}
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-            for model in body_of:  # load and warm each model
-                for _ in range(2):
-                    (await c.post("/v1/tasks/run", json=body_of[model])).raise_for_status()
-
-            async def wave(model: str, clients: int) -> dict:
-                left = list(range(BATCH_REQUESTS))
-                latencies: list[float] = []
-
-                async def client() -> None:
-                    while left:
-                        left.pop()
-                        t = time.perf_counter()
-                        (await c.post("/v1/tasks/run", json=body_of[model])).raise_for_status()
-                        latencies.append((time.perf_counter() - t) * 1000)
-                started = time.perf_counter()
-                await asyncio.gather(*(client() for _ in range(clients)))
-                wall_s = time.perf_counter() - started
-                return {"clients": clients, "model": model, "wall_ms": round(wall_s * 1000),
-                        "rps": round(BATCH_REQUESTS / wall_s, 1), "p50_ms": round(statistics.median(latencies), 1),
-                        "p95_ms": round(quantile(latencies, 0.95), 1)}
-            rows = [await wave("vad4", 1), await wave("vad4", 2), await wave("vadb2", 2),
-                    await wave("vad4", 4), await wave("vadb4", 4)]
-            text = (await c.get("/metrics")).text
-        for row in rows:  # how the batched rows' requests were grouped (warm-up calls included)
-            if row["model"].startswith("vadb"):
-                found = re.findall(rf'audiosite_batch_calls_total\{{model="{row["model"]}",size="(\d+)"\}} (\S+)', text)
-                row["model"] += " (calls by size: " + ", ".join(f"{k}:{int(float(v))}" for k, v in sorted(found)) + ")"
-        return rows
 
     # -- measurements ------------------------------------------------------------------
     async def _one_request(self, server: Server, models: list[str]) -> dict:
