@@ -31,10 +31,10 @@ def test_consecutive_ready_counts_are_added_with_the_record_that_decides(paths):
     path = record(root, "silero_vad", "vad", {1: True, 2: True, 3: True, 4: True}, "2026-12-01T10:00:00Z")
     record(root, "whisper", "asr", {1: True, 2: True, 4: True}, "2026-12-01T10:05:00Z")  # 3 never ran
     out = admission(root, table, "--write")
-    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3, 4]}
-    assert rows(table)["whisper"] == {"asr/offline": [1, 2], "asr/streaming": [1]}
+    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3, 4], "vad/batch": [1]}
+    assert rows(table)["whisper"] == {"asr/offline": [1, 2], "asr/streaming": [1], "asr/batch": [1]}
     assert rows(table)["piper"] == {"tts/offline": [1], "tts/streaming": [1]}  # no record: one slot
-    assert rows(table)["fixture"] == {"fixture/offline": [1, 2, 3, 4]}  # the test-only family
+    assert rows(table)["fixture"] == {"fixture/offline": [1, 2, 3, 4], "fixture/batch": [1, 2, 3, 4]}  # the test-only family
     relative = str(path.relative_to(root))
     assert (f"+ silero_vad vad/offline count 4: the newest record that ran it passes its model checks and the "
             f"newest framework record passes F1-F6 ({relative})") in out
@@ -57,25 +57,25 @@ def test_the_newest_record_of_a_count_wins_and_a_newer_failure_removes_it(paths)
     root, table = paths
     record(root, "whisper", "asr", {1: True, 2: True, 3: True}, "2026-12-01T09:00:00Z")
     admission(root, table, "--write")
-    assert rows(table)["whisper"] == {"asr/offline": [1, 2, 3], "asr/streaming": [1]}
+    assert rows(table)["whisper"] == {"asr/offline": [1, 2, 3], "asr/streaming": [1], "asr/batch": [1]}
     newer = record(root, "whisper", "asr", {3: False}, "2026-12-01T11:00:00Z")
     out = admission(root, table, "--write")
-    assert rows(table)["whisper"] == {"asr/offline": [1, 2], "asr/streaming": [1]}
+    assert rows(table)["whisper"] == {"asr/offline": [1, 2], "asr/streaming": [1], "asr/batch": [1]}
     assert (f"- whisper asr/offline count 3: the newest record that ran it: model checks that did not pass: M2 FAIL "
             f"({newer.relative_to(root)})") in out
     record(root, "whisper", "asr", {3: True}, "2026-12-01T12:00:00Z")  # fixed again, later
     admission(root, table, "--write")
-    assert rows(table)["whisper"] == {"asr/offline": [1, 2, 3], "asr/streaming": [1]}
+    assert rows(table)["whisper"] == {"asr/offline": [1, 2, 3], "asr/streaming": [1], "asr/batch": [1]}
 
 
 def test_records_of_another_backend_do_not_count(paths):
     root, table = paths
     record(root, "silero_vad", "vad", {1: True, 2: True}, "2026-12-01T10:00:00Z", backend="cuda")
     admission(root, table, "--write")
-    assert rows(table)["silero_vad"] == {"vad/offline": [1]}
+    assert rows(table)["silero_vad"] == {"vad/offline": [1], "vad/batch": [1]}
     cuda = table.with_name("cuda.json")
     admission(root, cuda, "--write", backend="cuda")
-    assert rows(cuda)["silero_vad"] == {"vad/offline": [1, 2]}
+    assert rows(cuda)["silero_vad"] == {"vad/offline": [1, 2], "vad/batch": [1]}
 
 
 @pytest.mark.parametrize("damage", ["not json", "missing key", "unknown family", "ready without passing checks",
@@ -124,7 +124,7 @@ def test_check_passes_on_the_generated_table_and_fails_on_a_hand_edit(paths):
     with pytest.raises(CommandError, match="differs"):
         admission(root, table, "--check")
     admission(root, table, "--write")
-    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2]}
+    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2], "vad/batch": [1]}
 
 
 def test_the_server_reads_the_generated_table_the_same_way(paths):
@@ -151,18 +151,18 @@ def test_framework_checks_are_judged_from_the_newest_framework_record_not_the_mo
     data["admission_ready"] = False
     path.write_text(json.dumps(data))
     out = admission(root, table, "--write")
-    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3]}
+    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3], "vad/batch": [1]}
     assert "framework: F1-F6 PASS" in out
     assert "note: " in out and str(path.relative_to(root)) in out  # its code tree is not the framework's
     failing = framework_record(root, "2026-12-01T10:00:00Z", failing="F6")
     out = admission(root, table, "--write")
-    assert rows(table)["silero_vad"] == {"vad/offline": [1]}
+    assert rows(table)["silero_vad"] == {"vad/offline": [1], "vad/batch": [1]}
     assert "- silero_vad vad/offline count 2: model checks pass, but the newest framework record has F6 FAIL" in out
     assert str(failing.relative_to(root)) in out
     assert json.loads(table.read_text())["_framework"]["passed"] is False
     framework_record(root, "2026-12-01T11:00:00Z")
     admission(root, table, "--write")
-    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3]}
+    assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3], "vad/batch": [1]}
 
 
 def test_without_a_framework_record_no_count_above_one_is_admitted(tmp_path):
@@ -171,7 +171,7 @@ def test_without_a_framework_record_no_count_above_one_is_admitted(tmp_path):
     table = tmp_path / "cpu.json"
     record(root, "whisper", "asr", {2: True}, "2026-12-01T09:00:00Z")
     out = admission(root, table, "--write")
-    assert rows(table)["whisper"] == {"asr/offline": [1], "asr/streaming": [1]}
+    assert rows(table)["whisper"] == {"asr/offline": [1], "asr/streaming": [1], "asr/batch": [1]}
     assert "no framework record for cpu" in out
 
 
@@ -246,7 +246,7 @@ def test_a_record_whose_checks_are_all_not_applicable_admits_nothing(root, tmp_p
         rec["counts"] = {str(n): {"model_checks": {}, "admission_ready": False} for n in range(1, 17)}
     _edit(path, change)
     admission(root, tmp_path / "cpu.json", "--write")
-    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1]}
+    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1], "asr/batch": [1]}
 
 
 def test_a_count_with_no_model_checks_of_its_own_is_not_validated(root, tmp_path):
@@ -254,7 +254,7 @@ def test_a_count_with_no_model_checks_of_its_own_is_not_validated(root, tmp_path
     path = record(root, "whisper", "asr", {1: True, 2: True}, "2026-12-01T10:00:00Z")
     _edit(path, lambda r: r.__setitem__("counts", {str(n): {"admission_ready": False} for n in (1, 2, 3)}))
     admission(root, tmp_path / "cpu.json", "--write")
-    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1]}
+    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1], "asr/batch": [1]}
 
 
 def test_newest_is_decided_by_time_not_by_the_spelling_of_finished_at(root, tmp_path):
@@ -263,7 +263,7 @@ def test_newest_is_decided_by_time_not_by_the_spelling_of_finished_at(root, tmp_
     newer = record(root, "whisper", "asr", {1: True, 2: False}, "2026-12-01T17:00:00Z")
     _edit(newer, lambda r: r.__setitem__("finished_at", "2026-12-01 17:00:00+00:00"))
     admission(root, tmp_path / "cpu.json", "--write")
-    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1]}
+    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1], "asr/batch": [1]}
 
 
 def test_a_record_finished_in_the_future_is_refused(root, tmp_path):
@@ -287,7 +287,7 @@ def test_a_cpu_record_stored_under_the_cuda_folder_does_not_decide_cpu(tmp_path)
         admission(root, tmp_path / "cpu.json", "--write")
     except CommandError:
         return  # refusing the misplaced record is fine too
-    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1]}
+    assert rows(tmp_path / "cpu.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1], "asr/batch": [1]}
 
 
 def test_a_cuda_record_made_without_a_gpu_does_not_admit_cuda_counts(tmp_path):
@@ -300,7 +300,7 @@ def test_a_cuda_record_made_without_a_gpu_does_not_admit_cuda_counts(tmp_path):
         admission(root, tmp_path / "cuda.json", "--write", backend="cuda")
     except CommandError:
         return
-    assert rows(tmp_path / "cuda.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1]}
+    assert rows(tmp_path / "cuda.json")["whisper"] == {"asr/offline": [1], "asr/streaming": [1], "asr/batch": [1]}
 
 
 # --- the committed table ---
@@ -319,7 +319,7 @@ def test_each_mode_is_admitted_by_its_own_records(paths):
     record(root, "whisper", "asr", {1: True, 2: True, 3: True, 4: True}, "2026-12-01T10:05:00Z", mode="streaming")
     record(root, "piper", "tts", {1: True, 2: True, 3: False}, "2026-12-01T10:06:00Z", mode="streaming")
     admission(root, table, "--write")
-    assert rows(table)["whisper"] == {"asr/offline": [1, 2], "asr/streaming": [1, 2, 3, 4]}
+    assert rows(table)["whisper"] == {"asr/offline": [1, 2], "asr/streaming": [1, 2, 3, 4], "asr/batch": [1]}
     assert rows(table)["piper"] == {"tts/offline": [1], "tts/streaming": [1, 2]}
     record(root, "silero_vad", "vad", {1: True, 2: True}, "2026-12-01T10:07:00Z", mode="streaming")
     with pytest.raises(CommandError, match="no family spec serves silero_vad vad/streaming"):

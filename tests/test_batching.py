@@ -149,7 +149,7 @@ def test_whisper_batches_through_the_server_answer_as_alone_and_a_refused_langua
     share one session call and each answer equals the one the same model gives it alone; a request
     whose ``language`` the English-only checkpoint refuses, batched with a healthy one, gets its own 400
     ``invalid_input`` naming ``language`` while the other is answered exactly; nothing stays held."""
-    datas = [u.data for u in load_speech()]
+    datas = [u.wav for u in load_speech()]
     with bstack.client() as client:
         serial = [answer(client.post("/v1/tasks/run", json=body("asr-b", d))) for d in datas]
     assert all(a["text"] for a in serial)
@@ -273,12 +273,13 @@ def test_a_batch_size_above_the_admitted_batch_sizes_is_refused_on_the_parallel_
     assert top >= 2  # the committed records admit batching of silero_vad
     entry = {"id": "v", "family": "silero_vad", "slots": 4, "max_batch": top + 1}
     with pytest.raises(ConfigError) as info:
-        parse_config({"runtime": "parallel", "backend": "cpu", "models": [entry]})
+        parse_config({"backend": "cpu", "models": [entry]}, parallel=True)
     [problem] = info.value.problems
     assert f"key 'max_batch': batches of {top + 1} are not validated for silero_vad vad/batch on cpu" in problem
     assert f"admitted batch sizes are 1..{top}" in problem
-    assert parse_config({"runtime": "parallel", "backend": "cpu", "models": [{**entry, "max_batch": top}]})
-    assert parse_config({"backend": "cpu", "models": [entry]}).models[0].max_batch == top + 1
+    assert parse_config({"backend": "cpu", "models": [{**entry, "max_batch": top}]}, parallel=True)
+    legacy = {k: v for k, v in entry.items() if k != "slots"}  # the legacy runtime refuses any slots key
+    assert parse_config({"backend": "cpu", "models": [legacy]}).models[0].max_batch == top + 1
 
 
 def test_the_admin_reconfigure_page_accepts_and_checks_batch_keys(bstack):

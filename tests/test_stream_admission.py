@@ -111,8 +111,9 @@ def test_the_status_shows_the_admitted_counts_per_mode(stack):
     with stack.client() as client:
         entry = client.get("/v1/models/w").json()
         offline_only = client.get("/v1/models/w-offline").json()
-    assert entry["modes"] == ["offline", "streaming"]
-    assert entry["admitted_slots_by_mode"] == {"offline": 4, "streaming": 2}
+    assert entry["modes"] == ["offline", "streaming", "batch"]
+    # this stack's table has no asr/batch row: batch size 1 (no batching) is all that is admitted
+    assert entry["admitted_slots_by_mode"] == {"offline": 4, "streaming": 2, "batch": 1}
     assert entry["max_streams"] == 2 and entry["slots"] == 3
     assert offline_only["modes"] == ["offline"]
     assert offline_only["admitted_slots_by_mode"] == {"offline": 4} and "max_streams" not in offline_only
