@@ -34,7 +34,8 @@ def test_consecutive_ready_counts_are_added_with_the_record_that_decides(paths):
     assert rows(table)["silero_vad"] == {"vad/offline": [1, 2, 3, 4], "vad/batch": [1]}
     assert rows(table)["whisper"] == {"asr/offline": [1, 2], "asr/streaming": [1], "asr/batch": [1]}
     assert rows(table)["piper"] == {"tts/offline": [1], "tts/streaming": [1]}  # no record: one slot
-    assert rows(table)["fixture"] == {"fixture/offline": [1, 2, 3, 4], "fixture/batch": [1, 2, 3, 4]}  # the test-only family
+    # the test-only family
+    assert rows(table)["fixture"] == {"fixture/offline": [1, 2, 3, 4], "fixture/batch": [1, 2, 3, 4]}
     relative = str(path.relative_to(root))
     assert (f"+ silero_vad vad/offline count 4: the newest record that ran it passes its model checks and the "
             f"newest framework record passes F1-F6 ({relative})") in out

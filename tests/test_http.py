@@ -70,7 +70,8 @@ def test_models_list_has_the_legacy_shape(stack):
     for entry in entries.values():
         assert set(entry) == {"id", "object", "created", "owned_by", "family", "task", "mode", "modes", "state",
                               "loaded", "last_error", "retry_at"}  # R6.7's fields, on every entry
-    assert entries["whisper"]["modes"] == ["offline", "streaming", "batch"] and entries["vad"]["modes"] == ["offline", "batch"]
+    assert entries["whisper"]["modes"] == ["offline", "streaming", "batch"]
+    assert entries["vad"]["modes"] == ["offline", "batch"]
     for alias in aliases.values():
         assert alias == {**entries["whisper"], "id": alias["id"], "alias_of": "whisper"}
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True
