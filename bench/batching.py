@@ -8,7 +8,9 @@ this process on one thread: N requests one after the other vs one batched pass (
 ``VadSession.probabilities_many``; whisper: ``whisper_batching.transcribe_together``) at N = 1/2/4/8
 (8 only here: the capacities admit at most 4 slots, and a batch holds one lease per member). Each row
 gives throughput (requests/s), p50/p95 latency (nearest rank) and the ratio to the serial row; the
-report is written as ``<out>/<backend>/<family>/<task>-batch/performance-<stamp>/performance.json``,
+report is written as ``<out>/<backend>/<family>/<task>-batch/performance-<stamp>/performance.json``
+(``backend``: the one the server resolves, ``cuda`` on a GPU machine; the model-alone rows run on the
+CPU),
 beside the batch evidence and never read by admission.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gate.servers import Server
 from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
+from inference.backend import resolve_backend
 
 BATCH_WINDOW_MS = 10
 """``batch_window_ms`` of the batched models: long enough for closed-loop clients' requests to meet,
@@ -57,7 +60,8 @@ def batch_report(family: str, requests: int | None, out: Path, write=print) -> d
     samples, rate = soundfile.read(SAMPLE, dtype="float32")
     wav = Path(SAMPLE).read_bytes()
     started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    report: dict[str, Any] = {"family": family, "task": task, "mode": "batch", "backend": "cpu",
+    backend = resolve_backend("auto")  # the server's: cuda where onnxruntime and CTranslate2 see a GPU
+    report: dict[str, Any] = {"family": family, "task": task, "mode": "batch", "backend": backend,
                               "machine": {"cpus": os.cpu_count(), "load_average_start": round(os.getloadavg()[0], 2)},
                               "input_s": round(len(samples) / rate, 3), "requests_per_row": requests,
                               "batch_window_ms": BATCH_WINDOW_MS}
@@ -67,7 +71,7 @@ def batch_report(family: str, requests: int | None, out: Path, write=print) -> d
     models += [{"id": f"b{n}", "family": family, "slots": n, "max_batch": n, "batch_window_ms": BATCH_WINDOW_MS}
                for n in (2, 4)]
     with tempfile.TemporaryDirectory() as tmp:
-        admission = _admission_with_batches(Path(tmp) / "admission", family, task)
+        admission = _admission_with_batches(Path(tmp) / "admission", family, task, backend)
         server = Server(Path(tmp), models, True, {}, {specs.ADMISSION_DIR_ENV: str(admission)})
         try:
             report["http"] = asyncio.run(_http_rows(server, wav, requests))
@@ -76,7 +80,7 @@ def batch_report(family: str, requests: int | None, out: Path, write=print) -> d
     report["model_alone"] = _model_alone_rows(family, samples, rate)
     report["machine"]["load_average_end"] = round(os.getloadavg()[0], 2)
     _print(report, write)
-    folder = out / "cpu" / family / f"{task}-batch" / f"performance-{started}-{family}-batch-cpu"
+    folder = out / backend / family / f"{task}-batch" / f"performance-{started}-{family}-batch-{backend}"
     folder.mkdir(parents=True, exist_ok=True)
     report["revision"] = evidence.code_revision()
     (folder / "performance.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -84,14 +88,16 @@ def batch_report(family: str, requests: int | None, out: Path, write=print) -> d
     return report
 
 
-def _admission_with_batches(folder: Path, family: str, task: str) -> Path:
-    """An admission table for the bench's server: the checked-in one with batch sizes 1..4 of ``family``
-    (the report measures them whether or not records admit them yet)."""
-    base = specs.ADMISSION_DIR / "cpu.json"
+def _admission_with_batches(folder: Path, family: str, task: str, backend: str) -> Path:
+    """An admission table for the bench's server: the checked-in one of ``backend`` with offline slot
+    counts and batch sizes 1..4 of ``family`` (the report measures them whether or not records admit
+    them there yet)."""
+    base = specs.ADMISSION_DIR / f"{backend}.json"
     table = json.loads(base.read_text()) if base.exists() else {}
     table.setdefault(family, {})[f"{task}/batch"] = [1, 2, 3, 4]
+    table[family][f"{task}/offline"] = [1, 2, 3, 4]
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "cpu.json").write_text(json.dumps(table))
+    (folder / f"{backend}.json").write_text(json.dumps(table))
     return folder
 
 
