@@ -108,9 +108,16 @@ class GenerateRendezvous:
         groups: dict[tuple, list[_Window]] = {}
         for window in windows:
             groups.setdefault(window.group, []).append(window)
-        for group in groups.values():
-            self._decode(group)
-        self.cond.notify_all()
+        try:
+            for group in groups.values():
+                self._decode(group)
+        except BaseException as exc:  # never leave a member waiting for a window nobody will decode
+            for window in windows:
+                if not window.done:
+                    window.error, window.done = exc, True
+            raise
+        finally:
+            self.cond.notify_all()
 
     def _decode(self, windows: list[_Window]) -> None:
         """One ``generate`` for ``windows`` (same options and SOT position); on an exception, each window
