@@ -165,6 +165,34 @@ def test_on_a_web_process_refuses_connections_while_redis_is_gone_and_serves_onc
         kill_process_tree(proc)
 
 
+def test_on_a_connection_whose_request_headers_straddle_the_closing_is_closed_after_that_request(
+        tmp_path, own_redis):
+    """A request whose headers are half in when Redis goes (a slow client, a proxy's write split in two):
+    once its headers end it is answered (503 ``redis_unavailable``, ``Connection: close``) and the
+    connection is then closed, not kept alive for the next request of the outage (Twisted re-reads
+    ``persistent`` from each request's headers, which undid the gate's ``persistent = False``)."""
+    proc, port = start_web(tmp_path, own_redis.url, refuse=True)
+    try:
+        straddling = socket.create_connection(("127.0.0.1", port), timeout=QUICK_S)
+        straddling.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        time.sleep(0.2)  # the first half is in (the channel has a partial request)
+        own_redis.kill()
+        wait_for(lambda: not accepts_connections("127.0.0.1", port), NOTICE_S)
+        straddling.sendall(b"\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = straddling.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        head = answer.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 503 "), answer
+        assert b"connection: close" in head.split(b"\r\n"), answer
+        wait_for(lambda: connection_closed_by_server(straddling), NOTICE_S)
+        straddling.close()
+    finally:
+        kill_process_tree(proc)
+
+
 def test_off_a_web_process_keeps_accepting_without_redis_and_answers_503_redis_unavailable(tmp_path, own_redis):
     proc, port = start_web(tmp_path, own_redis.url, refuse=False)
     try:

@@ -81,7 +81,7 @@ from zope.interface import implementer
 from audiosite import heartbeat
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge, error_body
-from audiosite.http.port_gate import DRAINING, GATE, follow_redis
+from audiosite.http.port_gate import DRAINING, GATE, end_keep_alive, follow_redis
 from audiosite.serverconfig import get_config
 from inference.runtime import metrics
 
@@ -294,7 +294,9 @@ class DeadlineHTTPChannel(twisted.web.http.HTTPChannel):
 
     def allHeadersReceived(self) -> None:  # noqa: N802 (Twisted's interface)
         self._disarm()
-        super().allHeadersReceived()
+        super().allHeadersReceived()  # sets ``persistent`` from this request's headers
+        if not GATE.open:  # refusing connections: this one closes after its answer (audiosite.http.port_gate)
+            end_keep_alive(self)
         if self.length != 0 and self.transport is not None:  # a body follows (a length, or chunked: None)
             self._arm("body", get_config().request_body_timeout_ms)
 
