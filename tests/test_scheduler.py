@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
 
 import pytest
+import redis
+import redis.asyncio as aioredis
 
 from inference.scheduler import (
     AdmissionOverdue,
@@ -14,6 +17,7 @@ from inference.scheduler import (
     ForgottenWorker,
     Keys,
     LeaseKind,
+    Listener,
     LoadEnd,
     LoadEndRecord,
     ModelState,
@@ -949,3 +953,41 @@ def test_an_unload_keeps_the_error_of_a_failed_load_while_its_backoff_is_remembe
             status = (await sched.snapshot(["m"]))["m"]
             assert status["state"] == "failed" and status["error"] == "broken weights" and status["retry_at_ms"]
     run(scenario())
+
+
+def test_lease_renewals_during_a_redis_outage_log_one_warning_each_not_a_traceback_per_renewal(caplog):
+    """A lease held while its Redis is gone (killed; a redis-server of the test's own) keeps renewing every
+    third of its TTL (here 0.1 s), in an async block and in a thread: each keep-alive logs one warning line
+    for the outage (no traceback), not ``renewing … failed`` with a traceback every 0.1 s."""
+    from .test_web_port_when_unready import OwnRedis
+
+    server = OwnRedis()
+    server.start()
+
+    async def scenario():
+        client = aioredis.Redis.from_url(server.url, decode_responses=True)
+        keys = Keys(unique_prefix())
+        listener = await Listener.start(client, keys.process_channel)
+        scheduler = Scheduler(client, keys, 300)
+        blocking = Scheduler(redis.Redis.from_url(server.url, decode_responses=True), keys, 300)  # a worker's
+        try:
+            held = await scheduler.acquire(listener, "m", 0)
+            threaded = await scheduler.acquire(listener, "n", 0)
+            with caplog.at_level(logging.DEBUG, logger="inference.scheduler.keepalive"):
+                with blocking.keep_alive("n", threaded.lease_id):
+                    async with scheduler.keep_alive("m", held.lease_id):
+                        server.kill()
+                        await asyncio.sleep(1.0)  # about ten renewals of each lease fail
+        finally:
+            await listener.close()
+            await client.aclose()
+
+    try:
+        run(scenario())
+    finally:
+        if server.proc is not None:
+            server.kill()
+    records = [r for r in caplog.records if r.name == "inference.scheduler.keepalive" and r.levelno >= logging.INFO]
+    assert [(r.levelno, r.exc_info) for r in records] == [(logging.WARNING, None)] * 2, \
+        [r.getMessage() for r in records]
+    assert sorted(r.getMessage().split(" failed")[0].rsplit(" ", 1)[1] for r in records) == ["m", "n"]
