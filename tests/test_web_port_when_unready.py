@@ -9,7 +9,8 @@ An open realtime session outlives a Redis restart (its Channels layer waits for 
 while Redis is gone gets an ``error`` event ``redis_unavailable`` and close code 1013.
 
 On, it also refuses connections from the start of its drain (SIGTERM) while the request it holds is
-answered.
+answered. On or off, a request whose body is still arriving when the drain begins is answered (503
+``shutting_down``) before the process exits.
 
 The Redis tests run their own ``redis-server`` (killed and started again on the same port) and one
 ``python -m audiosite.web`` process on SQLite, with no worker: the routes used read Redis only. The
@@ -252,6 +253,34 @@ def test_a_realtime_session_outlives_a_redis_restart_and_one_opened_without_redi
         run(scenario())
         assert proc.poll() is None
         assert "Exception inside application" not in (tmp_path / "web.log").read_text()
+    finally:
+        kill_process_tree(proc)
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["off", "on"])
+def test_a_request_whose_body_is_still_arriving_when_the_drain_begins_is_answered_shutting_down(
+        tmp_path, own_redis, refuse):
+    """SIGTERM while half of a POST's body (400 KB declared) is in and nothing else is served: the process
+    waits for the rest, answers 503 ``shutting_down`` (R8.4: every client gets an answer) and then exits 0.
+    The drain counted only complete requests, so it closed this connection unanswered at once."""
+    proc, port = start_web(tmp_path, own_redis.url, refuse=refuse)
+    try:
+        body = b'{"model":"asr","request":{"audio_base64":"' + b"A" * 400_000 + b'"}}'
+        upload = socket.create_connection(("127.0.0.1", port), timeout=QUICK_S)
+        upload.sendall(b"POST /v1/tasks/run HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body[:200_000])
+        time.sleep(0.3)  # the first half is in
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        upload.sendall(body[200_000:])
+        answer = b""
+        while chunk := upload.recv(65536):
+            answer += chunk
+        upload.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), answer[:300]
+        assert json.loads(payload)["error"]["code"] == "shutting_down", payload
+        assert proc.wait(QUICK_S) == 0
     finally:
         kill_process_tree(proc)
 
