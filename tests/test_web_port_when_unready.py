@@ -36,6 +36,7 @@ import signal
 import websockets
 
 from .redis_per_worker import _binary as redis_binary
+from .support.audio import load_speech, long_speech
 from .support.bounds import QUICK_S, run, until, within
 from .support.clients import mclient, post
 from .support.cluster import run_cluster
@@ -318,3 +319,54 @@ def test_on_a_draining_web_process_refuses_connections_and_answers_the_request_i
     finally:
         next(clusters, None)
 
+
+
+@pytest.mark.parametrize("route", ["speech", "transcription"])
+def test_an_sse_stream_that_loses_redis_ends_with_an_error_event_redis_unavailable(tmp_path, own_redis, route):
+    """A web process and a worker on the test's own Redis; an SSE stream (speech from ``piper``, or a
+    streamed transcription from ``asr`` of 25 s of speech) whose Redis is killed after its first event:
+    the stream ends within 15 s with a last event ``{"type": "error", "error": {"code":
+    "redis_unavailable", …}}`` and a complete chunked body, and the web process logs no unhandled
+    exception (the Redis error used to escape the body: "Exception inside application", the connection
+    cut with no final event)."""
+    models = [{"id": "piper", "family": "piper", "task": "tts", "lazy": route != "speech"},
+              {"id": "asr", "family": "whisper", "task": "asr", "lazy": route != "transcription"}]
+    clusters = run_cluster(tmp_path, models, redis_db=0, name="sse_outage", webs=1, workers=1,
+                           redis_base=own_redis.url.rsplit("/", 1)[0])
+    cluster = next(clusters)
+    try:
+        (web,) = cluster.webs
+        if route == "speech":
+            text = " ".join(f"This is sentence number {n} of a long answer that keeps the voice busy."
+                            for n in range(30))
+            request = {"method": "POST", "url": "/v1/audio/speech",
+                       "json": {"model": "piper", "input": text, "voice": "joe", "stream_format": "sse"}}
+        else:
+            request = {"method": "POST", "url": "/v1/audio/transcriptions",
+                       "data": {"model": "asr", "stream": "true"},
+                       "files": {"file": ("speech.wav", long_speech(load_speech(), 25))}}
+
+        async def scenario() -> tuple[list[dict], float]:
+            events: list[dict] = []
+            killed_at = None
+            async with httpx.AsyncClient(base_url=web.url, timeout=httpx.Timeout(QUICK_S, read=15)) as client:
+                async with client.stream(**request) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        events.append(json.loads(line.removeprefix("data:")))
+                        if killed_at is None:
+                            own_redis.kill()
+                            killed_at = time.monotonic()
+            return events, time.monotonic() - (killed_at or time.monotonic())
+
+        events, after_kill_s = run(scenario())
+        assert events[-1]["type"] == "error", events[-1]["type"]
+        assert events[-1]["error"]["code"] == "redis_unavailable", events[-1]
+        assert after_kill_s < 15
+        assert "Exception inside application" not in web.log_path.read_text()
+    finally:
+        if own_redis.proc is None:
+            own_redis.start()  # the teardown flushes the db
+        next(clusters, None)
