@@ -15,7 +15,8 @@ answered. On or off, a request whose body is still arriving when the drain begin
 The Redis tests run their own ``redis-server`` (killed and started again on the same port) and one
 ``python -m audiosite.web`` process on SQLite, with no worker: the routes used read Redis only. The
 drain test runs a web process and a worker as docs/operations.md ("Scale-out") starts them, with a
-fixture run held at a barrier.
+fixture run held at a barrier. The SSE stream tests run a web process and a worker on the test's own
+Redis (``run_cluster``'s ``redis_base``) with Piper and Whisper.
 """
 from __future__ import annotations
 
