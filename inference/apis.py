@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -23,12 +24,20 @@ from pathlib import Path
 
 from audiosite.http.apiview import APIView
 from django.http import HttpResponse, StreamingHttpResponse
+import redis.exceptions
 from rest_framework.exceptions import ParseError
 from rest_framework.negotiation import BaseContentNegotiation, DefaultContentNegotiation
 from rest_framework.response import Response
 
 from audiosite.drain import DRAIN, DrainExpired, refusal
-from audiosite.errors import ApplicationError, InvalidRequest, NotFound, PayloadTooLarge, ServerBusy
+from audiosite.errors import (
+    ApplicationError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    RedisUnavailable,
+    ServerBusy,
+)
 from audiosite.serverconfig import MAX_BUSY_TIMEOUT_MS, get_config
 from audiosite.input_checks import check_length, validated
 from inference import audio, services, specs, voices
@@ -42,6 +51,8 @@ from .serializers import (
     TaskRunInputSerializer,
     TranscriptionInputSerializer,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _data(request):
@@ -423,15 +434,29 @@ async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text:
         if sse:
             done = {"type": "speech.audio.done", "usage": _usage(text, stream.final)}
             yield f"data: {json.dumps(done)}\n\n".encode()
-    except (ApplicationError, DrainExpired) as exc:
+    except (ApplicationError, DrainExpired, redis.exceptions.RedisError) as exc:
         # headers are out: an SSE stream ends with an error event; raw audio just ends short (no reset)
+        error = _stream_error(exc)
         if sse:
-            error = exc if isinstance(exc, ApplicationError) else refusal("the rest of this stream")
             yield f"data: {json.dumps({'type': 'error', 'error': error.body()['error']})}\n\n".encode()
         elif isinstance(exc, ApplicationError):
             raise
+        elif not isinstance(exc, DrainExpired):
+            raise error from exc
     finally:
         await stream.aclose()
+
+
+def _stream_error(exc: BaseException) -> ApplicationError:
+    """What ends a stream whose headers are out: ``exc`` itself (an ``ApplicationError``), 503
+    ``redis_unavailable`` for a Redis failure (it used to escape the body as an unhandled exception: an
+    SSE client got no error event), or the drain's ``shutting_down`` (``DrainExpired``)."""
+    if isinstance(exc, ApplicationError):
+        return exc
+    if isinstance(exc, redis.exceptions.RedisError):
+        log.warning("a stream lost Redis: %s", exc)
+        return RedisUnavailable(f"the coordination store (Redis) is unavailable or overloaded: {type(exc).__name__}")
+    return refusal("the rest of this stream")
 
 
 async def _speech_file(stream: services.SpeechStream, fmt: str) -> bytes:
@@ -486,9 +511,8 @@ async def _transcription_events(stream: services.TranscriptionStream):
         metrics.record_soon(metrics.audio(stream.model_id, "asr", stream.audio_ms / 1000))
         yield sse_event({"type": "transcript.text.done", "text": final.get("text", ""),
                          "usage": {"type": "duration", "seconds": round(stream.audio_ms / 1000, 3)}})
-    except (ApplicationError, DrainExpired) as exc:
-        error = exc if isinstance(exc, ApplicationError) else refusal("the rest of this stream")
-        yield sse_event({"type": "error", "error": error.body()["error"]})
+    except (ApplicationError, DrainExpired, redis.exceptions.RedisError) as exc:
+        yield sse_event({"type": "error", "error": _stream_error(exc).body()["error"]})
     finally:
         await stream.aclose()
 

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
 
 import pytest
+import redis
+import redis.asyncio as aioredis
 
 from inference.scheduler import (
     AdmissionOverdue,
@@ -14,6 +17,7 @@ from inference.scheduler import (
     ForgottenWorker,
     Keys,
     LeaseKind,
+    Listener,
     LoadEnd,
     LoadEndRecord,
     ModelState,
@@ -948,4 +952,132 @@ def test_an_unload_keeps_the_error_of_a_failed_load_while_its_backoff_is_remembe
             await sched.release("m", manager.lease_id)
             status = (await sched.snapshot(["m"]))["m"]
             assert status["state"] == "failed" and status["error"] == "broken weights" and status["retry_at_ms"]
+    run(scenario())
+
+
+def test_lease_renewals_during_a_redis_outage_log_one_warning_each_not_a_traceback_per_renewal(caplog):
+    """A lease held while its Redis is gone (killed; a redis-server of the test's own) keeps renewing every
+    third of its TTL (here 0.1 s), in an async block and in a thread: each keep-alive logs one warning line
+    for the outage (no traceback), not ``renewing … failed`` with a traceback every 0.1 s."""
+    from .test_web_port_when_unready import OwnRedis
+
+    server = OwnRedis()
+    server.start()
+
+    async def scenario():
+        client = aioredis.Redis.from_url(server.url, decode_responses=True)
+        keys = Keys(unique_prefix())
+        listener = await Listener.start(client, keys.process_channel)
+        scheduler = Scheduler(client, keys, 300)
+        blocking = Scheduler(redis.Redis.from_url(server.url, decode_responses=True), keys, 300)  # a worker's
+        try:
+            held = await scheduler.acquire(listener, "m", 0)
+            threaded = await scheduler.acquire(listener, "n", 0)
+            with caplog.at_level(logging.DEBUG, logger="inference.scheduler.keepalive"):
+                with blocking.keep_alive("n", threaded.lease_id):
+                    async with scheduler.keep_alive("m", held.lease_id):
+                        server.kill()
+                        await asyncio.sleep(1.0)  # about ten renewals of each lease fail
+        finally:
+            await listener.close()
+            await client.aclose()
+
+    try:
+        run(scenario())
+    finally:
+        if server.proc is not None:
+            server.kill()
+    records = [r for r in caplog.records if r.name == "inference.scheduler.keepalive" and r.levelno >= logging.INFO]
+    assert [(r.levelno, r.exc_info) for r in records] == [(logging.WARNING, None)] * 2, \
+        [r.getMessage() for r in records]
+    assert sorted(r.getMessage().split(" failed")[0].rsplit(" ", 1)[1] for r in records) == ["m", "n"]
+
+
+class SwitchRelay:
+    """A TCP relay to Redis in the test's event loop whose next connections can be cut at once (``mode``
+    ``refuse``: accepted and closed, as a Redis that is gone) or forwarded (``forward``); ``drop_one``
+    cuts the next connection only, then forwards. ``refused`` counts the connections cut."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream = upstream
+        self.mode = "forward"
+        self.refused = 0
+        self.open: set[asyncio.StreamWriter] = set()
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    def cut_all(self) -> None:
+        for writer in list(self.open):
+            writer.transport.abort()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.mode != "forward":
+            self.mode = "forward" if self.mode == "drop_one" else self.mode
+            self.refused += 1
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        self.open.update((writer, up_writer))
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+            except OSError:
+                pass
+            finally:
+                sink.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self.open.difference_update((writer, up_writer))
+
+    async def close(self) -> None:
+        self.cut_all()
+        if self.server is not None:
+            self.server.close()
+
+
+def test_a_listener_whose_redis_comes_back_reports_itself_subscribed_again(redis_client):
+    """A listener (connected as a web process's, with a client name, through a relay) whose Redis goes
+    away, and whose first attempt to subscribe again is cut while the next connection goes through
+    (Redis coming back between the two, or still loading for the first): within 2 s ``subscribed`` is
+    True again and a message published then reaches its waiter. (Measured before: the read after the
+    failed attempt reconnected the pubsub by itself, which resubscribed it, and then blocked reading:
+    messages arrived but ``subscribed`` stayed False for good, so a web process with
+    ``refuse_connections_when_unready`` kept its port closed, ``audiosite.http.port_gate``.)"""
+    async def scenario():
+        relay = SwitchRelay(("127.0.0.1", redis_client.connection_pool.connection_kwargs["port"]))
+        port = await relay.start()
+        db = redis_client.connection_pool.connection_kwargs.get("db", 0)
+        pool = aioredis.BlockingConnectionPool.from_url(  # as a web process's (inference.runtime.context)
+            f"redis://127.0.0.1:{port}/{db}", decode_responses=True, client_name="listener-test",
+            socket_timeout=None, socket_connect_timeout=2)
+        client = aioredis.Redis(connection_pool=pool)
+        listener = await Listener.start(client, Keys(unique_prefix()).process_channel, liveness_ttl_ms=600_000)
+        try:
+            relay.mode = "refuse"
+            relay.cut_all()
+            refused = relay.refused
+            deadline = time.monotonic() + 2
+            while relay.refused < refused + 3:  # the listener is retrying: between two of its attempts now
+                assert time.monotonic() < deadline, "the listener did not try to subscribe again"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert not listener.subscribed
+            relay.mode = "drop_one"  # the next attempt fails, the one after goes through
+            deadline = time.monotonic() + 2
+            while not listener.subscribed:
+                assert time.monotonic() < deadline, "not subscribed 2 s after Redis came back"
+                await asyncio.sleep(0.01)
+            woken = listener.expect("probe")
+            await asyncio.to_thread(redis_client.publish, listener.channel, "probe")
+            await within(woken, 2)
+        finally:
+            await listener.close()
+            await client.aclose()
+            await relay.close()
+
     run(scenario())

@@ -9,12 +9,14 @@ An open realtime session outlives a Redis restart (its Channels layer waits for 
 while Redis is gone gets an ``error`` event ``redis_unavailable`` and close code 1013.
 
 On, it also refuses connections from the start of its drain (SIGTERM) while the request it holds is
-answered.
+answered. On or off, a request whose body is still arriving when the drain begins is answered (503
+``shutting_down``) before the process exits.
 
 The Redis tests run their own ``redis-server`` (killed and started again on the same port) and one
 ``python -m audiosite.web`` process on SQLite, with no worker: the routes used read Redis only. The
 drain test runs a web process and a worker as docs/operations.md ("Scale-out") starts them, with a
-fixture run held at a barrier.
+fixture run held at a barrier. The SSE stream tests run a web process and a worker on the test's own
+Redis (``run_cluster``'s ``redis_base``) with Piper and Whisper.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import signal
 import websockets
 
 from .redis_per_worker import _binary as redis_binary
+from .support.audio import load_speech, long_speech
 from .support.bounds import QUICK_S, run, until, within
 from .support.clients import mclient, post
 from .support.cluster import run_cluster
@@ -165,6 +168,34 @@ def test_on_a_web_process_refuses_connections_while_redis_is_gone_and_serves_onc
         kill_process_tree(proc)
 
 
+def test_on_a_connection_whose_request_headers_straddle_the_closing_is_closed_after_that_request(
+        tmp_path, own_redis):
+    """A request whose headers are half in when Redis goes (a slow client, a proxy's write split in two):
+    once its headers end it is answered (503 ``redis_unavailable``, ``Connection: close``) and the
+    connection is then closed, not kept alive for the next request of the outage (Twisted re-reads
+    ``persistent`` from each request's headers, which undid the gate's ``persistent = False``)."""
+    proc, port = start_web(tmp_path, own_redis.url, refuse=True)
+    try:
+        straddling = socket.create_connection(("127.0.0.1", port), timeout=QUICK_S)
+        straddling.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        time.sleep(0.2)  # the first half is in (the channel has a partial request)
+        own_redis.kill()
+        wait_for(lambda: not accepts_connections("127.0.0.1", port), NOTICE_S)
+        straddling.sendall(b"\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = straddling.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        head = answer.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 503 "), answer
+        assert b"connection: close" in head.split(b"\r\n"), answer
+        wait_for(lambda: connection_closed_by_server(straddling), NOTICE_S)
+        straddling.close()
+    finally:
+        kill_process_tree(proc)
+
+
 def test_off_a_web_process_keeps_accepting_without_redis_and_answers_503_redis_unavailable(tmp_path, own_redis):
     proc, port = start_web(tmp_path, own_redis.url, refuse=False)
     try:
@@ -228,6 +259,34 @@ def test_a_realtime_session_outlives_a_redis_restart_and_one_opened_without_redi
         kill_process_tree(proc)
 
 
+@pytest.mark.parametrize("refuse", [False, True], ids=["off", "on"])
+def test_a_request_whose_body_is_still_arriving_when_the_drain_begins_is_answered_shutting_down(
+        tmp_path, own_redis, refuse):
+    """SIGTERM while half of a POST's body (400 KB declared) is in and nothing else is served: the process
+    waits for the rest, answers 503 ``shutting_down`` (R8.4: every client gets an answer) and then exits 0.
+    The drain counted only complete requests, so it closed this connection unanswered at once."""
+    proc, port = start_web(tmp_path, own_redis.url, refuse=refuse)
+    try:
+        body = b'{"model":"asr","request":{"audio_base64":"' + b"A" * 400_000 + b'"}}'
+        upload = socket.create_connection(("127.0.0.1", port), timeout=QUICK_S)
+        upload.sendall(b"POST /v1/tasks/run HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body[:200_000])
+        time.sleep(0.3)  # the first half is in
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        upload.sendall(body[200_000:])
+        answer = b""
+        while chunk := upload.recv(65536):
+            answer += chunk
+        upload.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), answer[:300]
+        assert json.loads(payload)["error"]["code"] == "shutting_down", payload
+        assert proc.wait(QUICK_S) == 0
+    finally:
+        kill_process_tree(proc)
+
+
 def test_on_a_draining_web_process_refuses_connections_and_answers_the_request_it_holds(tmp_path):
     """SIGTERM to a web process holding a fixture run at a barrier: its port refuses connections within
     a second (a proxy would send new requests elsewhere) and its idle keep-alive connection is closed,
@@ -261,3 +320,54 @@ def test_on_a_draining_web_process_refuses_connections_and_answers_the_request_i
     finally:
         next(clusters, None)
 
+
+
+@pytest.mark.parametrize("route", ["speech", "transcription"])
+def test_an_sse_stream_that_loses_redis_ends_with_an_error_event_redis_unavailable(tmp_path, own_redis, route):
+    """A web process and a worker on the test's own Redis; an SSE stream (speech from ``piper``, or a
+    streamed transcription from ``asr`` of 25 s of speech) whose Redis is killed after its first event:
+    the stream ends within 15 s with a last event ``{"type": "error", "error": {"code":
+    "redis_unavailable", …}}`` and a complete chunked body, and the web process logs no unhandled
+    exception (the Redis error used to escape the body: "Exception inside application", the connection
+    cut with no final event)."""
+    models = [{"id": "piper", "family": "piper", "task": "tts", "lazy": route != "speech"},
+              {"id": "asr", "family": "whisper", "task": "asr", "lazy": route != "transcription"}]
+    clusters = run_cluster(tmp_path, models, redis_db=0, name="sse_outage", webs=1, workers=1,
+                           redis_base=own_redis.url.rsplit("/", 1)[0])
+    cluster = next(clusters)
+    try:
+        (web,) = cluster.webs
+        if route == "speech":
+            text = " ".join(f"This is sentence number {n} of a long answer that keeps the voice busy."
+                            for n in range(30))
+            request = {"method": "POST", "url": "/v1/audio/speech",
+                       "json": {"model": "piper", "input": text, "voice": "joe", "stream_format": "sse"}}
+        else:
+            request = {"method": "POST", "url": "/v1/audio/transcriptions",
+                       "data": {"model": "asr", "stream": "true"},
+                       "files": {"file": ("speech.wav", long_speech(load_speech(), 25))}}
+
+        async def scenario() -> tuple[list[dict], float]:
+            events: list[dict] = []
+            killed_at = None
+            async with httpx.AsyncClient(base_url=web.url, timeout=httpx.Timeout(QUICK_S, read=15)) as client:
+                async with client.stream(**request) as resp:
+                    assert resp.status_code == 200
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        events.append(json.loads(line.removeprefix("data:")))
+                        if killed_at is None:
+                            own_redis.kill()
+                            killed_at = time.monotonic()
+            return events, time.monotonic() - (killed_at or time.monotonic())
+
+        events, after_kill_s = run(scenario())
+        assert events[-1]["type"] == "error", events[-1]["type"]
+        assert events[-1]["error"]["code"] == "redis_unavailable", events[-1]
+        assert after_kill_s < 15
+        assert "Exception inside application" not in web.log_path.read_text()
+    finally:
+        if own_redis.proc is None:
+            own_redis.start()  # the teardown flushes the db
+        next(clusters, None)

@@ -81,7 +81,7 @@ from zope.interface import implementer
 from audiosite import heartbeat
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge, error_body
-from audiosite.http.port_gate import DRAINING, GATE, follow_redis
+from audiosite.http.port_gate import DRAINING, GATE, end_keep_alive, follow_redis
 from audiosite.serverconfig import get_config
 from inference.runtime import metrics
 
@@ -294,7 +294,9 @@ class DeadlineHTTPChannel(twisted.web.http.HTTPChannel):
 
     def allHeadersReceived(self) -> None:  # noqa: N802 (Twisted's interface)
         self._disarm()
-        super().allHeadersReceived()
+        super().allHeadersReceived()  # sets ``persistent`` from this request's headers
+        if not GATE.open:  # refusing connections: this one closes after its answer (audiosite.http.port_gate)
+            end_keep_alive(self)
         if self.length != 0 and self.transport is not None:  # a body follows (a length, or chunked: None)
             self._arm("body", get_config().request_body_timeout_ms)
 
@@ -382,6 +384,8 @@ EXPIRY_GRACE_S = 5.0
 #: How long idle keep-alive connections may take to close (their last response flushed), in seconds.
 CLOSE_GRACE_S = 2.0
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+ARRIVING_POLL_S = 0.02
+"""How often a drain looks whether the requests still arriving when it began have been answered (s)."""
 
 
 class DrainingServer(Server):
@@ -449,12 +453,34 @@ class DrainingServer(Server):
                 GATE.close(DRAINING)
             DRAIN.begin(get_config().shutdown_timeout_ms)
             clean = await DRAIN.wait(EXPIRY_GRACE_S)
+            clean = await self._answer_requests_on_their_way() and clean
             await self._close_connections()
             await metrics.flush()  # the counters of the last answers (record_soon batches them)
             log.warning("drain %s after %.1f s; stopping", "done" if clean else "cut short", time.monotonic() - started)
         except Exception:
             log.exception("drain failed; stopping")
         self.stop()
+
+    def _requests_unanswered(self) -> int:
+        """HTTP requests begun (their request line is in) and not answered yet: daphne's ``connections``
+        holds each from its first line until it finishes. Those still arriving (headers or body on the
+        way in) are not yet counted by the drain (``tracked`` sees a request once it is complete)."""
+        return sum(1 for protocol, details in self.connections.items()
+                   if isinstance(protocol, daphne.http_protocol.WebRequest) and "disconnected" not in details)
+
+    async def _answer_requests_on_their_way(self) -> bool:
+        """Once admitted work is done, wait (until the drain's deadline) for the requests that were still
+        arriving when the drain began (an upload's body, say) to arrive and be answered: an unsafe one
+        503 ``shutting_down``, a read as usual. Closing their connections earlier left those clients
+        without an answer. Returns False if some were still unanswered at the deadline."""
+        assert DRAIN.deadline_s is not None
+        while self._requests_unanswered():
+            if time.monotonic() >= DRAIN.deadline_s:
+                log.warning("drain: %d request(s) still arriving at the deadline; closing their connections",
+                            self._requests_unanswered())
+                return False
+            await asyncio.sleep(ARRIVING_POLL_S)
+        return await DRAIN.wait(EXPIRY_GRACE_S)
 
     async def _close_connections(self) -> None:
         """Close every open connection once its pending output is written (Twisted's ``loseConnection``);

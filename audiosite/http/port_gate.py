@@ -97,7 +97,18 @@ def channel_idle_close(channel: Any) -> None:
     if not channel.requests and not channel._handlingRequest and not getattr(channel, "partial_request", False):
         transport.loseConnection()
     else:
-        channel.persistent = False  # Twisted closes the connection once this request is done
+        end_keep_alive(channel)
+
+
+def end_keep_alive(channel: Any) -> None:
+    """Close ``channel`` once its requests so far have been answered: Twisted's ``persistent`` off, and
+    ``Connection: close`` on each answer not yet started. Twisted sets ``persistent`` again from each
+    request's headers as they end, so a channel whose request's headers were still arriving is told
+    again then (``DeadlineHTTPChannel.allHeadersReceived`` calls this while the gate is closed)."""
+    channel.persistent = False  # Twisted closes the connection once this request is done
+    for request in list(getattr(channel, "requests", ())):
+        if not getattr(request, "startedWriting", True):
+            request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
 
 
 GATE = PortGate()

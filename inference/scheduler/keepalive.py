@@ -16,7 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis.exceptions
+
 log = logging.getLogger(__name__)
+
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+"""What a renewal raises while Redis is gone or unreachable: one warning per outage, not a traceback
+per renewal (every lease held renews every third of the TTL)."""
 
 
 class KeepAlive:
@@ -43,6 +49,21 @@ class KeepAlive:
         self._task: asyncio.Task | None = None
         self._stop = threading.Event()
         self._renewing = threading.Lock()  # held by a renewal in progress (thread mode)
+        self._failing = False  # the last renewal failed for want of Redis (warned once)
+
+    def _renew_failed(self, exc: Exception) -> None:
+        """A renewal raised (called in its ``except``): Redis out of reach is logged once per outage, in
+        one line; anything else with its traceback."""
+        if not isinstance(exc, REDIS_DOWN):
+            log.exception("renewing %s failed; retrying", self.what)
+        elif not self._failing:
+            log.warning("renewing %s failed (%s); retrying every %.1f s", self.what, exc, self.every_s)
+        self._failing = isinstance(exc, REDIS_DOWN)
+
+    def _renewed(self) -> None:
+        if self._failing:
+            log.warning("renewing %s succeeded again", self.what)
+        self._failing = False
 
     def _refused(self) -> None:
         self.lost = True
@@ -58,9 +79,10 @@ class KeepAlive:
                     held = await held
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("renewing %s failed; retrying", self.what)
+            except Exception as exc:
+                self._renew_failed(exc)
                 continue
+            self._renewed()
             if not held:
                 self._refused()
                 return
@@ -81,9 +103,10 @@ class KeepAlive:
                 return False
             try:
                 held = self.renew()
-            except Exception:
-                log.exception("renewing %s failed; retrying", self.what)
+            except Exception as exc:
+                self._renew_failed(exc)
                 return True
+            self._renewed()
             if not held:
                 self._refused()
                 return False

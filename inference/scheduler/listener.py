@@ -22,6 +22,9 @@ from .keys import LIVENESS_TTL_MS, Keys
 
 log = logging.getLogger(__name__)
 
+RESUBSCRIBE_S = 0.2
+"""Pause before each attempt to subscribe again after the subscription's connection failed (s)."""
+
 
 class Listener:
     """Dispatches messages of one pub/sub channel to asyncio futures.
@@ -98,21 +101,32 @@ class Listener:
                 raise
             except Exception as exc:  # connection trouble: resubscribe and go on
                 if self.subscribed:
-                    log.warning("listener %s lost its subscription (%s); resubscribing every 0.2 s", self.channel,
-                                exc)
+                    log.warning("listener %s lost its subscription (%s); resubscribing every %.1f s", self.channel,
+                                exc, RESUBSCRIBE_S)
                 self._set_subscribed(False)
-                await asyncio.sleep(0.2)
-                try:
-                    await self._pubsub.subscribe(self.channel)
-                except Exception as exc:
-                    log.debug("resubscribe failed: %s", exc)
-                    continue
-                log.warning("listener %s subscribed again", self.channel)
-                self._set_subscribed(True)
+                await self._resubscribe()
                 continue
             if message is None or message.get("type") != "message":
                 continue
             self._deliver(message["data"])
+
+    async def _resubscribe(self) -> None:
+        """Subscribe again, every :data:`RESUBSCRIBE_S` until it succeeds; only then read again. (Reading
+        between two failed attempts reconnected the pubsub by itself once Redis was back, which
+        resubscribed it too, and then blocked reading: ``subscribed`` stayed False for good, and with it
+        a closed port gate, ``audiosite.http.port_gate``.)"""
+        while True:
+            await asyncio.sleep(RESUBSCRIBE_S)
+            try:
+                await self._pubsub.subscribe(self.channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("resubscribe failed: %s", exc)
+                continue
+            log.warning("listener %s subscribed again", self.channel)
+            self._set_subscribed(True)
+            return
 
     def watch_subscription(self, callback: Callable[[bool], None]) -> None:
         """Call ``callback(False)`` on the event loop when the subscription's connection fails (Redis

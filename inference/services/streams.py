@@ -4,6 +4,9 @@ leaves (R8.3)."""
 from __future__ import annotations
 
 import json
+import logging
+
+import redis.exceptions
 
 from audiosite.errors import ApplicationError, Conflict, InvalidRequest, NotFound, WorkerLost
 from audiosite.serverconfig import get_config
@@ -16,6 +19,8 @@ from inference.scheduler import Lease, LeaseKind, effective_timeout_ms
 from .audio_input import AudioInput, audio_decode, audio_inspect
 from .loading import model_ensure_loaded
 from .request import RUN_FAILURE_BUSY, reply_error
+
+log = logging.getLogger(__name__)
 
 
 class _HeldStream:
@@ -63,11 +68,17 @@ class _HeldStream:
 
     async def aclose(self) -> None:
         """End the request: stop the worker after its current step if it is still going (the client
-        left), then release the lease. Idempotent; finishes even if the caller is cancelled."""
+        left), then release the lease. Idempotent; finishes even if the caller is cancelled. Without
+        Redis it logs a warning and returns (the lease is reclaimed ``lease_ttl_ms`` after its last
+        renewal, R2.5): it runs as the response body ends, where an exception would cut that body short."""
         if self._closed:
             return
         self._closed = True
-        await leases.run_to_completion(self._finish())
+        try:
+            await leases.run_to_completion(self._finish())
+        except redis.exceptions.RedisError as exc:
+            log.warning("ending a stream of %s without Redis (%s); its lease lapses after lease_ttl_ms",
+                        self.model_id, exc)
 
     async def _finish(self) -> None:
         try:

@@ -185,16 +185,18 @@ class Cluster(Deployment):
 
 
 def run_cluster(tmp: Path, models: list[dict], *, redis_db: int, name: str, webs: int = 2, workers: int = 2,
-                parallel: bool = True, extra_env: dict | None = None, extra_config: dict | None = None):
+                parallel: bool = True, extra_env: dict | None = None, extra_config: dict | None = None,
+                redis_base: str | None = None):
     """Start a :class:`Cluster` of ``webs`` web processes and ``workers`` workers; yield it; stop it.
 
     Done as an operator would without ``serve`` (docs/operations.md, "Scale-out"): one
     configuration file for every process (``AUDIOSITE_CONFIG``), one secret key, the runtime
     (``AUDIOSITE_PARALLEL_JOBS``), ``manage.py migrate`` and ``manage.py sync_config`` once, then
     the processes, then ``manage.py load_models`` (the non-lazy models). See :func:`prepare_stack`
-    for the configuration, database and Redis db.
+    for the configuration, database and Redis db (``redis_base``: on another Redis than the test run's).
     """
-    setup = prepare_stack(tmp, models, redis_db=redis_db, name=name, extra_env=extra_env, extra_config=extra_config)
+    setup = prepare_stack(tmp, models, redis_db=redis_db, name=name, extra_env=extra_env, extra_config=extra_config,
+                          redis_base=redis_base)
     setup.env.update(DJANGO_SETTINGS_MODULE="audiosite.settings", AUDIOSITE_CONFIG=str(setup.config_path),
                      AUDIOSITE_SECRET_KEY=secrets.token_urlsafe(50), HF_HUB_OFFLINE="1")
     if parallel:

@@ -151,13 +151,14 @@ class Setup:
 
 
 def prepare_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, extra_env: dict | None = None,
-                  extra_config: dict | None = None) -> Setup:
+                  extra_config: dict | None = None, redis_base: str | None = None) -> Setup:
     """Write the configuration, create the database ``audiosite_<name>_<pid>`` (dropped first if a
     crashed run left it) and flush Redis db ``redis_db``.
 
     The configuration pins ``"backend": "cpu"``, a 3 s lease TTL and a 5 s ``shutdown_timeout_ms``
     (``extra_config`` overrides any key): the tests assert CPU admission tables, ``/health`` backends
-    and start-up lines, on any machine."""
+    and start-up lines, on any machine. ``redis_base`` (``redis://host:port``) is another Redis than the
+    test run's (one the test kills and starts again)."""
     media = tmp / "media"
     media.mkdir()
     for wav in FIXTURES.glob("*.wav"):
@@ -175,7 +176,7 @@ def prepare_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, ex
     with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{db_name}"')
-    redis_url = f"{REDIS_BASE}/{redis_db}"
+    redis_url = f"{redis_base or REDIS_BASE}/{redis_db}"
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.flushdb()
 
