@@ -28,7 +28,7 @@ from inference.runtime.context import KEYS
 
 from .support.audio import adapter_session, load_speech, padded, wav_bytes
 from .support.bounds import MODEL_S, run, until
-from .support.clients import body, error_of, without_timing
+from .support.clients import body, error_of, operator_token, without_timing
 from .support.stacks import FIXTURE_ENV, live_workers, run_stack
 
 RATE_HZ = 16000
@@ -415,3 +415,31 @@ def test_a_whisper_batch_member_leaving_mid_decode_leaves_alone_and_no_thread_st
         assert [answer(r) for r in run(concurrently(bstack, "asr-b", [body("asr-b", d) for d in short]))] == alone
     bstack.wait_idle("asr-b", timeout_s=60)
     assert psutil.Process(asr_pid(bstack)).num_threads() <= threads_before
+
+
+def test_a_batch_closes_once_every_slot_joined_and_a_single_slot_model_never_waits_for_the_window(bstack):
+    """R9.3: ``max_batch`` above ``slots`` changes nothing. ``vad-s2`` (slots 2, ``max_batch`` 4) and
+    ``vad-s1`` (slots 1, ``max_batch`` 4), both with a 4 s ``batch_window_ms``: two concurrent requests to
+    ``vad-s2`` are one batch of 2 that runs as soon as both joined, and a request to ``vad-s1`` runs at
+    once without a batch call; every answer equals the unbatched ``vad``'s and each takes well under the
+    window (seconds)."""
+    headers = {"Authorization": f"Token {operator_token(bstack)}"}
+    with bstack.client(headers=headers) as api:
+        for model_id, slots in (("vad-s2", 2), ("vad-s1", 1)):
+            resp = api.post("/v1/models/load", json={"id": model_id, "family": "silero_vad", "task": "vad",
+                                                      "slots": slots, "max_batch": 4, "batch_window_ms": 4000})
+            assert resp.status_code == 200, resp.text
+    datas = inputs()[:2]
+    with bstack.client() as client:
+        serial = [answer(client.post("/v1/tasks/run", json=body("vad", d))) for d in datas]
+        started = time.monotonic()
+        alone = client.post("/v1/tasks/run", json=body("vad-s1", datas[0]))
+        alone_s = time.monotonic() - started
+    started = time.monotonic()
+    pair = run(concurrently(bstack, "vad-s2", [body("vad-s2", d) for d in datas]))
+    pair_s = time.monotonic() - started
+    assert answer(alone) == serial[0] and [answer(r) for r in pair] == serial
+    assert alone_s < 2.0 and pair_s < 2.0, (alone_s, pair_s)
+    assert batch_calls(bstack, "vad-s2") == {2: 1} and batch_calls(bstack, "vad-s1") == {}
+    for model_id in ("vad-s1", "vad-s2"):
+        bstack.wait_idle(model_id, timeout_s=10)

@@ -150,8 +150,13 @@ class Batcher:
 
 def execute_run(pool: Any, header: dict, inline: Any, deadline_s: float | None, held: bool = False) -> dict:
     """Serve one ``run`` on ``pool``: through the pool's :class:`Batcher` when its registration batches
-    (``max_batch`` > 1) and the run is not ``held`` (a live turn's decode), else ``pool.execute`` alone."""
+    (``max_batch`` > 1) and the run is not ``held`` (a live turn's decode), else ``pool.execute`` alone.
+
+    A batch never holds more runs than the pool has slots (each member holds a lease), so a batch closes
+    as soon as ``min(max_batch, slots)`` runs joined, and a pool of one slot (the legacy runtime) does
+    not batch: its leader would otherwise wait the whole ``batch_window_ms`` for runs that cannot come."""
     max_batch, window_s = batch_terms(pool.meta_json)
+    max_batch = min(max_batch, getattr(pool, "slots", max_batch))
     if max_batch <= 1 or held or not hasattr(pool, "execute_batch"):
         return pool.execute(serving.RUN, header, inline, deadline_s)
     batcher = getattr(pool, "batcher", None)
