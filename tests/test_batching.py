@@ -443,3 +443,27 @@ def test_a_batch_closes_once_every_slot_joined_and_a_single_slot_model_never_wai
     assert batch_calls(bstack, "vad-s2") == {2: 1} and batch_calls(bstack, "vad-s1") == {}
     for model_id in ("vad-s1", "vad-s2"):
         bstack.wait_idle(model_id, timeout_s=10)
+
+
+def test_calls_whose_clients_all_left_keep_one_lease_each_until_they_end(bstack):
+    """R8.2, R2.5, deterministic (fixture barriers): three ``fxb`` runs sent 1.3 s apart (slots 3, window
+    1 s) are three calls of one run each, all held at barrier ``orphans`` on the model's three sessions;
+    all three clients leave. Each call still occupies a session, so each keeps its lease (3 held, 1 s
+    after the last client left; freeing them would let admission grant runs that find no free session
+    and fail 500 ``no free slot``). Released, the calls end, the leases go and the next run is 200."""
+    async def scenario():
+        leavers = []
+        for count in (1, 2, 3):
+            leavers.append(asyncio.create_task(leave_after(bstack, body("fxb", barrier="orphans"), 2.5)))
+            await asyncio.to_thread(bstack.wait_arrived, "orphans", count, 10)
+        await asyncio.gather(*leavers)
+    run(scenario())
+    time.sleep(1.0)
+    held = bstack.counters("fxb")["leases"]
+    bstack.release("orphans", 3)
+    assert held == 3
+    bstack.wait_idle("fxb", timeout_s=10)
+    with bstack.client() as client:
+        resp = client.post("/v1/tasks/run", json=body("fxb", tag="after"))
+    assert resp.status_code == 200 and resp.json()["tag"] == "after", resp.text
+    bstack.wait_idle("fxb", timeout_s=10)
