@@ -17,17 +17,19 @@ import time
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 from audiosite.serverconfig import ConfigError, parse_config
 from inference import specs
 from inference.adapters.base import AudioRequest, Cancelled, InvalidInput
 from inference.adapters.whisper_batching import transcribe_together
+from inference.runtime.context import KEYS
 
 from .support.audio import adapter_session, load_speech, padded, wav_bytes
 from .support.bounds import MODEL_S, run, until
-from .support.clients import body, error_of, without_timing
-from .support.stacks import FIXTURE_ENV, run_stack
+from .support.clients import body, error_of, operator_token, without_timing
+from .support.stacks import FIXTURE_ENV, live_workers, run_stack
 
 RATE_HZ = 16000
 WINDOW_MS = 1000
@@ -343,3 +345,125 @@ def test_pools_in_the_worker_process_batch_the_same_way(inproc_stack):
     assert any(size > 1 for size in calls) and batch_calls(inproc_stack, "fxb").get(3, 0) >= 1, calls
     for model in ("vad", "vad-b", "fxb"):
         inproc_stack.wait_idle(model, timeout_s=10)
+
+
+def asr_pid(stack, model_id: str = "asr-b") -> int:
+    """The process id of ``model_id``'s process on the stack's one worker (``Keys.pool_pids``)."""
+    (host,) = live_workers(stack)
+    return int(stack.redis.hget(KEYS.pool_pids(host), model_id))
+
+
+async def leave_after(stack, payload: dict, seconds: float) -> None:
+    """Send ``payload`` and leave (close the connection) after ``seconds`` without an answer."""
+    async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(MODEL_S, read=seconds)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/tasks/run", json=payload)
+
+
+def test_whisper_runs_whose_clients_all_left_keep_their_slots_until_their_calls_end(bstack):
+    """R8.2, R2.5: two long transcriptions (100 s) sent 1.5 s apart to ``asr-b`` (slots 2) run as two calls of
+    one request each, on both of the model's pipes; both clients leave while the calls go on. A short
+    request sent next must be answered 200 with its serial answer: while no member is left to hold a
+    batch's lease, its call still occupies a session, so the lease may only be freed when the call
+    ends (otherwise the new request is granted a slot whose session is busy and fails 500 ``no free
+    slot``)."""
+    short = load_speech()[0].wav
+    with bstack.client() as client:
+        serial = answer(client.post("/v1/tasks/run", json=body("asr-b", short)))
+    long_clip = np.tile(padded(load_speech()[0]), 15)[: 100 * RATE_HZ]
+    long_wav = wav_bytes(long_clip[::2].copy(), RATE_HZ // 2)  # 100 s at 8 kHz: within the stack's body limit
+
+    async def scenario():
+        first = asyncio.create_task(leave_after(bstack, body("asr-b", long_wav), 3.0))
+        await asyncio.sleep(1.5)  # the first batch's window (1 s) closed: the second is a call of its own
+        await asyncio.gather(first, leave_after(bstack, body("asr-b", long_wav), 3.0))
+        async with httpx.AsyncClient(base_url=bstack.url, timeout=MODEL_S) as client:
+            return await client.post("/v1/tasks/run", json=body("asr-b", short))
+    assert answer(run(scenario())) == serial
+    bstack.wait_idle("asr-b", timeout_s=60)
+
+
+def test_a_whisper_batch_member_leaving_mid_decode_leaves_alone_and_no_thread_stays(bstack):
+    """R8.2, R9.3: a 60 s transcription (two 30 s windows) and another 60 s one share a batch of
+    ``asr-b``; the first's client leaves after 3 s. Its lease is freed within 1 s, the other is answered
+    exactly as alone, and after four more batches of two the model's process has as many threads as
+    before them (the members' threads and the rendezvous leave nothing behind)."""
+    speech = load_speech()
+    clip = np.tile(padded(speech[0]), 10)[: 60 * RATE_HZ]
+    stay, leave = wav_bytes(clip, RATE_HZ), wav_bytes(clip[::-1].copy(), RATE_HZ)
+    with bstack.client() as client:
+        serial = answer(client.post("/v1/tasks/run", json=body("asr-b", stay)))
+    bstack.wait_idle("asr-b", timeout_s=60)
+    threads_before = psutil.Process(asr_pid(bstack)).num_threads()
+
+    async def scenario():
+        async def leaver():
+            await leave_after(bstack, body("asr-b", leave), 3.0)
+            left_at = time.monotonic()
+            await until(lambda: bstack.counters("asr-b")["leases"] <= 1, timeout_s=10)
+            return time.monotonic() - left_at
+        async with httpx.AsyncClient(base_url=bstack.url, timeout=MODEL_S) as client:
+            return await asyncio.gather(client.post("/v1/tasks/run", json=body("asr-b", stay)), leaver())
+    stayed, freed_s = run(scenario())
+    assert answer(stayed) == serial
+    assert freed_s < 1.0, freed_s
+    bstack.wait_idle("asr-b", timeout_s=60)
+    short = [u.wav for u in speech]
+    with bstack.client() as client:
+        alone = [answer(client.post("/v1/tasks/run", json=body("asr-b", d))) for d in short]
+    for _ in range(4):
+        assert [answer(r) for r in run(concurrently(bstack, "asr-b", [body("asr-b", d) for d in short]))] == alone
+    bstack.wait_idle("asr-b", timeout_s=60)
+    assert psutil.Process(asr_pid(bstack)).num_threads() <= threads_before
+
+
+def test_a_batch_closes_once_every_slot_joined_and_a_single_slot_model_never_waits_for_the_window(bstack):
+    """R9.3: ``max_batch`` above ``slots`` changes nothing. ``vad-s2`` (slots 2, ``max_batch`` 4) and
+    ``vad-s1`` (slots 1, ``max_batch`` 4), both with a 4 s ``batch_window_ms``: two concurrent requests to
+    ``vad-s2`` are one batch of 2 that runs as soon as both joined, and a request to ``vad-s1`` runs at
+    once without a batch call; every answer equals the unbatched ``vad``'s and each takes well under the
+    window (seconds)."""
+    headers = {"Authorization": f"Token {operator_token(bstack)}"}
+    with bstack.client(headers=headers) as api:
+        for model_id, slots in (("vad-s2", 2), ("vad-s1", 1)):
+            resp = api.post("/v1/models/load", json={"id": model_id, "family": "silero_vad", "task": "vad",
+                                                      "slots": slots, "max_batch": 4, "batch_window_ms": 4000})
+            assert resp.status_code == 200, resp.text
+    datas = inputs()[:2]
+    with bstack.client() as client:
+        serial = [answer(client.post("/v1/tasks/run", json=body("vad", d))) for d in datas]
+        started = time.monotonic()
+        alone = client.post("/v1/tasks/run", json=body("vad-s1", datas[0]))
+        alone_s = time.monotonic() - started
+    started = time.monotonic()
+    pair = run(concurrently(bstack, "vad-s2", [body("vad-s2", d) for d in datas]))
+    pair_s = time.monotonic() - started
+    assert answer(alone) == serial[0] and [answer(r) for r in pair] == serial
+    assert alone_s < 2.0 and pair_s < 2.0, (alone_s, pair_s)
+    assert batch_calls(bstack, "vad-s2") == {2: 1} and batch_calls(bstack, "vad-s1") == {}
+    for model_id in ("vad-s1", "vad-s2"):
+        bstack.wait_idle(model_id, timeout_s=10)
+
+
+def test_calls_whose_clients_all_left_keep_one_lease_each_until_they_end(bstack):
+    """R8.2, R2.5, deterministic (fixture barriers): three ``fxb`` runs sent 1.3 s apart (slots 3, window
+    1 s) are three calls of one run each, all held at barrier ``orphans`` on the model's three sessions;
+    all three clients leave. Each call still occupies a session, so each keeps its lease (3 held, 1 s
+    after the last client left; freeing them would let admission grant runs that find no free session
+    and fail 500 ``no free slot``). Released, the calls end, the leases go and the next run is 200."""
+    async def scenario():
+        leavers = []
+        for count in (1, 2, 3):
+            leavers.append(asyncio.create_task(leave_after(bstack, body("fxb", barrier="orphans"), 2.5)))
+            await asyncio.to_thread(bstack.wait_arrived, "orphans", count, 10)
+        await asyncio.gather(*leavers)
+    run(scenario())
+    time.sleep(1.0)
+    held = bstack.counters("fxb")["leases"]
+    bstack.release("orphans", 3)
+    assert held == 3
+    bstack.wait_idle("fxb", timeout_s=10)
+    with bstack.client() as client:
+        resp = client.post("/v1/tasks/run", json=body("fxb", tag="after"))
+    assert resp.status_code == 200 and resp.json()["tag"] == "after", resp.text
+    bstack.wait_idle("fxb", timeout_s=10)

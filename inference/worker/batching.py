@@ -18,7 +18,9 @@ unchanged, a batch of N holds N leases (and N slots' worth of admission) while i
 a run never waits behind a later one (a batch runs when its window closes, before any batch opened
 after it). Each member is answered alone: its own failure (expired input, ``invalid_input``, its
 client left) does not touch the others (``serving.execute_batch``); a member whose client leaves is
-answered ``cancelled`` at once and its lease released, while the call goes on for the others.
+answered ``cancelled`` at once and its lease released, while the call goes on for the others (the
+last member still waiting keeps its lease until the call ends: a call in progress always holds at least
+one lease for the session it occupies).
 The call itself runs on a thread of its own (started by the leader), so every member, the leader
 included, can leave while it runs. A batch's deadline (R3.6) is the
 sum of its members' deadlines (what they would take one after the other); past it the model's process
@@ -58,6 +60,9 @@ class _Batch:
     """One session call being formed: its members ``(header, inline, deadline_s)`` in arrival order."""
 
     members: list[tuple[dict, Any, float | None]] = field(default_factory=list)
+    waiting: int = 0
+    """Members still waiting for the call (each holds its lease): a leaving member may go early only
+    while another one stays, so a busy session always has a lease held for it."""
     full: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     replies: list[dict] = field(default_factory=list)
@@ -83,7 +88,10 @@ class Batcher:
         While the call goes on, the member watches its stop marker (``serving.left_checker``, every
         ``serving.CANCEL_CHECK_EVERY_S``): once its client left it returns a ``cancelled`` reply at once,
         so its run thread answers and releases its lease without waiting for the others (the session
-        drops its request at its next step, ``VadSession.probabilities_many``)."""
+        drops its request at its next step, ``VadSession.probabilities_many``). The last member still
+        waiting does not leave early: it keeps its lease until the call ends, since the call still
+        occupies one of the model's sessions (pipes); freeing every lease of a busy call would let
+        admission grant a run that finds no free session (500 "no free slot")."""
         with self._lock:
             batch = self._open
             leader = batch is None
@@ -91,6 +99,7 @@ class Batcher:
                 batch = self._open = _Batch()
             index = len(batch.members)
             batch.members.append((header, inline, deadline_s))
+            batch.waiting += 1
             if len(batch.members) >= self.max_batch:
                 self._open = None
                 batch.full.set()
@@ -104,7 +113,11 @@ class Batcher:
         left = serving.left_checker(header["request_id"])
         while not batch.done.wait(serving.CANCEL_CHECK_EVERY_S):
             if left():
-                return {"ok": False, "kind": RunFailure.CANCELLED, "message": "the request's client left its batch"}
+                with self._lock:
+                    if batch.waiting > 1:  # another member keeps a lease for the session the call holds
+                        batch.waiting -= 1
+                        return {"ok": False, "kind": RunFailure.CANCELLED,
+                                "message": "the request's client left its batch"}
         return batch.replies[index]
 
     @staticmethod
@@ -137,8 +150,13 @@ class Batcher:
 
 def execute_run(pool: Any, header: dict, inline: Any, deadline_s: float | None, held: bool = False) -> dict:
     """Serve one ``run`` on ``pool``: through the pool's :class:`Batcher` when its registration batches
-    (``max_batch`` > 1) and the run is not ``held`` (a live turn's decode), else ``pool.execute`` alone."""
+    (``max_batch`` > 1) and the run is not ``held`` (a live turn's decode), else ``pool.execute`` alone.
+
+    A batch never holds more runs than the pool has slots (each member holds a lease), so a batch closes
+    as soon as ``min(max_batch, slots)`` runs joined, and a pool of one slot (the legacy runtime) does
+    not batch: its leader would otherwise wait the whole ``batch_window_ms`` for runs that cannot come."""
     max_batch, window_s = batch_terms(pool.meta_json)
+    max_batch = min(max_batch, getattr(pool, "slots", max_batch))
     if max_batch <= 1 or held or not hasattr(pool, "execute_batch"):
         return pool.execute(serving.RUN, header, inline, deadline_s)
     batcher = getattr(pool, "batcher", None)

@@ -65,6 +65,11 @@ class Pool:
     pid = None
     """Not a process of its own (see ``inference.worker.pool_process.ProcessPool.pid``)."""
 
+    @property
+    def slots(self) -> int:
+        """How many runs of the model may hold a lease at once (its sessions)."""
+        return len(self.sessions)
+
     def execute(self, kind: str, header: dict, inline=None, deadline_s: float | None = None) -> dict:
         """Serve one run in this process (``serving.execute``). ``deadline_s`` cannot be enforced here (a
         thread cannot be stopped): runs past their deadline are stopped only in a model's own process."""

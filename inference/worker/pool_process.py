@@ -202,6 +202,11 @@ class ProcessPool:
         pool._watcher.start()
         return pool
 
+    @property
+    def slots(self) -> int:
+        """How many runs of the model may hold a lease at once (one pipe, one session each)."""
+        return len(self._pipes)
+
     def execute(self, kind: str, header: dict, inline: Any = None, deadline_s: float | None = None) -> dict:
         """Serve one run in the model's process (see ``serving.execute`` for ``kind``, ``header``, the reply).
 
