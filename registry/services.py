@@ -113,7 +113,8 @@ def registration_validate(body, runtime: str, backend: str, current: dict | None
 
     Checks the shape and types (strict), the family, task and mode, the
     option blocks against the family schema, that ``path`` (or the packaged
-    default checkpoint) exists, and the slot count (R1.2, R1.3, R9).
+    default checkpoint) exists, the slot count (R1.2, R1.3, R9) and, on the parallel runtime, a sent
+    ``max_batch`` against the admitted batch sizes (R9.2).
 
     Args:
         body: the decoded JSON object.
@@ -160,6 +161,11 @@ def registration_validate(body, runtime: str, backend: str, current: dict | None
             raise InvalidRequest(problem, param="slots")
         task = entry.task or specs.default_task(entry.family)
         count_problem = specs.slots_count_problem(entry.family, task, entry.mode, body["slots"], backend)
+    if "max_batch" in sent and runtime == "parallel":
+        problem = specs.batch_size_problem(entry.family, entry.task or specs.default_task(entry.family),
+                                           entry.max_batch, backend)
+        if problem:
+            raise InvalidRequest(problem, param="max_batch")
     return ValidatedEntry(entry, count_problem)
 
 

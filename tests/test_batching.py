@@ -263,8 +263,20 @@ def test_the_management_api_registers_and_shows_batch_keys(bstack):
                                                        "max_batch": 2, "lazy": True})
         error = error_of(refused, (400,))
         assert error["param"] == "max_batch", error
+        # R9.2: a batch size above the admitted ones is refused before anything changes, new id or registered
+        top = specs.admitted_counts("silero_vad", "vad", "batch", "cpu")
+        too_big = client.post("/v1/models/load", json={"id": "vad-big", "family": "silero_vad",
+                                                       "max_batch": top + 1, "lazy": True})
+        assert error_of(too_big, (400,))["param"] == "max_batch", too_big.text
+        assert "admitted batch sizes are 1.." in too_big.json()["error"]["message"]
+        assert client.get("/v1/models/vad-big").status_code == 404
+        resized = client.post("/v1/models/load", json={"id": "vad-b", "max_batch": top + 1})
+        assert error_of(resized, (400,))["param"] == "max_batch", resized.text
+        assert answer(client.post("/v1/tasks/run", json=body("vad-b", inputs()[0])))["segments"]
     [(options,)] = bstack.sql("SELECT options FROM registry_modelregistration WHERE model_id = %s", "vad-c")
     assert options["max_batch"] == 2 and options["batch_window_ms"] == 20, options
+    [(options,)] = bstack.sql("SELECT options FROM registry_modelregistration WHERE model_id = %s", "vad-b")
+    assert options["max_batch"] == 4, options  # the refused reconfiguration changed nothing
 
 
 def test_a_batch_size_above_the_admitted_batch_sizes_is_refused_on_the_parallel_runtime():

@@ -53,6 +53,7 @@ def test_status_has_the_parallel_shape_and_the_warning_is_printed_once(pstack):
     log = pstack.log_path.read_text()
     assert log.count("EXPERIMENTAL: the parallel runtime") == 1
     assert "whisper asr/offline on cpu up to 4 slots" in log
+    assert "whisper asr/batch on cpu batch sizes up to 4" in log  # a batch row's count is a batch size
 
 
 def test_runtime_mismatch_is_refused(pstack):

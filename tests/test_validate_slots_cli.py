@@ -113,7 +113,7 @@ def test_a_run_below_the_spec_minimums_does_not_admit_a_count(tmp_path):
     assert proc.returncode == 0 and list(out.rglob("record.json")), output.decode(errors="replace")[-2000:]
     framework_record(out, "2026-12-01T00:00:00Z")  # F1-F6 PASS, older than the model run
     admission(out, tmp_path / "cpu.json", "--write")
-    assert rows(tmp_path / "cpu.json")["silero_vad"] == {"vad/offline": [1]}
+    assert rows(tmp_path / "cpu.json")["silero_vad"] == {"vad/offline": [1], "vad/batch": [1]}
 
 
 def test_a_mode_with_a_path_in_it_writes_nothing_outside_out(tmp_path):

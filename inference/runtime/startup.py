@@ -30,7 +30,8 @@ def experimental_warning() -> str:
                 task, mode = task_mode.split("/")
                 top = specs.admitted_counts(family, task, mode, backend)
                 if top > 1:
-                    scope.append(f"{family} {task_mode} on {backend} up to {top} slots")
+                    limit = f"batch sizes up to {top}" if mode == "batch" else f"up to {top} slots"
+                    scope.append(f"{family} {task_mode} on {backend} {limit}")
     return ("EXPERIMENTAL: the parallel runtime (--parallel-jobs) is experimental. Multi-slot admission is "
             f"validated only for: {'; '.join(scope) or 'nothing'}; every other family/task/mode/backend serves "
             "one slot. Lifecycle areas without test coverage (docs/contract.md, label U): "

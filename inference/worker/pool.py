@@ -155,11 +155,12 @@ def build_pool(model_id: str, meta: dict, meta_json: str, barrier: Callable[[str
         raise CapacityExceeded(f"{slots} slots exceed the capacity of {meta['family']} (capacity={capacity})")
     if config.runtime == "parallel" and meta.get("slots") is not None:  # only admitted counts (R9.2)
         problems = specs.slots_problems(meta["family"], meta["task"], meta["mode"], slots, ctx.backend)
-        batch_problem = specs.batch_size_problem(meta["family"], meta["task"], meta.get("max_batch"), ctx.backend)
-        if batch_problem:
-            problems.append(batch_problem)
         if problems:
             raise CapacityExceeded(problems[0])
+    if config.runtime == "parallel":  # batch sizes only where they are admitted (R9.2), slots stated or not
+        batch_problem = specs.batch_size_problem(meta["family"], meta["task"], meta.get("max_batch"), ctx.backend)
+        if batch_problem:
+            raise CapacityExceeded(batch_problem)
     shared = adapter.load(spec, ctx)
     sessions = []
     try:
