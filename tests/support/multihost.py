@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import psycopg
@@ -40,7 +41,7 @@ from .bounds import QUICK_S
 from .cluster import MEMBER_START_S, WORKER_CONCURRENCY, Member
 from .delay_relay import ask
 from .netns import Host, Network
-from .processes import ROOT
+from .processes import ROOT, accepts_connections
 from .stacks import Deployment
 
 HOSTS = ["db", "redis", "relay", "proxy", "web1", "web2", "w1", "w2"]
@@ -331,13 +332,25 @@ class Rig(Deployment):
 
     def ensure(self) -> None:
         """Start (in parallel) and wait for a new process on every audiosite host whose process was
-        killed or died, workers first."""
+        killed or died, workers first; first start Redis again if a test left it killed (a failed
+        test must not fail the next ones), and wait until every web process accepts connections (a
+        web process that refuses connections while Redis is gone opens its port again once its
+        subscription is back)."""
+        if "redis" not in self.services or self.services["redis"].poll() is not None:
+            self.services.pop("redis", None)
+            self.start_redis()
         missing = [name for name in ("w1", "w2", "web1", "web2")
                    if name not in self.members or not self.members[name].alive()]
         for name in missing:
             self.spawn(name)
         for name in missing:
             self.wait_ready(name)
+        deadline = time.monotonic() + QUICK_S
+        for name in ("web1", "web2"):
+            web = urlsplit(self.members[name].url)
+            while not accepts_connections(web.hostname, web.port):
+                assert time.monotonic() < deadline, f"{name} does not accept connections"
+                time.sleep(0.05)
         if any(name.startswith("web") for name in missing) and "nginx" in self.services:
             # nginx skips an upstream that refused a connection for fail_timeout: back in rotation after it
             time.sleep(NGINX_FAIL_TIMEOUT_S)
