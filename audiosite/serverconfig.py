@@ -460,8 +460,9 @@ def _validated(cleaned: dict, data: dict, problems: list[str]) -> ServerConfig |
 def _model_problems(config: ServerConfig, data: dict, parallel: bool, backend_resolver) -> list[str]:
     """Problems of the model entries, in file order: duplicate ids, each entry's own checks
     (``specs.check_model_entry``) and, on the parallel runtime, an explicit ``slots`` (``data``'s entry)
-    beyond what the family, task and mode allow on the resolved backend (``specs.slots_problems``;
-    ``backend_resolver`` default ``inference.backend.resolve_backend``, called only then)."""
+    beyond what the family, task and mode allow on the resolved backend (``specs.slots_problems``) and
+    a ``max_batch`` above the admitted batch sizes (``specs.batch_size_problem``; ``backend_resolver``
+    default ``inference.backend.resolve_backend``, called only for those two checks)."""
     problems: list[str] = []
     seen: set[str] = set()
     for index, entry in enumerate(config.models):
@@ -471,22 +472,16 @@ def _model_problems(config: ServerConfig, data: dict, parallel: bool, backend_re
         seen.add(entry.id)
         entry_problems = specs.check_model_entry(entry.model_dump())
         problems.extend(f"{who}: {p}" for p in entry_problems)
-        if parallel and not entry_problems:
-            raw = data["models"][index]
+        raw = data["models"][index]
+        if parallel and not entry_problems and ("slots" in raw or (entry.max_batch or 1) > 1):
+            backend = (backend_resolver or resolve_backend)(config.backend)
+            task = entry.task or specs.default_task(entry.family)
             if "slots" in raw:
-                if backend_resolver is None:
-                    backend_resolver = resolve_backend
-                task = entry.task or specs.default_task(entry.family)
                 problems.extend(f"{who}: {p}" for p in specs.slots_problems(
-                    entry.family, task, entry.mode, raw["slots"], backend_resolver(config.backend)))
-            if (entry.max_batch or 1) > 1:
-                if backend_resolver is None:
-                    backend_resolver = resolve_backend
-                task = entry.task or specs.default_task(entry.family)
-                batch_problem = specs.batch_size_problem(entry.family, task, entry.max_batch,
-                                                         backend_resolver(config.backend))
-                if batch_problem:
-                    problems.append(f"{who}: {batch_problem}")
+                    entry.family, task, entry.mode, raw["slots"], backend))
+            batch_problem = specs.batch_size_problem(entry.family, task, entry.max_batch, backend)
+            if batch_problem:
+                problems.append(f"{who}: {batch_problem}")
     return problems
 
 

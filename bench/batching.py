@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -31,6 +30,7 @@ import soundfile
 
 from bench.common import SAMPLE, quantile, task_body
 from gate import evidence
+from gate.batching import batch_calls_in, calls_since
 from gate.servers import Server
 from inference import specs
 from inference.adapters import get_adapter
@@ -107,7 +107,7 @@ async def _http_rows(server: Server, wav: bytes, requests: int) -> list[dict]:
         for model in ("m1", "m2", "m4", "b2", "b4"):  # load and warm each model
             for _ in range(2):
                 (await client.post("/v1/tasks/run", json=task_body(model, wav))).raise_for_status()
-        before = await _calls(client)
+        before = batch_calls_in((await client.get("/metrics")).text)
 
         async def row(name: str, model: str, clients: int) -> dict:
             left = list(range(requests))
@@ -127,21 +127,10 @@ async def _http_rows(server: Server, wav: bytes, requests: int) -> list[dict]:
                     "p95_ms": round(quantile(latencies, 0.95), 1)}
         rows = [await row("serial", "m1", 1), await row("2 slots", "m2", 2), await row("batch 2", "b2", 2),
                 await row("4 slots", "m4", 4), await row("batch 4", "b4", 4)]
-        after = await _calls(client)
+        after = batch_calls_in((await client.get("/metrics")).text)
     for r in rows:
-        r["calls_by_size"] = {size: n - before.get(r["model"], {}).get(size, 0)
-                              for size, n in after.get(r["model"], {}).items()
-                              if n > before.get(r["model"], {}).get(size, 0)}
+        r["calls_by_size"] = calls_since(before.get(r["model"], {}), after.get(r["model"], {}))
     return rows
-
-
-async def _calls(client: httpx.AsyncClient) -> dict[str, dict[int, int]]:
-    """``audiosite_batch_calls_total`` by model and size from ``/metrics``."""
-    text = (await client.get("/metrics")).text
-    out: dict[str, dict[int, int]] = {}
-    for model, size, value in re.findall(r'audiosite_batch_calls_total\{model="([^"]+)",size="(\d+)"\} (\S+)', text):
-        out.setdefault(model, {})[int(size)] = int(float(value))
-    return out
 
 
 def _model_alone_rows(family: str, samples, rate: int, repeats: int = 3) -> list[dict]:

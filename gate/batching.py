@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from .evidence import FAIL, NOT_APPLICABLE, PASS, check
 from .model_checks import MODEL_ID, Client, ModeChecks, Plan, Run, _drained, _pick, _problem_list, \
@@ -49,15 +50,25 @@ def batch_registration(batch_size: int) -> dict:
     return {"max_batch": batch_size, "batch_window_ms": BATCH_WINDOW_MS}
 
 
+def batch_calls_in(exposition: str) -> dict[str, dict[int, int]]:
+    """``audiosite_batch_calls_total`` in a ``/metrics`` text, parsed by ``prometheus_client``:
+    ``{model: {size: calls}}``."""
+    out: dict[str, dict[int, int]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == "audiosite_batch_calls_total":
+                out.setdefault(sample.labels["model"], {})[int(sample.labels["size"])] = int(sample.value)
+    return out
+
+
+def calls_since(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    """The calls by size counted between two readings of one model (sizes with none left out)."""
+    return {size: n - before.get(size, 0) for size, n in after.items() if n > before.get(size, 0)}
+
+
 async def batch_calls(client: Client, model_id: str = MODEL_ID) -> dict[int, int]:
     """``audiosite_batch_calls_total`` of ``model_id`` from the server's ``/metrics``: ``{size: calls}``."""
-    text = (await client.http.get("/metrics")).text
-    found = re.findall(rf'audiosite_batch_calls_total\{{model="{re.escape(model_id)}",size="(\d+)"\}} (\S+)', text)
-    return {int(size): int(float(value)) for size, value in found}
-
-
-def _delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
-    return {size: n - before.get(size, 0) for size, n in after.items() if n - before.get(size, 0)}
+    return batch_calls_in((await client.http.get("/metrics")).text).get(model_id, {})
 
 
 async def batches_are_formed_and_a_bad_request_fails_alone(run: Run, client: Client, slots: int
@@ -75,7 +86,7 @@ async def batches_are_formed_and_a_bad_request_fails_alone(run: Run, client: Cli
     outs = list(await asyncio.gather(*[client.ask(MODEL_ID, it) for it in items]))
     for o in outs:
         o.match = o.status == 200 and o.sha == run.references.get(o.item)
-    calls = _delta(before, await batch_calls(client))
+    calls = calls_since(before, await batch_calls(client))
     ev["wave"] = {"items": [o.item for o in outs], "exact": [o.match for o in outs], "calls_by_size": calls}
     problems += _problem_list(outs, "batch wave")
     if max(calls, default=0) != min(batch_size, slots):
@@ -105,7 +116,7 @@ async def _bad_request_in_batch(run: Run, client: Client, slots: int) -> tuple[d
     bad, *good = await asyncio.gather(client.ask(MODEL_ID, bad_item), *[client.ask(MODEL_ID, it) for it in healthy])
     for o in good:
         o.match = o.status == 200 and o.sha == run.references.get(o.item)
-    calls = _delta(before, await batch_calls(client))
+    calls = calls_since(before, await batch_calls(client))
     problems = _problem_list(good, "beside a bad request in a batch")
     error = (bad.payload or {}).get("error") if isinstance(bad.payload, dict) else None
     if not 400 <= bad.status < 500:

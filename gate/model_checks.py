@@ -873,16 +873,16 @@ def run_model_validation(plan: Plan, workload: Workload, print_line=print,
                     server.issue_token("validator")
                     perf[str(n)]["server_start_s"].append(round(server.start_s, 2))
 
-                    async def one_start(server: Server = server, s: int = s, n: int = slots,
+                    async def one_start(server: Server = server, s: int = s, slots: int = slots,
                                         folder: Path = folder, largest: bool = n == max(plan.counts)) -> tuple:
                         client = checks.client(server, workload)
                         try:
-                            m2, m3 = await _concurrent_answers_match_serial(run, client, n, s, largest)
+                            m2, m3 = await _concurrent_answers_match_serial(run, client, slots, s, largest)
                             got4 = got5 = None
                             if s == 1:
-                                got4 = await _serving_recovers_from_failures(run, client, n, folder,
+                                got4 = await _serving_recovers_from_failures(run, client, slots, folder,
                                                                              checks.m4_extra)
-                                got5 = await _idle_memory_stabilises_over_load_cycles(run, client, n,
+                                got5 = await _idle_memory_stabilises_over_load_cycles(run, client, slots,
                                                                                       plan.memory_cycles)
                             return m2, m3, got4, got5
                         finally:

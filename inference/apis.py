@@ -449,8 +449,8 @@ async def _speech_body(stream: services.SpeechStream, fmt: str, sse: bool, text:
 
 def _stream_error(exc: BaseException) -> ApplicationError:
     """What ends a stream whose headers are out: ``exc`` itself (an ``ApplicationError``), 503
-    ``redis_unavailable`` for a Redis failure (it used to escape the body as an unhandled exception: an
-    SSE client got no error event), or the drain's ``shutting_down`` (``DrainExpired``)."""
+    ``redis_unavailable`` for a Redis failure (so an SSE client still gets its error event and a
+    complete body), or the drain's ``shutting_down`` (``DrainExpired``)."""
     if isinstance(exc, ApplicationError):
         return exc
     if isinstance(exc, redis.exceptions.RedisError):

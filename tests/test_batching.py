@@ -10,7 +10,9 @@ config checks run without a stack.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import io
 import json
 import re
 import time
@@ -24,11 +26,12 @@ from audiosite.serverconfig import ConfigError, parse_config
 from inference import specs
 from inference.adapters.base import AudioRequest, Cancelled, InvalidInput
 from inference.adapters.whisper_batching import transcribe_together
+from gate.batching import batch_calls_in
 from inference.runtime.context import KEYS
 
 from .support.audio import adapter_session, load_speech, padded, wav_bytes
 from .support.bounds import MODEL_S, run, until
-from .support.clients import body, error_of, operator_token, without_timing
+from .support.clients import body, error_of, openai_client, operator_token, without_timing
 from .support.stacks import FIXTURE_ENV, live_workers, run_stack
 
 RATE_HZ = 16000
@@ -65,9 +68,7 @@ def answer(resp: httpx.Response) -> dict:
 
 def batch_calls(stack, model_id: str) -> dict[int, int]:
     """``audiosite_batch_calls_total`` of ``model_id`` from ``/metrics``: {size: calls}."""
-    text = httpx.get(stack.url + "/metrics", timeout=MODEL_S).text
-    found = re.findall(rf'audiosite_batch_calls_total\{{model="{re.escape(model_id)}",size="(\d+)"\}} (\S+)', text)
-    return {int(size): int(float(value)) for size, value in found}
+    return batch_calls_in(httpx.get(stack.url + "/metrics", timeout=MODEL_S).text).get(model_id, {})
 
 
 async def concurrently(stack, model: str, payloads: list[dict]) -> list[httpx.Response]:
@@ -165,6 +166,25 @@ def test_whisper_batches_through_the_server_answer_as_alone_and_a_refused_langua
     assert answer(healthy) == serial[1]
     calls = {size: n - before.get(size, 0) for size, n in batch_calls(bstack, "asr-b").items()}
     assert calls.get(2, 0) == 2, calls  # both pairs were one call each
+    bstack.wait_idle("asr-b", timeout_s=10)
+
+
+def test_official_sdk_transcriptions_sent_together_are_batched_and_answered_as_alone(bstack):
+    """R9.3 with a client we did not write: two ``openai`` SDK transcriptions
+    (``client.audio.transcriptions.create``, multipart) of different speech sent together to ``asr-b``
+    share one session call, and each text equals the one the SDK gets for the same file alone."""
+    client = openai_client(bstack)
+
+    def transcribe(utt) -> str:
+        return client.audio.transcriptions.create(model="asr-b", file=("a.wav", io.BytesIO(utt.wav))).text
+    speech = load_speech()
+    alone = [transcribe(u) for u in speech]
+    assert all(alone), alone
+    before = batch_calls(bstack, "asr-b").get(2, 0)
+    with concurrent.futures.ThreadPoolExecutor(len(speech)) as pool:
+        together = list(pool.map(transcribe, speech))
+    assert together == alone
+    assert batch_calls(bstack, "asr-b").get(2, 0) == before + 1
     bstack.wait_idle("asr-b", timeout_s=10)
 
 

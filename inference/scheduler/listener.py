@@ -111,10 +111,9 @@ class Listener:
             self._deliver(message["data"])
 
     async def _resubscribe(self) -> None:
-        """Subscribe again, every :data:`RESUBSCRIBE_S` until it succeeds; only then read again. (Reading
-        between two failed attempts reconnected the pubsub by itself once Redis was back, which
-        resubscribed it too, and then blocked reading: ``subscribed`` stayed False for good, and with it
-        a closed port gate, ``audiosite.http.port_gate``.)"""
+        """Subscribe again, every :data:`RESUBSCRIBE_S` until it succeeds; only then read again. A read
+        in between would let redis-py reconnect and resubscribe on its own once Redis is back, without
+        ``subscribed`` (and the port gate, ``audiosite.http.port_gate``) ever hearing of it."""
         while True:
             await asyncio.sleep(RESUBSCRIBE_S)
             try:
