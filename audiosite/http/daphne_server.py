@@ -58,6 +58,7 @@ stops at once (daphne's own shutdown).
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import logging
@@ -388,6 +389,16 @@ ARRIVING_POLL_S = 0.02
 """How often a drain looks whether the requests still arriving when it began have been answered (s)."""
 
 
+def freeze_loaded_objects() -> None:
+    """Move every object alive when the server starts (modules, Django's URL and settings objects, the
+    loaded application: about 150,000) into the collector's permanent generation (``gc.freeze``, Python
+    docs of the ``gc`` module), so no later collection scans them again. A full collection of this
+    process took 83 ms with them on a 2-CPU machine (``gc.callbacks`` timing), a pause every request in
+    flight would wait out; the objects of requests are still collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
 class DrainingServer(Server):
     """daphne's ``Server`` that drains on the first SIGTERM/SIGINT and stops at once on the second.
 
@@ -422,6 +433,7 @@ class DrainingServer(Server):
             reactor.callWhenRunning(self._install_signal_handlers)
         reactor.callWhenRunning(heartbeat.start)  # serve's liveness check of this loop (audiosite.heartbeat)
         reactor.callWhenRunning(metrics.process_publish_start)  # this process's CPU and memory for /metrics
+        reactor.callWhenRunning(freeze_loaded_objects)
         if get_config().refuse_connections_when_unready:
             reactor.callWhenRunning(lambda: asyncio.ensure_future(follow_redis()))
         super().run()
