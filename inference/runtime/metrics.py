@@ -6,8 +6,8 @@ several web processes and Celery workers, possibly on several hosts
 serve no HTTP at all). The multiprocess mode sums the processes of one host
 that share one folder; a worker container would need its own scrape target
 it does not have. Every process of a deployment already shares one Redis, so
-a batch of events is one run of ``metrics_record.lua`` (one increment per hash
-field, a histogram observation three), and any web process's ``/metrics`` shows the deployment's totals
+each event is one ``HINCRBY`` (a histogram observation: three commands in one
+``MULTI``), and any web process's ``/metrics`` shows the deployment's totals
 (scrape one, or all and take ``max``; see docs/operations.md). Counters live
 as long as the Redis data: they restart from zero with an embedded Redis
 (a counter reset, which ``rate()`` handles).
@@ -149,7 +149,7 @@ def bucket_index(seconds: float) -> int:
 
 def _increments(events: Iterable[Event]) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
     """``events`` summed per hash field: ``(integer increments, float increments)``, each keyed by
-    ``(Redis key, field)``, so a batch of any size costs one increment per distinct field."""
+    ``(Redis key, field)``, so a batch of any size costs one command per distinct field."""
     ints: dict[tuple[str, str], int] = {}
     floats: dict[tuple[str, str], float] = {}
     for metric, labels, value in events:
@@ -169,6 +169,16 @@ def _increments(events: Iterable[Event]) -> tuple[dict[tuple[str, str], int], di
     return ints, floats
 
 
+def _queue(pipe: Any, events: Iterable[Event]) -> None:
+    events = list(events)
+    ints, floats = _increments(events)
+    for (key, field), amount in ints.items():
+        pipe.hincrby(key, field, amount)
+    for (key, field), seconds in floats.items():
+        pipe.hincrbyfloat(key, field, seconds)
+    _queue_minute(pipe, events)
+
+
 # -- the last hour, minute by minute (the model page's chart) -------------------------------------
 MINUTE_METRICS = ("queue_wait_seconds", "inference_seconds")
 """The histograms also kept per minute for an hour: queue wait and time in the model."""
@@ -176,64 +186,22 @@ MINUTES_KEPT = 61
 """Minutes a per-minute hash lives (its EXPIRE), so the last hour is always complete."""
 
 
-def _minute_increments(events: list[Event], ints: dict[tuple[str, str], int],
-                       floats: dict[tuple[str, str], float]) -> str | None:
-    """Add the observations of :data:`MINUTE_METRICS` among ``events`` to ``ints``/``floats`` as fields of this
-    minute's hash (``Keys.metric_minute``): ``<metric>\t<model>\tb<i>`` / ``\tsum`` / ``\tcount`` as the
-    all-time hashes. Returns that hash's key (it expires after :data:`MINUTES_KEPT` minutes), or None when
-    there is no such event."""
-    key = None
-    for metric, labels, value in events:
-        if metric.kind is not Kind.HISTOGRAM or metric.name not in MINUTE_METRICS or value is None:
-            continue
-        key = key or KEYS.metric_minute(int(time.time() // 60))
+def _queue_minute(pipe: Any, events: list[Event]) -> None:
+    """The same observations of :data:`MINUTE_METRICS` into this minute's hash (``Keys.metric_minute``):
+    fields ``<metric>\t<model>\tb<i>`` / ``\tsum`` / ``\tcount`` as the all-time hashes, expiring after
+    :data:`MINUTES_KEPT` minutes. A few commands in the same ``MULTI``; nothing when there is no such event."""
+    timed = [(metric, labels, value) for metric, labels, value in events
+             if metric.kind is Kind.HISTOGRAM and metric.name in MINUTE_METRICS and value is not None]
+    if not timed:
+        return
+    key = KEYS.metric_minute(int(time.time() // 60))
+    for metric, labels, value in timed:
         seconds = max(0.0, float(value))
         head = f"{metric.name}\t{labels[0]}"
-        for name in (f"{head}\tb{bucket_index(seconds)}", f"{head}\tcount"):
-            ints[key, name] = ints.get((key, name), 0) + 1
-        floats[key, f"{head}\tsum"] = floats.get((key, f"{head}\tsum"), 0.0) + seconds
-    return key
-
-
-_RECORD_SOURCE = (Path(__file__).resolve().parent / "metrics_record.lua").read_text()
-
-
-def _record_args(events: list[Event], rows: list[dict]) -> tuple[list[str], list[str | int]]:
-    """``(KEYS, ARGV)`` of ``metrics_record.lua`` for ``events`` (summed per hash field, :func:`_increments`,
-    and the per-minute fields) and activity ``rows`` (:func:`activity_soon`)."""
-    ints, floats = _increments(events)
-    minute_key = _minute_increments(events, ints, floats)
-    keys: list[str] = []
-    index: dict[str, int] = {}
-
-    def at(key: str) -> int:
-        if key not in index:
-            keys.append(key)
-            index[key] = len(keys)  # Lua's KEYS are 1-based
-        return index[key]
-
-    argv: list[str | int] = [len(ints), len(floats), 1 if minute_key else 0, len(rows)]
-    for (key, name), count_ in ints.items():
-        argv += (at(key), name, count_)
-    for (key, name), seconds in floats.items():
-        argv += (at(key), name, repr(seconds))
-    if minute_key:
-        argv += (at(minute_key), MINUTES_KEPT * 60)
-    if rows:
-        argv += (at(KEYS.activity), ACTIVITY_KEEP, KEYS.activity_events)
-        argv += [json.dumps(row, separators=(",", ":")) for row in rows]
-    return keys, argv
-
-
-_SCRIPTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-
-
-def _record_script(redis_client: Any) -> Any:
-    """``metrics_record.lua`` registered on ``redis_client`` (sync or asyncio; once per client)."""
-    script = _SCRIPTS.get(redis_client)
-    if script is None:
-        script = _SCRIPTS[redis_client] = redis_client.register_script(_RECORD_SOURCE)
-    return script
+        pipe.hincrby(key, f"{head}\tb{bucket_index(seconds)}", 1)
+        pipe.hincrby(key, f"{head}\tcount", 1)
+        pipe.hincrbyfloat(key, f"{head}\tsum", seconds)
+    pipe.expire(key, MINUTES_KEPT * 60)
 
 
 def _minute_summary(fields: dict[str, str], name: str, model_id: str) -> dict | None:
@@ -312,20 +280,20 @@ def observe(metric: Stored, seconds: float, *labels: str) -> Event:
     return metric, tuple(labels), seconds
 
 
-async def record(redis_client: Any, *events: Event, rows: list[dict] | None = None) -> None:
-    """Store ``events`` (and activity ``rows``) in one step (``metrics_record.lua``, one round trip) on an
-    asyncio client; errors are logged, not raised."""
-    if not events and not rows:
+async def record(redis_client: Any, *events: Event) -> None:
+    """Store ``events`` in one ``MULTI`` (one round trip) on an asyncio client; errors are logged, not raised."""
+    if not events:
         return
-    keys, argv = _record_args(list(events), rows or [])
     try:
-        await _record_script(redis_client)(keys=keys, args=argv)
+        async with redis_client.pipeline(transaction=True) as pipe:
+            _queue(pipe, events)
+            await pipe.execute()
     except redis.RedisError as exc:
-        log.warning("metrics: %d event(s) and %d activity row(s) lost: %s", len(events), len(rows or ()), exc)
+        log.warning("metrics: %d event(s) lost: %s", len(events), exc)
 
 
 #: How long a web process keeps counter and histogram events before it writes them, in one
-#: script run (``metrics_record.lua``), to the deployment's Redis hashes. Writing each answer's events on its own cost a
+#: ``MULTI``, to the deployment's Redis hashes. Writing each answer's events on its own cost a
 #: Redis round trip per request on the event loop (the 503 fail-fast ratio of ``bench_latency``
 #: went from 1.45 to 1.6, docs/benchmarks.md); a scrape now lags by at most this much.
 FLUSH_INTERVAL_S = 0.1
@@ -413,7 +381,16 @@ async def _write(batch: _Batch) -> None:
 
 async def _record_events(events: list[Event], answered: list[dict]) -> None:
     ctx = await async_context()
-    await record(ctx.redis, *events, rows=answered)
+    if not answered:
+        await record(ctx.redis, *events)
+        return
+    try:
+        async with ctx.redis.pipeline(transaction=True) as pipe:
+            _queue(pipe, events)
+            _queue_activity(pipe, answered)
+            await pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("metrics: %d event(s) and %d activity row(s) lost: %s", len(events), len(answered), exc)
 
 
 async def flush() -> None:
@@ -482,9 +459,9 @@ def timing_note(*, queue_ms: float | None = None, run_ms: float | None = None) -
 
 def activity_soon(row: dict) -> None:
     """Queue one answered request for the activity list, written with this loop's metric events (at most
-    ``ACTIVITY_FLUSH_S`` later, the same script run) and announced on ``Keys.activity_events``. That write
+    ``ACTIVITY_FLUSH_S`` later, the same ``MULTI``) and announced on ``Keys.activity_events``. That write
     takes the place of the batch's ``FLUSH_INTERVAL_S`` timer (cancelled; events queued while it is
-    pending start none), so an answered request costs one write, not two. It waits only
+    pending start none), so an answered request costs one ``MULTI``, not two. It waits only
     ``ACTIVITY_SOON_S`` when the last write began ``ACTIVITY_FLUSH_S`` ago or more, else until then:
     at most one write per ``ACTIVITY_FLUSH_S`` while answers arrive.
 
@@ -509,6 +486,13 @@ async def _write_early(batch: _Batch, wait_s: float) -> None:
     await _write(batch)
 
 
+def _queue_activity(pipe: Any, rows: list[dict]) -> None:
+    texts = [json.dumps(row, separators=(",", ":")) for row in rows]
+    pipe.lpush(KEYS.activity, *texts)
+    pipe.ltrim(KEYS.activity, 0, ACTIVITY_KEEP - 1)
+    pipe.publish(KEYS.activity_events, "[" + ",".join(texts) + "]")
+
+
 async def activity_recent(redis_client: Any, limit: int = ACTIVITY_KEEP) -> list[dict]:
     """The last ``limit`` answered requests, newest first (the rows of :func:`activity_soon`)."""
     texts = await redis_client.lrange(KEYS.activity, 0, max(0, limit - 1))
@@ -519,9 +503,10 @@ def record_sync(redis_client: Any, *events: Event) -> None:
     """:func:`record` on a synchronous client (Celery worker threads)."""
     if not events:
         return
-    keys, argv = _record_args(list(events), [])
     try:
-        _record_script(redis_client)(keys=keys, args=argv)
+        with redis_client.pipeline(transaction=True) as pipe:
+            _queue(pipe, events)
+            pipe.execute()
     except redis.RedisError as exc:
         log.warning("metrics: %d event(s) lost: %s", len(events), exc)
 
