@@ -121,7 +121,7 @@ class Command(BaseCommand):
                 time.sleep(0.1)
         raise CommandError(f"reference {app} did not start; see {log}")
 
-    def _floor(self, tmp: Path, env: dict) -> tuple[str, dict[str, psutil.Process]]:
+    def _floor(self, tmp: Path, env: dict) -> tuple[str, dict[str, list[psutil.Process]]]:
         """Start the floor (a Redis from the embedded binary, its worker, its web app on daphne); return
         the web URL and the three processes by role (``web``, ``worker``, ``redis``)."""
         embedded = EmbeddedRedis(tmp / "floor-redis")
@@ -146,15 +146,19 @@ class Command(BaseCommand):
             time.sleep(0.1)
         url = self._daphne("bench.reference.floor:application", floor_env, tmp / "floor-web.log")
         web = self.procs[-1]
-        return url, {"web": psutil.Process(web.pid), "worker": psutil.Process(worker.pid),
-                     "redis": psutil.Process(redis_proc.pid)}
+        return url, {"web": [psutil.Process(web.pid)], "worker": [psutil.Process(worker.pid)],
+                     "redis": [psutil.Process(redis_proc.pid)]}
 
-    def _serve_processes(self) -> dict[str, psutil.Process]:
-        """The web, worker and Redis processes of the ``manage.py serve`` this command started."""
-        found: dict[str, psutil.Process] = {}
+    def _serve_processes(self) -> dict[str, list[psutil.Process]]:
+        """The web, worker and Redis processes of the ``manage.py serve`` this command started, and its
+        models' processes (``model_processes``: the sessions run there, not in the worker; the floor's
+        worker runs its session itself, so compare the floor's worker with audiosite's worker + model)."""
+        found: dict[str, list[psutil.Process]] = {}
         for pid, role in stack_processes(self.procs[-1].pid).items():
             if role in ("web", "worker", "redis") and role not in found:
-                found[role] = psutil.Process(pid)
+                found[role] = [psutil.Process(pid)]
+            elif role == "model":
+                found.setdefault("model", []).append(psutil.Process(pid))
         return found
 
     def _serve(self, tmp: Path) -> tuple[str, str]:
@@ -297,7 +301,7 @@ class Command(BaseCommand):
                 slow.result().raise_for_status()
         return times, health, others
 
-    def _vad(self, urls: dict[str, str], processes: dict[str, dict[str, psutil.Process]], wav: bytes,
+    def _vad(self, urls: dict[str, str], processes: dict[str, dict[str, list[psutil.Process]]], wav: bytes,
              repeats: int) -> tuple[dict[str, list[float]], list[float], dict[str, list[float]],
                                     dict[str, dict[str, float]]]:
         """silero_vad on each server of ``urls`` (name -> URL) and the direct adapter call, interleaved
@@ -322,7 +326,7 @@ class Command(BaseCommand):
             return data, ms
 
         def cpu_s() -> dict[str, dict[str, float]]:
-            return {name: {role: sum(proc.cpu_times()[:2]) for role, proc in roles.items()}
+            return {name: {role: sum(sum(proc.cpu_times()[:2]) for proc in procs) for role, procs in roles.items()}
                     for name, roles in processes.items()}
         try:
             for _ in range(5):
@@ -472,7 +476,7 @@ class Command(BaseCommand):
         out("audiosite's own timing p50: " + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in vad_parts.items()))
         out("\nCPU ms per silero_vad request (user + system over the loop / requests)")
         out("| process | " + " | ".join(cpu_ms) + " |\n|---|" + "---|" * len(cpu_ms))
-        for role in ("web", "worker", "redis"):
+        for role in ("web", "worker", "model", "redis"):
             out(f"| {role} | " + " | ".join(f"{roles.get(role, float('nan')):.2f}" for roles in cpu_ms.values()) + " |")
         read99 = _quantile(reads, 0.99) if reads else float("nan")
         out(f"\nstatus reads during {opts['bursts']} bursts of {BURST} mixed calls: n={len(reads)} "
