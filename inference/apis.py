@@ -303,8 +303,10 @@ class TranscriptionApi(APIView):
             response = StreamingHttpResponse(_transcription_events(stream), content_type="text/event-stream")
             response["Cache-Control"] = "no-cache"
             return response
-        outcome = await services.request_run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, probe)
-        metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
+        outcome = await services.request_run(ctx, meta, services.AudioInput(raw, param), options, timeout_ms, probe,
+                                             answer=True)
+        if not outcome.recorded:  # the worker recorded it with the answer otherwise
+            metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
         result = outcome.result
         timing = _timing(started, outcome)
         if response_format == "text":
@@ -395,8 +397,9 @@ class TaskRunApi(APIView):
         if specs.is_pipeline(meta["family"]):
             outcome = await services.diarization_run(ctx, meta, audio_input, options, timeout_ms)
         else:
-            outcome = await services.request_run(ctx, meta, audio_input, options, timeout_ms, probe)
-        metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
+            outcome = await services.request_run(ctx, meta, audio_input, options, timeout_ms, probe, answer=True)
+        if not outcome.recorded:  # the worker recorded it with the answer otherwise
+            metrics.record_soon(metrics.audio(meta["id"], meta["task"], outcome.audio_ms / 1000))
         body = {"model": meta["id"], "task": meta["task"], **outcome.result, "timing": _timing(started, outcome)}
         return Response(body)
 

@@ -14,6 +14,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -171,6 +172,66 @@ def test_metrics_count_known_traffic_exactly_and_gauges_equal_v1_models(mstack):
 
 
 # -- series from the first scrape, processes, build, unregistration -------------------------------
+def test_a_served_request_is_recorded_by_the_worker_that_served_it_and_its_web_process_writes_no_metrics(mstack):
+    """A request answered 200 by one run: the worker writes its counter, audio seconds, queue wait,
+    inference time and activity row (route, client, status, times) in one ``MULTI`` after its reply,
+    and the web process sends no command touching the metrics or the activity list for it (Redis
+    ``MONITOR``: no such command from a connection named ``audiosite-web``). A request refused 400
+    is still recorded by the web process."""
+    from inference.runtime.context import WEB_CLIENT_NAME
+
+    metric_keys = (KEYS.metric("requests_total"), KEYS.activity)
+    seen: list[dict] = []
+    stop = "monitor-stop-" + str(time.monotonic())
+
+    def watch(started: threading.Event) -> None:
+        with mstack.redis.monitor() as monitor:
+            started.set()
+            for command in monitor.listen():
+                if stop in command["command"]:
+                    return
+                if any(key in command["command"] for key in metric_keys):
+                    seen.append(command)
+
+    started = threading.Event()
+    watcher = threading.Thread(target=watch, args=(started,), daemon=True)
+    watcher.start()
+    assert started.wait(QUICK_S)
+    before = mstack.redis.llen(KEYS.activity)
+
+    async def scenario():
+        async with mclient(mstack, None) as c:
+            served, _, _ = await post(c, "m", tag="by-worker")
+            assert served.status_code == 200, served.text
+            await until(lambda: mstack.redis.llen(KEYS.activity) >= before + 1)
+            refused, _, _ = await post(c, "m", no_such_option=1)
+            assert refused.status_code == 400, refused.text
+            await until(lambda: mstack.redis.llen(KEYS.activity) >= before + 2)
+
+    run(scenario())
+    mstack.redis.echo(stop)
+    watcher.join(QUICK_S)
+    names = {client["addr"]: client.get("name", "") for client in mstack.redis.client_list()}
+    writers = {(names.get(f"{c['client_address']}:{c['client_port']}", "?"), c["command"].split()[0].upper())
+               for c in seen}
+    served_row, refused_row = (json.loads(text) for text in mstack.redis.lrange(KEYS.activity, 1, 1) +
+                               mstack.redis.lrange(KEYS.activity, 0, 0))
+    assert served_row["status"] == 200 and refused_row["status"] == 400, (served_row, refused_row)
+    assert (served_row["model"], served_row["route"], served_row["outcome"], served_row["client"]) == \
+        ("m", "/v1/tasks/run", "ok", "127.0.0.1"), served_row
+    assert served_row["run_ms"] is not None and served_row["total_ms"] >= served_row["run_ms"], served_row
+    assert served_row["queue_ms"] == 0.0, served_row  # the slot was free: granted at once
+    by_web = {True: [], False: []}
+    for c in seen:
+        by_web[names.get(f"{c['client_address']}:{c['client_port']}") == WEB_CLIENT_NAME].append(
+            c["command"].replace("\\", ""))
+    # the web process wrote the refused request's counter and row, nothing of the served one
+    assert any("client_error" in c for c in by_web[True]), writers
+    assert not any('"ok"' in c for c in by_web[True]), by_web[True]
+    # the worker's connection wrote the served one's counter and row
+    assert any('"ok"' in c for c in by_web[False]), writers
+
+
 FIRST_MODELS = [{"id": "fx", "family": "fixture", "slots": 1, "lazy": True},
                 {"id": "gone", "family": "fixture", "slots": 1, "lazy": True},
                 {"id": "asr", "family": "whisper", "task": "asr", "lazy": True}]

@@ -91,7 +91,9 @@ class APIView(AdrfAPIView):
     ``self.metrics_model`` (set by the view once the request names a registered model) and added to
     the UI's activity list (``metrics.activity_soon``: time, model, route, status, error code, queue
     wait, run time, client address and user; never the body). For a streamed answer the row is
-    written when its headers are sent."""
+    written when its headers are sent. A request served by one run whose worker recorded the answer
+    (``metrics.answer_record``; the view passed ``answer=True`` to ``request_run``) is not counted again
+    here when it is answered 200."""
 
     counts_requests = False
     metrics_model = ""
@@ -103,12 +105,20 @@ class APIView(AdrfAPIView):
             return await self._dispatch(request, *args, **kwargs)
         started = time.monotonic()
         timing = metrics.timing_begin()
+        timing.row = {"route": request.path[:200], "client": request.META.get("REMOTE_ADDR") or "", "user": None,
+                      "started_unix_ms": time.time() * 1000}
         response = await self._dispatch(request, *args, **kwargs)
         self._count(request, response, timing, (time.monotonic() - started) * 1000)
         return response
 
+    def _username(self) -> str | None:
+        user = getattr(getattr(self, "request", None), "_user", None)
+        return user.get_username() if user is not None and user.is_authenticated else None
+
     def _count(self, request, response, timing: metrics.RequestTiming, total_ms: float) -> None:
         status = response.status_code
+        if status == 200 and timing.recorded:  # the worker that served it wrote its events and row
+            return
         model = self.metrics_model
         data = getattr(response, "data", None)
         error = data.get("error") if isinstance(data, dict) else None
@@ -117,13 +127,11 @@ class APIView(AdrfAPIView):
         if status == 503:
             events.append(metrics.count(metrics.REJECTIONS, model, code or "unknown"))
         metrics.record_soon(*events)
-        user = getattr(getattr(self, "request", None), "_user", None)
         metrics.activity_soon({
             "at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "model": model, "route": request.path[:200], "status": status, "outcome": request_outcome(status),
             "code": code, "queue_ms": timing.queue_ms, "run_ms": timing.run_ms, "total_ms": round(total_ms, 3),
-            "client": request.META.get("REMOTE_ADDR") or "",
-            "user": user.get_username() if user is not None and user.is_authenticated else None})
+            "client": request.META.get("REMOTE_ADDR") or "", "user": self._username()})
 
     async def _dispatch(self, request, *args, **kwargs):
         self.args = args
@@ -139,6 +147,8 @@ class APIView(AdrfAPIView):
                 await _initial(self, request, permissions, *args, **kwargs)
             else:
                 await sync_to_async(self.initial)(request, *args, **kwargs)
+            if self.counts_requests and (timing := metrics.timing_current()) is not None and timing.row is not None:
+                timing.row["user"] = self._username()  # authenticated now: a worker's row names the user too
             method = request.method.lower()
             handler = getattr(self, method, None) if method in self.http_method_names else None
             if handler is None:

@@ -39,12 +39,14 @@ def busy_error(exc: Exception) -> ServerBusy:
 
 
 async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
-                  kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None, stream_cap: int = 0) -> Lease:
+                  kind: LeaseKind = LeaseKind.REQUEST, offer: RunOffer | None = None, stream_cap: int = 0,
+                  observe_wait: bool = True) -> Lease:
     """Take a request slot, a stream slot (``stream_cap``: the most streams of the model at once) or the
     manager lease of ``model_id`` under ``timeout_ms`` (0 = unbounded), handing ``offer`` to the worker in
     the same step when it can (``inference.scheduler.Scheduler.acquire``).
 
-    A granted request's wait is observed in ``audiosite_queue_wait_seconds``.
+    A granted request's wait is observed in ``audiosite_queue_wait_seconds`` (unless ``observe_wait`` is
+    False: the caller observes it, or the worker that answers it does, ``metrics.answer_events``).
 
     Raises:
         ServerBusy: admission timeout, fail-fast or an expired grant (R3.2–R3.4).
@@ -54,7 +56,8 @@ async def acquire(ctx: AsyncContext, model_id: str, timeout_ms: int,
     except (AdmissionExpired, AdmissionOverdue, AdmissionTimeout) as exc:
         raise busy_error(exc) from None
     if kind is not LeaseKind.MANAGER:
-        metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
+        if observe_wait:
+            metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
         metrics.timing_note(queue_ms=lease.waited_ms)  # the activity row of the request (ui)
     return lease
 

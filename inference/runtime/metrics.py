@@ -428,10 +428,17 @@ such wake-up costs CPU on a slow-waking machine, docs/benchmarks.md "Waking up c
 class RequestTiming:
     """The parts of one request's time the activity row shows, noted as the request goes (ms; None when
     the request never got that far): ``queue_ms`` enqueue → grant of its slot, ``run_ms`` time in the
-    model's session on the worker."""
+    model's session on the worker.
+
+    ``row``: what the API view knows of the request for its activity row (``route``, ``client``,
+    ``user``, ``started_unix_ms``: wall clock at its start), for :func:`answer_record`.
+    ``recorded``: the worker that served the request recorded its answer (:func:`answer_events`):
+    the view records no request, audio, queue-wait event nor row of its own for a 2xx answer."""
 
     queue_ms: float | None = None
     run_ms: float | None = None
+    row: dict | None = None
+    recorded: bool = False
 
 
 _TIMING: contextvars.ContextVar[RequestTiming | None] = contextvars.ContextVar("audiosite_request_timing",
@@ -446,15 +453,55 @@ def timing_begin() -> RequestTiming:
     return timing
 
 
-def timing_note(*, queue_ms: float | None = None, run_ms: float | None = None) -> None:
-    """Note a part of the current request's timing (no-op outside a request that began one)."""
+def timing_current() -> RequestTiming | None:
+    """The current request's timing (:func:`timing_begin`), or None outside a request that began one."""
+    return _TIMING.get()
+
+
+def timing_note(*, queue_ms: float | None = None, run_ms: float | None = None, recorded: bool = False) -> None:
+    """Note a part of the current request's timing (no-op outside a request that began one); ``recorded``:
+    the worker recorded the answer (:class:`RequestTiming`)."""
     timing = _TIMING.get()
     if timing is None:
         return
+    if recorded:
+        timing.recorded = True
     if queue_ms is not None:
         timing.queue_ms = round(float(queue_ms), 3)
     if run_ms is not None:
         timing.run_ms = round(float(run_ms), 3)
+
+
+def answer_record(task: str, audio_seconds: float) -> dict | None:
+    """What a worker needs to record the answer of the current request itself (:func:`answer_events`), or
+    None outside an API view that counts requests. It travels in the run's header (``record``): the
+    worker writes the answer's events with its own write after the reply, so the web process makes no
+    metrics write for a served request (10 % of its CPU per silero_vad request, docs/benchmarks.md).
+
+    ``audio_seconds``: the decoded input's duration; ``queue_ms`` is filled in by the caller once the
+    request's slot is granted (0 for a run handed over with its grant: granted at once)."""
+    timing = _TIMING.get()
+    if timing is None or timing.row is None:
+        return None
+    return {**timing.row, "task": task, "audio_s": audio_seconds, "queue_ms": 0.0}
+
+
+def answer_events(model_id: str, record: dict, inference_ms: float) -> tuple[list[Event], dict]:
+    """The events and the activity row of a request answered 200 by a run of ``model_id`` (on the worker
+    that ran it; ``record`` from :func:`answer_record`): ``requests_total`` ok, the audio seconds, the
+    queue wait and the inference time, and a row as ``audiosite.http.apiview`` writes (``at`` and
+    ``total_ms`` from this process's wall clock at the reply, against the web process's
+    ``started_unix_ms``: hosts whose clocks differ skew ``total_ms`` by that much)."""
+    now_ms = time.time() * 1000
+    queue_ms = float(record.get("queue_ms") or 0.0)
+    events = [count(REQUESTS, model_id, "ok"), audio(model_id, str(record["task"]), float(record["audio_s"])),
+              observe(QUEUE_WAIT, queue_ms / 1000, model_id), observe(INFERENCE, inference_ms / 1000, model_id)]
+    row = {"at": datetime.fromtimestamp(now_ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+           "model": model_id, "route": record.get("route", ""), "status": 200, "outcome": "ok", "code": None,
+           "queue_ms": round(queue_ms, 3), "run_ms": round(float(inference_ms), 3),
+           "total_ms": round(max(0.0, now_ms - float(record.get("started_unix_ms") or now_ms)), 3),
+           "client": record.get("client", ""), "user": record.get("user")}
+    return events, row
 
 
 def activity_soon(row: dict) -> None:
@@ -499,16 +546,19 @@ async def activity_recent(redis_client: Any, limit: int = ACTIVITY_KEEP) -> list
     return [json.loads(text) for text in texts]
 
 
-def record_sync(redis_client: Any, *events: Event) -> None:
-    """:func:`record` on a synchronous client (Celery worker threads)."""
-    if not events:
+def record_sync(redis_client: Any, *events: Event, rows: list[dict] | None = None) -> None:
+    """:func:`record` on a synchronous client (Celery worker threads); ``rows``: activity rows written in the
+    same ``MULTI`` and announced as :func:`activity_soon`'s are."""
+    if not events and not rows:
         return
     try:
         with redis_client.pipeline(transaction=True) as pipe:
             _queue(pipe, events)
+            if rows:
+                _queue_activity(pipe, rows)
             pipe.execute()
     except redis.RedisError as exc:
-        log.warning("metrics: %d event(s) lost: %s", len(events), exc)
+        log.warning("metrics: %d event(s) and %d activity row(s) lost: %s", len(events), len(rows or ()), exc)
 
 
 async def read_stored(redis_client: Any) -> dict[str, dict[str, str]]:

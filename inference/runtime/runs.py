@@ -86,6 +86,7 @@ class RunInput:
         self.audio_ms = len(samples) / sample_rate_hz * 1000
         self.request_id = uuid.uuid4().hex
         self.staged = False
+        self.record: dict | None = None  # the answer the worker records (metrics.answer_record), in the header
         self._on_release = on_release
 
     def release_samples(self) -> None:
@@ -242,10 +243,13 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
 def run_header(ctx: AsyncContext, model_id: str, lease_id: str, run_input: RunInput, held: bool = False) -> dict:
     """The run header of :func:`run_on_worker` without ``boot`` (the queue it is pushed on names the
     worker's boot; :func:`run_on_worker` adds it as a second check)."""
-    return {"model_id": model_id, "request_id": run_input.request_id, "lease_id": lease_id,
-            "channel": ctx.listener.channel, "sample_rate_hz": run_input.sample_rate_hz,
-            "sample_format": run_input.sample_format, "options": run_input.options, "held": held,
-            "audio_ms": round(run_input.audio_ms)}
+    header = {"model_id": model_id, "request_id": run_input.request_id, "lease_id": lease_id,
+              "channel": ctx.listener.channel, "sample_rate_hz": run_input.sample_rate_hz,
+              "sample_format": run_input.sample_format, "options": run_input.options, "held": held,
+              "audio_ms": round(run_input.audio_ms)}
+    if run_input.record is not None:
+        header["record"] = run_input.record
+    return header
 
 
 @dataclass

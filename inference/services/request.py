@@ -16,7 +16,7 @@ from audiosite.errors import (ApplicationError, Conflict, InvalidRequest, ModelC
                               RunDeadline, RunExpired, ServerBusy, WorkerLost)
 from audiosite.serverconfig import get_config
 from inference import audio, specs
-from inference.runtime import leases, loads, published, runs
+from inference.runtime import leases, loads, metrics, published, runs
 from inference.runtime.context import AsyncContext
 from inference.scheduler import AdmissionOverdue, AdmissionProbe, Lease, ProbeVerdict, effective_timeout_ms
 
@@ -40,6 +40,7 @@ class Outcome:
     slot: int
     worker: str
     audio_ms: float
+    recorded: bool = False  # the worker recorded the answer (metrics.answer_events): the view records nothing
 
 
 async def _give_back(ctx: AsyncContext, model_id: str, lease_id: str, run_input: runs.RunInput | None) -> None:
@@ -91,7 +92,7 @@ async def request_model_resolve(ctx: AsyncContext, model_id: str, request_timeou
 
 
 async def request_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, options: dict,
-              request_timeout_ms: int | None, probe: AdmissionProbe | None = None) -> Outcome:
+              request_timeout_ms: int | None, probe: AdmissionProbe | None = None, answer: bool = False) -> Outcome:
     """Serve one offline request (either runtime).
 
     The short path, when the admission probe found a free slot and nobody
@@ -109,6 +110,10 @@ async def request_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, op
         options: validated request options (merged with defaults on the worker).
         request_timeout_ms: the request's ``busy_timeout_ms`` (None = not given).
         probe: the request's admission probe (:func:`request_probe`), for the short path.
+        answer: this run's result is the request's answer (a view that makes one run per request): the
+            worker that serves it records the answer's metrics and activity row itself
+            (``metrics.answer_record``; ``Outcome.recorded``), and the queue wait is observed here only
+            when it does not.
 
     Raises:
         ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3), the
@@ -129,41 +134,58 @@ async def request_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, op
         raise InvalidRequest(f"model {model_id!r} serves only streams (its modes: {', '.join(modes)}); "
                              "use its streaming route", param="model")
     timeout_ms = effective_timeout_ms(request_timeout_ms, published.ceiling_ms(meta))
-    header, run_input, offered = await _prepare_input(ctx, meta, spec, audio_input, options, probe)
+    header, run_input, offered = await _prepare_input(ctx, meta, spec, audio_input, options, probe, answer)
     handover = runs.Handover()
-    lease, offered = await _acquire(ctx, model_id, timeout_ms, run_input, offered, handover)
+    lease, offered = await _acquire(ctx, model_id, timeout_ms, run_input, offered, handover, answer)
+    recorded = False
     try:
         async with ctx.scheduler.keep_alive(model_id, lease.lease_id):
             await _bind(ctx, meta, lease)
             if run_input is None:
                 run_input = await audio_decode(audio_input, header, spec, options)
+                _answer_record(run_input, meta, answer, lease.waited_ms)
             reply, load_ms = await _dispatch(ctx, model_id, lease, timeout_ms, run_input, offered, handover)
         error = reply_error(model_id, reply, "request")
         if error is not None:
             raise error
+        recorded = bool(reply.get("recorded"))
+        metrics.timing_note(recorded=recorded)
         return Outcome(reply["result"], lease.waited_ms, load_ms, reply["inference_ms"], reply["slot"],
-                       reply["worker"], run_input.audio_ms)
+                       reply["worker"], run_input.audio_ms, recorded)
     finally:
+        if answer and not recorded:  # leases.acquire left the granted request's wait to this call
+            metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
         if run_input is not None:
             run_input.release_samples()  # its budget reservation, if the samples never reached Redis
         if not handover.sent:
             await asyncio.shield(_give_back(ctx, model_id, lease.lease_id, run_input))
 
 
+def _answer_record(run_input: runs.RunInput | None, meta: dict, answer: bool, queue_ms: float) -> None:
+    """Put the answer the worker records (``metrics.answer_record``) on ``run_input``, for a request whose
+    run is its answer (``answer``) inside an API view that counts requests."""
+    if answer and run_input is not None:
+        run_input.record = metrics.answer_record(meta["task"], run_input.audio_ms / 1000)
+        if run_input.record is not None:
+            run_input.record["queue_ms"] = queue_ms
+
+
 async def _prepare_input(ctx: AsyncContext, meta: dict, spec: dict, audio_input: AudioInput, options: dict,
-                         probe: AdmissionProbe | None
+                         probe: AdmissionProbe | None, answer: bool = False
                          ) -> tuple[audio.AudioHeader, runs.RunInput | None, runs.OfferedRun | None]:
     """The upload's header and, on :func:`request_run`'s short path (a free slot at the probe), its samples decoded
-    now and the run offered with the enqueue (None when not offered: large samples, or decoded later)."""
+    now and the run offered with the enqueue (None when not offered: large samples, or decoded later). A run
+    offered is handed over only when granted at once: its answer record (``answer``) waited 0 ms."""
     if probe is not None and probe.free:
         header, run_input = await audio_inspect_and_decode(audio_input, spec, options)
+        _answer_record(run_input, meta, answer, 0.0)
         offered = runs.offer_run(ctx, meta["id"], run_input, probe.entry_json) if run_input is not None else None
         return header, run_input, offered
     return await audio_inspect(audio_input, spec), None, None
 
 
 async def _acquire(ctx: AsyncContext, model_id: str, timeout_ms: int, run_input: runs.RunInput | None,
-                   offered: runs.OfferedRun | None, handover: runs.Handover
+                   offered: runs.OfferedRun | None, handover: runs.Handover, answer: bool = False
                    ) -> tuple[Lease, runs.OfferedRun | None]:
     """Acquire the request's lease (the run ``offered`` with the enqueue); returns it and the offer when the
     grant took the run (``handover`` then sent), else None. On failure the samples and the offer are given
@@ -173,7 +195,8 @@ async def _acquire(ctx: AsyncContext, model_id: str, timeout_ms: int, run_input:
         ServerBusy: queue timeout or overdue fail-fast (R3.2, R3.3); see ``inference.runtime.leases.acquire``.
     """
     try:
-        lease = await leases.acquire(ctx, model_id, timeout_ms, offer=offered.offer if offered else None)
+        lease = await leases.acquire(ctx, model_id, timeout_ms, offer=offered.offer if offered else None,
+                                     observe_wait=not answer)
     except BaseException:
         if run_input is not None:
             run_input.release_samples()
@@ -186,6 +209,8 @@ async def _acquire(ctx: AsyncContext, model_id: str, timeout_ms: int, run_input:
         offered.taken(run_input, handover)
         return lease, offered
     offered.withdraw(ctx)
+    if run_input.record is not None:  # dispatched later, after this wait
+        run_input.record["queue_ms"] = lease.waited_ms
     return lease, None
 
 

@@ -321,14 +321,17 @@ def serve_run(worker: WorkerState, header: dict, inline: memoryview | None = Non
         work.stream_speech(worker, pool, header)
         return
     lease_id, held = header["lease_id"], bool(header.get("held"))
-    replied = False
+    record = header.get("record")  # the sender left its answer's metrics to this worker (metrics.answer_record)
+    replied = stored = False
     try:
         payload = work.run_request(worker, pool, model_id, lease_id, header, held=held, inline=inline)
+        if record is not None and payload.get("ok"):
+            payload["recorded"] = True  # so the sender records nothing of its own for this answer
         # A held run's lease stays with its sender (a live turn spans several runs).
-        work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
-                   release=None if held else (model_id, lease_id), inline=True)
+        stored = work.reply(header["channel"], KEYS.result(request_id), f"done:{request_id}", payload,
+                            release=None if held else (model_id, lease_id), inline=True)
         replied = True
     finally:
         if not replied and not held:  # the lease goes back on every path (R2.5 would reclaim it only after the TTL)
             sync_scheduler().release(model_id, lease_id)
-    work.record_inference(model_id, payload)
+    work.record_answer(model_id, payload, record if stored else None)

@@ -46,7 +46,7 @@ about 3,000 keys of a few hundred bytes stay in Redis."""
 
 
 def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, str] | None = None,
-          inline: bool = False) -> None:
+          inline: bool = False) -> bool:
     """Store ``payload`` (JSON) at ``key`` for ``RESULT_TTL_MS`` and publish ``wake`` on ``channel``.
 
     Args:
@@ -54,12 +54,14 @@ def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, 
             (a run's end: its slot is free before its sender wakes).
         inline: a run's reply (``wake`` is ``done:<request id>``), see :func:`reply_run`.
 
+    Returns:
+        False when it was a run's reply its client had left (nothing stored, :func:`reply_run`), else True.
+
     Raises:
         redis.RedisError: the SET or the PUBLISH failed (a failed release is retried alone first).
     """
     if inline:
-        reply_run(channel, wake, payload, release)
-        return
+        return reply_run(channel, wake, payload, release)
     scheduler = sync_scheduler()
     text = json.dumps(payload)
     with sync_redis().pipeline(transaction=False) as pipe:  # one round trip, run in this order
@@ -76,9 +78,10 @@ def reply(channel: str, key: str, wake: str, payload: dict, release: tuple[str, 
     for result in results:
         if isinstance(result, Exception):
             raise result
+    return True
 
 
-def reply_run(channel: str, wake: str, payload: dict, release: tuple[str, str] | None = None) -> None:
+def reply_run(channel: str, wake: str, payload: dict, release: tuple[str, str] | None = None) -> bool:
     """Answer a run (``wake`` = ``done:<request id>``) in one step with the check of its stop marker
     (``Scheduler.run_reply``, R8.2): ``release`` (``(model_id, lease_id)``) is released first; when the
     run's client left (``inference.runtime.runs.run_reply`` marked it), nothing is stored (no reply
@@ -86,16 +89,18 @@ def reply_run(channel: str, wake: str, payload: dict, release: tuple[str, str] |
     sender's lease and input back. Otherwise the reply is stored at ``Keys.result`` and announced:
     one of at most ``INLINE_REPLY_MAX_CHARS`` rides in the wake-up (``wake + "\n" + payload``; the
     reader then needs no GET) and its key stays ``INLINE_REPLY_TTL_MS`` only, for a waiter whose
-    wake-up was lost; a longer one is read from its key (``RESULT_TTL_MS``).
+    wake-up was lost; a longer one is read from its key (``RESULT_TTL_MS``). Returns False when the
+    client had left (nothing stored), True when the reply was stored and announced.
 
     Raises:
         redis.RedisError: the script failed (the caller releases the lease on that path).
     """
     text = json.dumps(payload)
     short = len(text) <= INLINE_REPLY_MAX_CHARS
-    sync_scheduler().run_reply(wake.removeprefix("done:"), channel, text, f"{wake}\n{text}" if short else wake,
-                               INLINE_REPLY_TTL_MS if short else RESULT_TTL_MS, release,
-                               taken=payload.get("kind") != RunFailure.NOT_LOADED)
+    return bool(sync_scheduler().run_reply(wake.removeprefix("done:"), channel, text,
+                                           f"{wake}\n{text}" if short else wake,
+                                           INLINE_REPLY_TTL_MS if short else RESULT_TTL_MS, release,
+                                           taken=payload.get("kind") != RunFailure.NOT_LOADED))
 
 
 def load_pool(worker: WorkerState, model_id: str, token: str) -> dict | None:
@@ -223,6 +228,17 @@ def run_request(worker: WorkerState, pool: AnyPool, model_id: str, lease_id: str
     if payload.get("ok"):
         payload["worker"] = worker.hostname
     return payload
+
+
+def record_answer(model_id: str, payload: dict, record: dict | None) -> None:
+    """After a run's reply: with ``record`` (the header's, ``metrics.answer_record``; pass it only when the
+    reply was stored, so its sender answers 200), the answer's events and activity row
+    (``metrics.answer_events``) in one write; otherwise only the inference time (:func:`record_inference`)."""
+    if record is None or not payload.get("ok"):
+        record_inference(model_id, payload)
+        return
+    events, row = metrics.answer_events(model_id, record, payload["inference_ms"])
+    metrics.record_sync(sync_redis(), *events, rows=[row])
 
 
 def record_inference(model_id: str, payload: dict) -> None:
