@@ -307,6 +307,10 @@ def serve_run(worker: WorkerState, header: dict, inline: memoryview | None = Non
     answers with frames instead (``work.stream_speech``), and so does a streamed transcription
     (``header["stream"] == "transcription"``, ``work.stream_transcription``). A ``held`` run is one
     decode of a live transcription turn whose lease the sender keeps (``work.run_request``).
+
+    A header with ``record`` (``inference.runtime.metrics.answer_record``: the run is its request's
+    answer) gets a served reply marked ``"recorded": true``; once that reply is stored, this worker
+    writes the request's metrics and activity row (``work.record_answer``) and its sender writes none.
     """
     model_id, request_id = header["model_id"], header["request_id"]
     pool = worker.get(model_id)
