@@ -23,11 +23,12 @@ def test_the_report_prints_both_floor_ratios_and_the_cpu_of_every_process_per_re
     out = done.stdout
     targets = ("silero_vad overhead p50 ≤ 1.2 × the floor's", "web CPU per silero_vad request ≤ 1.5 × the floor web's")
     for target in targets:
-        found = re.search(rf"^\| {re.escape(target)} \| ([\d.]+) / ([\d.]+) = ([\d.]+) \| (PASS|FAIL) \|$", out,
-                          re.MULTILINE)
+        # an overhead can come out negative on a loaded machine (the direct call then took longer)
+        found = re.search(rf"^\| {re.escape(target)} \| (-?[\d.]+) / (-?[\d.]+) = (-?[\d.]+) \| (PASS|FAIL) \|$",
+                          out, re.MULTILINE)
         assert found is not None, out[-3000:]
         ours, floor, ratio = (float(x) for x in found.groups()[:3])
-        assert floor > 0 and abs(ratio - ours / floor) < 0.01
+        assert floor != 0 and abs(ratio - ours / floor) < 0.01
     cpu = dict(re.findall(r"^\| (web|worker|model|redis) \| (\S+ \| \S+) \|$", out, re.MULTILINE))
     assert set(cpu) == {"web", "worker", "model", "redis"}, out[-3000:]
     floor_model, audiosite_model = cpu["model"].split(" | ")

@@ -32,17 +32,11 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from bench.common import SAMPLE, KeepAliveConn, quantile, stack_processes, task_body
+from gate.servers import free_port
 
 MODEL = "silero-vad"
 ROLES = ("web", "worker", "redis")
 BLOCKS = 4
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Command(BaseCommand):
@@ -78,7 +72,7 @@ class Command(BaseCommand):
 
     def _serve(self, checkout: Path, procs: list[subprocess.Popen]) -> str:
         tmp = Path(tempfile.mkdtemp(prefix="bench-compare-"))
-        port = _free_port()
+        port = free_port()
         config = {"host": "127.0.0.1", "port": port, "backend": "cpu", "lazy_load": False,
                   "models": [{"id": MODEL, "family": "silero_vad", "task": "vad"}]}
         (tmp / "server.json").write_text(json.dumps(config))

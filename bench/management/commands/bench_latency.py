@@ -42,7 +42,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,7 +66,7 @@ from inference import specs
 from inference.adapters import get_adapter
 from inference.adapters.base import AudioRequest, LoadContext
 from bench.common import SAMPLE, KeepAliveConn, stack_processes
-from gate.servers import kill_process_tree
+from gate.servers import free_port, kill_process_tree
 
 VAD, ASR = "silero-vad", "whisper-tiny.en"
 WAKE_GAPS_S = (0.03, 0.3)
@@ -78,12 +77,6 @@ BURST = 16
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Command(BaseCommand):
@@ -109,7 +102,7 @@ class Command(BaseCommand):
         return proc
 
     def _daphne(self, app: str, env: dict, log: Path) -> str:
-        port = _free_port()
+        port = free_port()
         self._spawn([sys.executable, "-m", "audiosite.web", "-b", "127.0.0.1", "-p", str(port), app], env, log)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -162,7 +155,7 @@ class Command(BaseCommand):
         return found
 
     def _serve(self, tmp: Path) -> tuple[str, str]:
-        port = _free_port()
+        port = free_port()
         config = {"host": "127.0.0.1", "port": port, "backend": "cpu", "lazy_load": False,
                   "models": [{"id": ASR, "family": "whisper", "task": "asr"},
                              {"id": VAD, "family": "silero_vad", "task": "vad"}]}
