@@ -203,14 +203,14 @@ async def _acquire(ctx: AsyncContext, model_id: str, timeout_ms: int, run_input:
         if offered is not None:
             offered.withdraw(ctx)
         raise
+    if run_input is not None and run_input.record is not None:  # dispatched after this wait (0: granted at once)
+        run_input.record["queue_ms"] = lease.waited_ms
     if offered is None or run_input is None:
         return lease, offered
     if lease.dispatched:
         offered.taken(run_input, handover)
         return lease, offered
     offered.withdraw(ctx)
-    if run_input.record is not None:  # dispatched later, after this wait
-        run_input.record["queue_ms"] = lease.waited_ms
     return lease, None
 
 
