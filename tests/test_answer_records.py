@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import threading
 
 import numpy as np
@@ -18,13 +20,14 @@ from inference.runtime.context import KEYS
 
 from .support.audio import wav_bytes
 from .support.bounds import QUICK_S, run, until, within
-from .support.clients import mclient, post
-from .support.stacks import FIXTURE_ENV, run_stack
+from .support.clients import mclient, operator_token, post
+from .support.stacks import FIXTURE_ENV, run_stack, web_pid
 from .test_operations import scrape, scrape_when, value
 
 pytestmark = pytest.mark.stack
 
-MODELS = [{"id": "one", "family": "fixture", "slots": 1, "lazy": True}]
+MODELS = [{"id": "one", "family": "fixture", "slots": 1, "lazy": True},
+          {"id": "three", "family": "fixture", "slots": 3, "lazy": True}]
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +111,109 @@ def test_a_request_whose_probe_found_a_free_slot_but_that_waited_records_its_rea
                                                                          - rows_before - 1)]
     waits = sorted(row["queue_ms"] for row in rows)
     assert waits == pytest.approx([0.0, large["timing"]["queue_ms"]], abs=1.0), rows
+
+
+def test_concurrent_requests_on_a_multi_slot_model_are_each_recorded_once_with_their_own_wait_and_user(rstack):
+    """Three runs held in the 3 slots and nine requests queued behind them (small audio offered with the
+    enqueue, audio decoded to over 1 MiB, some with a user's token): once the slots open, the twelve
+    answers 200 move ``requests_total`` ok, the queue wait, the inference time and the audio seconds by
+    exactly their sums, and add twelve activity rows, each with its own answer's wait and run time, the
+    client's address and no user (a token sent to an inference route names nobody, as before)."""
+    token = operator_token(rstack)
+    big = wav_bytes(np.zeros(320_000, dtype=np.float32) + 0.01, 16000, subtype="FLOAT")  # 1.28 MB decoded
+
+    async def scenario():
+        async with mclient(rstack, None) as c, mclient(rstack, token) as t:
+            warm, _, _ = await post(c, "three", tag="warm")
+            assert warm.status_code == 200, warm.text
+            await until(lambda: json.loads(rstack.redis.lindex(KEYS.activity, 0))["model"] == "three")
+            _, before, _ = await asyncio.to_thread(scrape, rstack.url)
+            rows_before = rstack.redis.llen(KEYS.activity)
+            held = [asyncio.create_task(post(t if i == 0 else c, "three", barrier="three-fill", tag=f"h{i}"))
+                    for i in range(3)]
+            await until(lambda: rstack.arrived("three-fill") == 3)
+            queued = []
+            for i in range(9):
+                client = t if i % 3 == 0 else c
+                audio = (big,) if i % 2 else ()
+                queued.append(asyncio.create_task(post(client, "three", *audio, tag=f"q{i}")))
+                await until(lambda n=i + 1: rstack.counters("three")["queued"] == n)
+            await asyncio.sleep(0.1)
+            rstack.release("three-fill", 3)
+            answers = [await within(task) for task in [*held, *queued]]
+            for resp, _, _ in answers:
+                assert resp.status_code == 200, resp.text[:300]
+            return before, rows_before, [resp.json() for resp, _, _ in answers]
+
+    before, rows_before, bodies = run(scenario())
+    n = len(bodies)
+
+    def moved(samples, name: str, **labels: str) -> float:
+        return value(samples, name, model="three", **labels) - value(before, name, model="three", **labels)
+
+    _, after = scrape_when(rstack.url, lambda now: (
+        moved(now, "audiosite_requests_total", outcome="ok"), moved(now, "audiosite_queue_wait_seconds_count"),
+        moved(now, "audiosite_inference_seconds_count")) == (n, n, n))
+    assert moved(after, "audiosite_requests_total", outcome="ok") == n
+    assert moved(after, "audiosite_queue_wait_seconds_count") == n
+    assert moved(after, "audiosite_inference_seconds_count") == n
+    waits_s = sum(b["timing"]["queue_ms"] for b in bodies) / 1000
+    assert waits_s > 0.1 * 9
+    assert moved(after, "audiosite_queue_wait_seconds_sum") == pytest.approx(waits_s, abs=0.001 * n)
+    assert moved(after, "audiosite_inference_seconds_sum") == pytest.approx(
+        sum(b["timing"]["inference_ms"] for b in bodies) / 1000, abs=0.001 * n)
+    assert moved(after, "audiosite_audio_seconds_total", task="fixture") == pytest.approx(
+        sum(b["timing"]["audio_duration_ms"] for b in bodies) / 1000, abs=0.001 * n)
+    assert rstack.redis.llen(KEYS.activity) - rows_before == n
+    rows = [json.loads(text) for text in rstack.redis.lrange(KEYS.activity, 0, n - 1)]
+    assert all((r["model"], r["route"], r["status"], r["outcome"], r["client"]) ==
+               ("three", "/v1/tasks/run", 200, "ok", "127.0.0.1") for r in rows), rows
+    assert all(r["total_ms"] >= r["run_ms"] + r["queue_ms"] - 1 for r in rows), rows
+    assert sorted(round(r["queue_ms"]) for r in rows) == sorted(round(b["timing"]["queue_ms"]) for b in bodies)
+    assert sorted(round(r["run_ms"], 1) for r in rows) == sorted(round(b["timing"]["inference_ms"], 1)
+                                                                  for b in bodies)
+    # the inference routes authenticate nobody (no authentication class): a token names no user there
+    assert all(r["user"] is None for r in rows), rows
+
+
+def test_a_client_that_leaves_after_its_reply_was_stored_is_recorded_once(rstack):
+    """The worker stores a run's reply and records the answer (counter, queue wait, row) while its web
+    process is stopped (SIGSTOP); the client then leaves, and the web process, resumed, finds its client
+    gone before it read the reply (the reply is deleted unread). The request's queue wait is observed
+    once (the worker's), and it has one activity row, not a second one from the web process."""
+    pid = web_pid(rstack)
+
+    async def scenario():
+        async with mclient(rstack, None) as c:
+            warm, _, _ = await post(c, "one", tag="warm-left")
+            assert warm.status_code == 200, warm.text
+            await until(lambda: json.loads(rstack.redis.lindex(KEYS.activity, 0))["route"] == "/v1/tasks/run")
+            _, before, _ = await asyncio.to_thread(scrape, rstack.url)
+            rows_before = rstack.redis.llen(KEYS.activity)
+            async with mclient(rstack, None) as leaving:
+                task = asyncio.create_task(post(leaving, "one", barrier="left-after-store", tag="left"))
+                await until(lambda: rstack.arrived("left-after-store") == 1)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await asyncio.sleep(0.2)
+                    rstack.release("left-after-store")
+                    await until(lambda: rstack.redis.llen(KEYS.activity) == rows_before + 1)  # the worker's row
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(1.0)
+            return before, rows_before
+
+    before, rows_before = run(scenario())
+    rstack.wait_idle("one")
+    _, after, _ = scrape(rstack.url)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, model="one", **labels) - value(before, name, model="one", **labels)
+
+    rows = [json.loads(text) for text in rstack.redis.lrange(KEYS.activity, 0,
+                                                             rstack.redis.llen(KEYS.activity) - rows_before - 1)]
+    assert moved("audiosite_queue_wait_seconds_count") == 1, rows
+    assert len(rows) == 1, rows
+    assert moved("audiosite_requests_total", outcome="ok") == 1, rows

@@ -87,6 +87,8 @@ class RunInput:
         self.request_id = uuid.uuid4().hex
         self.staged = False
         self.record: dict | None = None  # the answer the worker records (metrics.answer_record), in the header
+        # The worker recorded this run's answer, though its client left before the reply was read (run_reply)
+        self.recorded_unread = False
         self._on_release = on_release
 
     def release_samples(self) -> None:
@@ -235,7 +237,7 @@ async def run_on_worker(ctx: AsyncContext, model_id: str, lease_id: str, placeme
                 pass
             raise
         handover.sent = True
-        return await run_reply(ctx, request_id, placement, wake, model_id, "" if held else lease_id)
+        return await run_reply(ctx, request_id, placement, wake, model_id, "" if held else lease_id, run_input)
     finally:
         ctx.listener.forget(f"done:{request_id}")
 
@@ -292,7 +294,7 @@ def offer_run(ctx: AsyncContext, model_id: str, run_input: RunInput, meta_json: 
 
 
 async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wake: asyncio.Future,
-                    model_id: str, lease_id: str) -> dict | None:
+                    model_id: str, lease_id: str, run_input: RunInput | None = None) -> dict | None:
     """Await the reply of a run handed to ``placement``'s worker (by :func:`run_on_worker` or with its
     grant): the worker's reply (see ``inference.worker.work.run_request``), or None when the worker
     died meanwhile. ``wake``: ``listener.expect(f"done:{request_id}")``, registered before the hand-over.
@@ -303,7 +305,9 @@ async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wa
     gives ``lease_id`` of ``model_id`` back at once; otherwise ``Keys.stop(request_id)`` (TTL
     ``CANCEL_TTL_MS``) names the lease: an adapter that asks ``cancelled()`` between bounded steps
     stops its run, the worker's reply is not stored, and a ``not_loaded`` one gives the lease back.
-    ``lease_id`` '': a held run (its caller releases the lease itself)."""
+    ``lease_id`` '': a held run (its caller releases the lease itself). A reply deleted unread whose
+    worker recorded the answer (``run_left``'s 'recorded') sets ``run_input.recorded_unread``: its
+    sender records nothing more of the request (``inference.services.request.request_run``)."""
     answered = False
     try:
         answered = await await_reply(ctx, wake, KEYS.result(request_id),
@@ -316,18 +320,24 @@ async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wa
             return json.loads(inline)
         return json.loads(await ctx.redis.getdel(KEYS.result(request_id)))
     except asyncio.CancelledError:
-        await asyncio.shield(_client_left(ctx, model_id, request_id, lease_id, answered))
+        outcome = await asyncio.shield(_client_left(ctx, model_id, request_id, lease_id, answered))
+        if outcome == "recorded" and run_input is not None:
+            run_input.recorded_unread = True
         raise
 
 
-async def _client_left(ctx: AsyncContext, model_id: str, request_id: str, lease_id: str, answered: bool) -> None:
+async def _client_left(ctx: AsyncContext, model_id: str, request_id: str, lease_id: str,
+                       answered: bool) -> str | None:
     """``run_reply``'s caller was cancelled (its client left): ``Scheduler.run_left`` (a reply there is
     deleted unread; else the stop marker). When the reply had already come (``answered``: the client left
     while it was being read), the stop marker that step may set for a reply read meanwhile is deleted:
-    no run is left to stop. Redis errors are logged (the run then finishes for nobody)."""
+    no run is left to stop. Redis errors are logged (the run then finishes for nobody). Returns
+    ``run_left``'s outcome, None when it failed."""
     try:
         outcome = await ctx.scheduler.run_left(model_id, request_id, lease_id, CANCEL_TTL_MS)
         if answered and outcome == "marked":
             await ctx.redis.delete(KEYS.stop(request_id))
+        return outcome
     except Exception:  # Redis gone: the run then finishes for nobody, as before
         log.warning("could not mark run %s as left by its client", request_id, exc_info=True)
+        return None

@@ -230,8 +230,9 @@ class Scheduler:
 
         Returns:
             'answered' (a reply was there, unread: deleted; a ``not_loaded`` one also gave the lease and the
-            input back) or 'marked' (``Keys.stop`` set, naming the lease); an awaitable of it with an
-            async client.
+            input back), 'recorded' (the same, for a reply whose worker recorded the answer's metrics
+            itself: its ``recorded`` was true) or 'marked' (``Keys.stop`` set, naming the lease); an
+            awaitable of it with an async client.
         """
         keys = [self.keys.result(request_id), self.keys.stop(request_id), self.keys.input(request_id),
                 self.keys.model(model_id)]

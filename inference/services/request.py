@@ -153,7 +153,8 @@ async def request_run(ctx: AsyncContext, meta: dict, audio_input: AudioInput, op
         return Outcome(reply["result"], lease.waited_ms, load_ms, reply["inference_ms"], reply["slot"],
                        reply["worker"], run_input.audio_ms, recorded)
     finally:
-        if answer and not recorded:  # leases.acquire left the granted request's wait to this call
+        if answer and not recorded and not (run_input is not None and run_input.recorded_unread):
+            # leases.acquire left the granted request's wait to this call (or to the worker that recorded it)
             metrics.record_soon(metrics.observe(metrics.QUEUE_WAIT, lease.waited_ms / 1000, model_id))
         if run_input is not None:
             run_input.release_samples()  # its budget reservation, if the samples never reached Redis
@@ -259,7 +260,7 @@ async def _dispatch(ctx: AsyncContext, model_id: str, lease: Lease, timeout_ms: 
         if attempt == 0 and offered is not None:  # handed over with the grant
             try:
                 reply = await runs.run_reply(ctx, run_input.request_id, placement, offered.wake, model_id,
-                                             lease.lease_id)
+                                             lease.lease_id, run_input)
             finally:
                 offered.withdraw(ctx)
         else:

@@ -10,6 +10,9 @@
 --   'answered'  the reply was already there, unread: it is deleted (nobody will read it); a
 --               'not_loaded' reply (the worker never took the run, so the lease was still the
 --               sender's) also gives that lease and the run's input back at once
+--   'recorded'  as 'answered', for a reply whose worker recorded the answer's metrics itself
+--               (its 'recorded' is true, inference.runtime.metrics.answer_events): the sender
+--               records nothing more of that run
 --   'marked'    no reply yet: the stop marker is set, naming KEYS[4] and ARGV[1] ('<base>' LF
 --               '<lease>'; '1' for a held run): an adapter that looks stops its run, and the
 --               worker's reply (run_reply.lua) is not stored and does the same clean-up
@@ -22,6 +25,7 @@ if reply then
     release_lease(KEYS[4], ARGV[1], now_ms(), tonumber(ARGV[3]))
     redis.call('DEL', KEYS[3])
   end
+  if ok and type(decoded) == 'table' and decoded['recorded'] == true then return 'recorded' end
   return 'answered'
 end
 local marker = '1'
