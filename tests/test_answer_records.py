@@ -19,15 +19,16 @@ import pytest
 from inference.runtime.context import KEYS
 
 from .support.audio import wav_bytes
-from .support.bounds import QUICK_S, run, until, within
+from .support.bounds import MODEL_S, QUICK_S, run, until, within
 from .support.clients import mclient, operator_token, post
-from .support.stacks import FIXTURE_ENV, run_stack, web_pid
+from .support.stacks import FIXTURE_ENV, run_stack, web_pid, worker_pid
 from .test_operations import scrape, scrape_when, value
 
 pytestmark = pytest.mark.stack
 
 MODELS = [{"id": "one", "family": "fixture", "slots": 1, "lazy": True},
-          {"id": "three", "family": "fixture", "slots": 3, "lazy": True}]
+          {"id": "three", "family": "fixture", "slots": 3, "lazy": True},
+          {"id": "frozen", "family": "fixture", "slots": 1, "lazy": True}]
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +218,43 @@ def test_a_client_that_leaves_after_its_reply_was_stored_is_recorded_once(rstack
     assert moved("audiosite_queue_wait_seconds_count") == 1, rows
     assert len(rows) == 1, rows
     assert moved("audiosite_requests_total", outcome="ok") == 1, rows
+
+
+def test_a_run_whose_worker_froze_past_its_liveness_is_recorded_once_as_the_503_its_client_got(rstack):
+    """The worker freezes (SIGSTOP) past its liveness TTL while a run is held at a barrier: the client
+    gets 503 ``worker_lost``. The worker then resumes and the run finishes: its late reply is not stored
+    and the worker records nothing of the answer, so the request counts once, as rejected (one row,
+    status 503), with its queue wait observed once."""
+    async def scenario():
+        async with mclient(rstack, None, timeout=MODEL_S) as c:
+            warm, _, _ = await post(c, "frozen", tag="warm-frozen")
+            assert warm.status_code == 200, warm.text
+            await until(lambda: json.loads(rstack.redis.lindex(KEYS.activity, 0))["model"] == "frozen")
+            _, before, _ = await asyncio.to_thread(scrape, rstack.url)
+            rows_before = rstack.redis.llen(KEYS.activity)
+            pid = worker_pid(rstack)
+            task = asyncio.create_task(post(c, "frozen", barrier="frozen-run", tag="frozen"))
+            await until(lambda: rstack.arrived("frozen-run") == 1)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                resp, _, _ = await within(task, 25)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "worker_lost", resp.text
+            rstack.release("frozen-run")
+            await asyncio.sleep(3.0)  # the woken worker finishes the run and replies to nobody
+            return before, rows_before
+
+    before, rows_before = run(scenario())
+    _, after, _ = scrape(rstack.url)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, model="frozen", **labels) - value(before, name, model="frozen", **labels)
+
+    rows = [json.loads(text) for text in rstack.redis.lrange(KEYS.activity, 0,
+                                                             rstack.redis.llen(KEYS.activity) - rows_before - 1)]
+    assert [(r["model"], r["status"], r["code"]) for r in rows] == [("frozen", 503, "worker_lost")], rows
+    assert moved("audiosite_requests_total", outcome="ok") == 0
+    assert moved("audiosite_requests_total", outcome="rejected") == 1
+    assert moved("audiosite_queue_wait_seconds_count") == 1
+    assert moved("audiosite_audio_seconds_total", task="fixture") == 0

@@ -297,7 +297,9 @@ async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wa
                     model_id: str, lease_id: str, run_input: RunInput | None = None) -> dict | None:
     """Await the reply of a run handed to ``placement``'s worker (by :func:`run_on_worker` or with its
     grant): the worker's reply (see ``inference.worker.work.run_request``), or None when the worker
-    died meanwhile. ``wake``: ``listener.expect(f"done:{request_id}")``, registered before the hand-over.
+    died meanwhile (its stop marker is then set, as for a client that left: a worker that was only
+    frozen stores no late reply and records no answer for it). ``wake``:
+    ``listener.expect(f"done:{request_id}")``, registered before the hand-over.
 
     A caller cancelled while it waits (its client left, R8.2) runs ``Scheduler.run_left`` before the
     cancellation goes on, one step against the worker's reply (``Scheduler.run_reply``): a reply
@@ -313,6 +315,9 @@ async def run_reply(ctx: AsyncContext, request_id: str, placement: Placement, wa
         answered = await await_reply(ctx, wake, KEYS.result(request_id),
                                      lambda: until_worker_lost(ctx, placement.owner, placement.boot))
         if not answered:
+            # A frozen worker may still finish the run: its late reply, to a sender that answers 503, is then
+            # neither stored nor recorded (the stop marker; '': the sender gives its lease back itself).
+            await ctx.scheduler.run_left(model_id, request_id, "", CANCEL_TTL_MS)
             await ctx.redis.delete(KEYS.input(request_id))
             return None
         inline = wake.result() if wake.done() and not wake.cancelled() else None
