@@ -28,6 +28,8 @@ pytestmark = pytest.mark.stack
 
 MODELS = [{"id": "one", "family": "fixture", "slots": 1, "lazy": True},
           {"id": "three", "family": "fixture", "slots": 3, "lazy": True},
+          {"id": "three-batched", "family": "fixture", "slots": 3, "max_batch": 3, "batch_window_ms": 100,
+           "lazy": True},
           {"id": "frozen", "family": "fixture", "slots": 1, "lazy": True}]
 
 
@@ -114,65 +116,75 @@ def test_a_request_whose_probe_found_a_free_slot_but_that_waited_records_its_rea
     assert waits == pytest.approx([0.0, large["timing"]["queue_ms"]], abs=1.0), rows
 
 
-def test_concurrent_requests_on_a_multi_slot_model_are_each_recorded_once_with_their_own_wait_and_user(rstack):
+@pytest.mark.parametrize("model", ["three", "three-batched"])
+def test_concurrent_requests_on_a_multi_slot_model_are_each_recorded_once_with_their_own_wait(rstack, model):
     """Three runs held in the 3 slots and nine requests queued behind them (small audio offered with the
-    enqueue, audio decoded to over 1 MiB, some with a user's token): once the slots open, the twelve
-    answers 200 move ``requests_total`` ok, the queue wait, the inference time and the audio seconds by
-    exactly their sums, and add twelve activity rows, each with its own answer's wait and run time, the
-    client's address and no user (a token sent to an inference route names nobody, as before)."""
+    enqueue, audio decoded to over 1 MiB, some with a user's token, one whose run fails), on a model that
+    batches its runs (``max_batch`` 3) or not: once the slots open, the eleven answers 200 and the 500 move
+    ``requests_total`` (ok, error), the queue wait (twelve), the inference time and the audio seconds (of
+    the eleven) by exactly their sums, and add twelve activity rows, each with its own answer's wait and
+    run time, the client's address and no user (a token sent to an inference route names nobody, as
+    before)."""
     token = operator_token(rstack)
     big = wav_bytes(np.zeros(320_000, dtype=np.float32) + 0.01, 16000, subtype="FLOAT")  # 1.28 MB decoded
+    barrier = f"{model}-fill"
 
     async def scenario():
         async with mclient(rstack, None) as c, mclient(rstack, token) as t:
-            warm, _, _ = await post(c, "three", tag="warm")
+            warm, _, _ = await post(c, model, tag="warm")
             assert warm.status_code == 200, warm.text
-            await until(lambda: json.loads(rstack.redis.lindex(KEYS.activity, 0))["model"] == "three")
+            await until(lambda: json.loads(rstack.redis.lindex(KEYS.activity, 0))["model"] == model)
             _, before, _ = await asyncio.to_thread(scrape, rstack.url)
             rows_before = rstack.redis.llen(KEYS.activity)
-            held = [asyncio.create_task(post(t if i == 0 else c, "three", barrier="three-fill", tag=f"h{i}"))
+            held = [asyncio.create_task(post(t if i == 0 else c, model, barrier=barrier, tag=f"h{i}"))
                     for i in range(3)]
-            await until(lambda: rstack.arrived("three-fill") == 3)
+            # a batch's members pass the barrier one after another in its one session call
+            await until(lambda: rstack.arrived(barrier) >= 1 and rstack.counters(model)["leases"] == 3)
             queued = []
             for i in range(9):
                 client = t if i % 3 == 0 else c
                 audio = (big,) if i % 2 else ()
-                queued.append(asyncio.create_task(post(client, "three", *audio, tag=f"q{i}")))
-                await until(lambda n=i + 1: rstack.counters("three")["queued"] == n)
+                queued.append(asyncio.create_task(post(client, model, *audio, tag=f"q{i}", fail=i == 4)))
+                await until(lambda n=i + 1: rstack.counters(model)["queued"] == n)
             await asyncio.sleep(0.1)
-            rstack.release("three-fill", 3)
-            answers = [await within(task) for task in [*held, *queued]]
-            for resp, _, _ in answers:
+            rstack.release(barrier, 3)
+            answers = [(await within(task))[0] for task in [*held, *queued]]
+            failed = answers.pop(3 + 4)
+            assert failed.status_code == 500, failed.text
+            for resp in answers:
                 assert resp.status_code == 200, resp.text[:300]
-            return before, rows_before, [resp.json() for resp, _, _ in answers]
+            return before, rows_before, [resp.json() for resp in answers]
 
     before, rows_before, bodies = run(scenario())
-    n = len(bodies)
+    n = len(bodies) + 1
 
     def moved(samples, name: str, **labels: str) -> float:
-        return value(samples, name, model="three", **labels) - value(before, name, model="three", **labels)
+        return value(samples, name, model=model, **labels) - value(before, name, model=model, **labels)
 
     _, after = scrape_when(rstack.url, lambda now: (
         moved(now, "audiosite_requests_total", outcome="ok"), moved(now, "audiosite_queue_wait_seconds_count"),
-        moved(now, "audiosite_inference_seconds_count")) == (n, n, n))
-    assert moved(after, "audiosite_requests_total", outcome="ok") == n
+        moved(now, "audiosite_inference_seconds_count"), rstack.redis.llen(KEYS.activity) - rows_before) ==
+        (n - 1, n, n - 1, n))
+    assert moved(after, "audiosite_requests_total", outcome="ok") == n - 1
+    assert moved(after, "audiosite_requests_total", outcome="error") == 1
     assert moved(after, "audiosite_queue_wait_seconds_count") == n
-    assert moved(after, "audiosite_inference_seconds_count") == n
-    waits_s = sum(b["timing"]["queue_ms"] for b in bodies) / 1000
+    assert moved(after, "audiosite_inference_seconds_count") == n - 1
+    assert rstack.redis.llen(KEYS.activity) - rows_before == n
+    rows = [json.loads(text) for text in rstack.redis.lrange(KEYS.activity, 0, n - 1)]
+    assert sorted((r["status"], r["outcome"]) for r in rows) == [(200, "ok")] * (n - 1) + [(500, "error")], rows
+    assert all((r["model"], r["route"], r["client"]) == (model, "/v1/tasks/run", "127.0.0.1") for r in rows), rows
+    served = [r for r in rows if r["status"] == 200]
+    assert all(r["total_ms"] >= r["run_ms"] + r["queue_ms"] - 1 for r in served), rows
+    assert sorted(round(r["queue_ms"]) for r in served) == sorted(round(b["timing"]["queue_ms"]) for b in bodies)
+    assert sorted(round(r["run_ms"], 1) for r in served) == sorted(round(b["timing"]["inference_ms"], 1)
+                                                                    for b in bodies)
+    waits_s = sum(r["queue_ms"] for r in rows) / 1000
     assert waits_s > 0.1 * 9
     assert moved(after, "audiosite_queue_wait_seconds_sum") == pytest.approx(waits_s, abs=0.001 * n)
     assert moved(after, "audiosite_inference_seconds_sum") == pytest.approx(
         sum(b["timing"]["inference_ms"] for b in bodies) / 1000, abs=0.001 * n)
     assert moved(after, "audiosite_audio_seconds_total", task="fixture") == pytest.approx(
         sum(b["timing"]["audio_duration_ms"] for b in bodies) / 1000, abs=0.001 * n)
-    assert rstack.redis.llen(KEYS.activity) - rows_before == n
-    rows = [json.loads(text) for text in rstack.redis.lrange(KEYS.activity, 0, n - 1)]
-    assert all((r["model"], r["route"], r["status"], r["outcome"], r["client"]) ==
-               ("three", "/v1/tasks/run", 200, "ok", "127.0.0.1") for r in rows), rows
-    assert all(r["total_ms"] >= r["run_ms"] + r["queue_ms"] - 1 for r in rows), rows
-    assert sorted(round(r["queue_ms"]) for r in rows) == sorted(round(b["timing"]["queue_ms"]) for b in bodies)
-    assert sorted(round(r["run_ms"], 1) for r in rows) == sorted(round(b["timing"]["inference_ms"], 1)
-                                                                  for b in bodies)
     # the inference routes authenticate nobody (no authentication class): a token names no user there
     assert all(r["user"] is None for r in rows), rows
 
