@@ -223,5 +223,7 @@ def test_a_row_after_a_quiet_spell_is_written_at_once_and_the_next_waits_out_the
         return first_s, second_s
 
     first_s, second_s = run(scenario())
-    assert first_s < metrics.ACTIVITY_FLUSH_S, first_s
+    # written at once, not held for the batch's 100 ms timer (46 ms was seen under a loaded CI run,
+    # where a 30 ms bound failed; the idle machine measures a few ms)
+    assert first_s < metrics.FLUSH_INTERVAL_S, first_s
     assert second_s >= metrics.ACTIVITY_FLUSH_S, (first_s, second_s)
