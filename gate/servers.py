@@ -59,6 +59,8 @@ class Server:
         parallel: start with ``--parallel-jobs`` (else the legacy runtime).
         extra_config: more top-level ``server.json`` keys (e.g. ``ui_management``).
         extra_env: more environment variables for the child (e.g. ``AUDIOSITE_ADMISSION_DIR``).
+        checkout: the repository checkout whose ``manage.py`` runs (default this one; ``bench_compare``
+            runs another's with this interpreter).
 
     Raises:
         CommandError: the server did not print ``listening on`` within ``START_TIMEOUT_S`` or
@@ -68,7 +70,7 @@ class Server:
     token: str = ""  # a management API token, once ``issue_token`` was called
 
     def __init__(self, workdir: Path, models: list[dict], parallel: bool, extra_config: dict | None = None,
-                 extra_env: dict | None = None):
+                 extra_env: dict | None = None, checkout: Path | None = None):
         self.workdir = workdir
         self.port = free_port()
         config = {"port": self.port, "lazy_load": True, "lease_ttl_ms": 5000, "models": models, **(extra_config or {})}
@@ -82,7 +84,7 @@ class Server:
             argv.append("--parallel-jobs")
         self.log = workdir / "serve.log"
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(argv, cwd=settings.BASE_DIR, env=env, stdout=open(self.log, "wb"),
+        self.proc = subprocess.Popen(argv, cwd=checkout or settings.BASE_DIR, env=env, stdout=open(self.log, "wb"),
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         try:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,9 +30,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from bench.common import SAMPLE, KeepAliveConn, quantile, stack_processes, task_body
-from gate.servers import free_port
+from gate.servers import Server
 
 MODEL = "silero-vad"
+MODELS = [{"id": MODEL, "family": "silero_vad", "task": "vad"}]
 ROLES = ("web", "worker", "redis")
 BLOCKS = 4
 
@@ -54,44 +53,18 @@ class Command(BaseCommand):
         if not (other / "manage.py").is_file():
             raise CommandError(f"{other} is not a checkout of audiosite (no manage.py)")
         checkouts = {"this": Path(settings.BASE_DIR).resolve(), "other": other}
-        procs: list[subprocess.Popen] = []
+        servers: list[Server] = []
         try:
-            urls = {name: self._serve(path, procs) for name, path in checkouts.items()}
-            roles = {name: self._roles(proc) for name, proc in zip(checkouts, procs, strict=True)}
+            for path in checkouts.values():
+                servers.append(Server(Path(tempfile.mkdtemp(prefix="bench-compare-")), MODELS, parallel=False,
+                                      extra_config={"backend": "cpu", "lazy_load": False}, checkout=path))
+            urls = {name: server.url for name, server in zip(checkouts, servers, strict=True)}
+            roles = {name: self._roles(server.proc) for name, server in zip(checkouts, servers, strict=True)}
             cpu_ms, latency_ms = self._measure(urls, roles, opts["requests"], opts["gap_ms"] / 1000)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGINT)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            for server in servers:
+                server.stop()
         self._report(checkouts, cpu_ms, latency_ms, opts["requests"])
-
-    def _serve(self, checkout: Path, procs: list[subprocess.Popen]) -> str:
-        tmp = Path(tempfile.mkdtemp(prefix="bench-compare-"))
-        port = free_port()
-        config = {"host": "127.0.0.1", "port": port, "backend": "cpu", "lazy_load": False,
-                  "models": [{"id": MODEL, "family": "silero_vad", "task": "vad"}]}
-        (tmp / "server.json").write_text(json.dumps(config))
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("AUDIOSITE_") and k not in ("REDIS_URL", "DATABASE_URL")}
-        env.update(DATABASE_URL=f"sqlite:///{tmp / 'db.sqlite3'}", AUDIOSITE_VAR_DIR=str(tmp / "var"),
-                   HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        log = tmp / "serve.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "manage.py", "serve", "--config", str(tmp / "server.json")],
-                                    cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        procs.append(proc)
-        deadline = time.monotonic() + 180
-        while b"listening on" not in log.read_bytes():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise CommandError(f"manage.py serve of {checkout} did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        return f"http://127.0.0.1:{port}"
 
     @staticmethod
     def _roles(proc: subprocess.Popen) -> dict[str, psutil.Process]:
