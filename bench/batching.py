@@ -16,6 +16,7 @@ beside the batch evidence and never read by admission.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import soundfile
 
 from bench.common import SAMPLE, quantile, task_body
 from gate import evidence
-from gate.batching import batch_calls_in, calls_since
+from gate.batching import batch_calls_in, calls_counted
 from gate.servers import Server
 from inference import specs
 from inference.adapters import get_adapter
@@ -127,9 +128,13 @@ async def _http_rows(server: Server, wav: bytes, requests: int) -> list[dict]:
                     "p95_ms": round(quantile(latencies, 0.95), 1)}
         rows = [await row("serial", "m1", 1), await row("2 slots", "m2", 2), await row("batch 2", "b2", 2),
                 await row("4 slots", "m4", 4), await row("batch 4", "b4", 4)]
-        after = batch_calls_in((await client.get("/metrics")).text)
-    for r in rows:
-        r["calls_by_size"] = calls_since(before.get(r["model"], {}), after.get(r["model"], {}))
+
+        async def calls_of(model: str) -> dict[int, int]:
+            return batch_calls_in((await client.get("/metrics")).text).get(model, {})
+        for r in rows:  # a plain model's row waits for nothing: it counts no batch call
+            model = r["model"]
+            r["calls_by_size"] = await calls_counted(functools.partial(calls_of, model), before.get(model, {}),
+                                                     requests if model.startswith("b") else 0)
     return rows
 
 

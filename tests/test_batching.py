@@ -26,7 +26,7 @@ from audiosite.serverconfig import ConfigError, parse_config
 from inference import specs
 from inference.adapters.base import AudioRequest, Cancelled, InvalidInput
 from inference.adapters.whisper_batching import transcribe_together
-from gate.batching import batch_calls_in
+from gate.batching import batch_calls_in, calls_counted
 from inference.runtime.context import KEYS
 
 from .support.audio import adapter_session, load_speech, padded, wav_bytes
@@ -69,6 +69,14 @@ def answer(resp: httpx.Response) -> dict:
 def batch_calls(stack, model_id: str) -> dict[int, int]:
     """``audiosite_batch_calls_total`` of ``model_id`` from ``/metrics``: {size: calls}."""
     return batch_calls_in(httpx.get(stack.url + "/metrics", timeout=MODEL_S).text).get(model_id, {})
+
+
+def calls_since(stack, model_id: str, before: dict[int, int], requests: int) -> dict[int, int]:
+    """The batch calls of ``model_id`` counted since ``before`` once they cover ``requests`` requests
+    (the worker counts a call after handing out its replies, so the count can trail the answers)."""
+    async def read() -> dict[int, int]:
+        return batch_calls(stack, model_id)
+    return run(calls_counted(read, before, requests))
 
 
 async def concurrently(stack, model: str, payloads: list[dict]) -> list[httpx.Response]:
@@ -140,7 +148,7 @@ def test_batched_answers_equal_serial_answers_and_nothing_stays_held(bstack):
     batched = [answer(r) for r in run(concurrently(bstack, "vad-b", payloads))]
     assert batched == serial
     assert any(seg for a in serial for seg in a["segments"])  # the comparison covers found speech
-    calls = {size: n - before.get(size, 0) for size, n in batch_calls(bstack, "vad-b").items()}
+    calls = calls_since(bstack, "vad-b", before, 4)
     assert sum(size * n for size, n in calls.items()) == 4, calls  # every request went through the batcher
     assert any(size > 1 and n for size, n in calls.items()), calls  # and at least one call served several
     for model in ("vad", "vad-b"):
@@ -164,7 +172,7 @@ def test_whisper_batches_through_the_server_answer_as_alone_and_a_refused_langua
     error = error_of(refused, (400,))
     assert error["param"] == "language", error
     assert answer(healthy) == serial[1]
-    calls = {size: n - before.get(size, 0) for size, n in batch_calls(bstack, "asr-b").items()}
+    calls = calls_since(bstack, "asr-b", before, 4)
     assert calls.get(2, 0) == 2, calls  # both pairs were one call each
     bstack.wait_idle("asr-b", timeout_s=10)
 
@@ -180,11 +188,11 @@ def test_official_sdk_transcriptions_sent_together_are_batched_and_answered_as_a
     speech = load_speech()
     alone = [transcribe(u) for u in speech]
     assert all(alone), alone
-    before = batch_calls(bstack, "asr-b").get(2, 0)
+    before = batch_calls(bstack, "asr-b")
     with concurrent.futures.ThreadPoolExecutor(len(speech)) as pool:
         together = list(pool.map(transcribe, speech))
     assert together == alone
-    assert batch_calls(bstack, "asr-b").get(2, 0) == before + 1
+    assert calls_since(bstack, "asr-b", before, len(speech)) == {2: 1}
     bstack.wait_idle("asr-b", timeout_s=10)
 
 
@@ -193,6 +201,7 @@ def test_a_failing_request_in_a_batch_fails_alone_with_its_typed_error(bstack):
     one asking for an injected failure gets its own 500 in the error shape while the other two are
     answered 200; no lease remains."""
     payloads = [body("fxb", tag="a"), body("fxb", fail=True, tag="bad"), body("fxb", tag="c")]
+    before = batch_calls(bstack, "fxb")
     first, bad, third = run(concurrently(bstack, "fxb", payloads))
     assert first.status_code == 200 and third.status_code == 200, (first.text, third.text)
     assert bad.status_code == 500, bad.text
@@ -200,7 +209,7 @@ def test_a_failing_request_in_a_batch_fails_alone_with_its_typed_error(bstack):
     a, c = first.json(), third.json()
     assert (a["tag"], c["tag"]) == ("a", "c")
     assert a["slot"] == c["slot"] and a["pool_id"] == c["pool_id"]  # one session served both
-    assert batch_calls(bstack, "fxb").get(3, 0) >= 1
+    assert calls_since(bstack, "fxb", before, 3) == {3: 1}
     bstack.wait_idle("fxb", timeout_s=10)
 
 
@@ -368,13 +377,15 @@ def test_pools_in_the_worker_process_batch_the_same_way(inproc_stack):
     payloads = [body("vad-b", data) for data in inputs()]
     with inproc_stack.client() as client:
         serial = [answer(client.post("/v1/tasks/run", json={**p, "model": "vad"})) for p in payloads]
+    before = {model: batch_calls(inproc_stack, model) for model in ("vad-b", "fxb")}
     assert [answer(r) for r in run(concurrently(inproc_stack, "vad-b", payloads))] == serial
     first, bad, third = run(concurrently(inproc_stack, "fxb", [body("fxb", tag="a"), body("fxb", fail=True),
                                                                body("fxb", tag="c")]))
     assert (first.status_code, bad.status_code, third.status_code) == (200, 500, 200)
     assert first.json()["slot"] == third.json()["slot"]
-    calls = batch_calls(inproc_stack, "vad-b")
-    assert any(size > 1 for size in calls) and batch_calls(inproc_stack, "fxb").get(3, 0) >= 1, calls
+    calls = calls_since(inproc_stack, "vad-b", before["vad-b"], len(payloads))
+    assert any(size > 1 for size in calls), calls
+    assert calls_since(inproc_stack, "fxb", before["fxb"], 3) == {3: 1}
     for model in ("vad", "vad-b", "fxb"):
         inproc_stack.wait_idle(model, timeout_s=10)
 
@@ -472,7 +483,7 @@ def test_a_batch_closes_once_every_slot_joined_and_a_single_slot_model_never_wai
     pair_s = time.monotonic() - started
     assert answer(alone) == serial[0] and [answer(r) for r in pair] == serial
     assert alone_s < 2.0 and pair_s < 2.0, (alone_s, pair_s)
-    assert batch_calls(bstack, "vad-s2") == {2: 1} and batch_calls(bstack, "vad-s1") == {}
+    assert calls_since(bstack, "vad-s2", {}, 2) == {2: 1} and batch_calls(bstack, "vad-s1") == {}
     for model_id in ("vad-s1", "vad-s2"):
         bstack.wait_idle(model_id, timeout_s=10)
 
