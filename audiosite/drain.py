@@ -45,6 +45,17 @@ from audiosite.errors import ShuttingDown
 
 log = logging.getLogger(__name__)
 
+_OUTCOMES: set[asyncio.Future] = set()
+"""Watchers' coroutines in progress: the loop keeps only weak references to tasks, so an unreferenced
+one can be collected while it waits."""
+
+
+def _run_outcome(outcome: Awaitable[Any]) -> None:
+    """Run a watcher's awaitable ``outcome`` to its end, referenced meanwhile."""
+    task = asyncio.ensure_future(outcome)
+    _OUTCOMES.add(task)
+    task.add_done_callback(_OUTCOMES.discard)
+
 T = TypeVar("T")
 
 SHUTTING_DOWN_RETRY_AFTER_S = 1
@@ -139,7 +150,7 @@ class Drain:
             try:
                 outcome = watch.callback(notice)
                 if inspect.isawaitable(outcome):
-                    asyncio.ensure_future(outcome)
+                    _run_outcome(outcome)
             except Exception:
                 log.exception("a drain watcher failed")
         self._signal_change()
@@ -208,7 +219,7 @@ class Drain:
         if self.draining and self.deadline_s is not None:
             outcome = callback(DrainNotice(self.deadline_s, self.timeout_ms))
             if inspect.isawaitable(outcome):
-                asyncio.ensure_future(outcome)
+                _run_outcome(outcome)
         return watch
 
     async def bounded(self, aw: Awaitable[T]) -> T:

@@ -41,7 +41,7 @@ from .support.delay_relay import ask
 from .support.multihost import NGINX, Rig, run_rig
 from .support.netns import netns_problem
 from .support.processes import ROOT, accepts_connections, free_port, need_program
-from .support.stacks import FIXTURE_ENV, REDIS_BASE
+from .support.stacks import FIXTURE_ENV, REDIS_BASE, assert_no_task_collected
 
 pytestmark = pytest.mark.stack
 
@@ -281,6 +281,8 @@ def test_redis_restarted_with_its_state_lost_is_recovered_without_restarting_a_p
     assert {name: m.pid for name, m in rig.members.items()} == pids  # nothing was restarted
     logs = [m.log_path.read_text(errors="replace") for m in rig.members.values() if m.role == "worker"]
     assert any("again from the database" in log for log in logs)
+    for member in rig.members.values():  # the web processes' port gates followed Redis all along
+        assert_no_task_collected(member.log_path.read_text(errors="replace"))
     assert_nothing_held(rig)
 
 

@@ -82,7 +82,7 @@ from zope.interface import implementer
 from audiosite import heartbeat
 from audiosite.drain import DRAIN, WEBSOCKET_CLOSE_GOING_AWAY, tracked
 from audiosite.errors import PayloadTooLarge, error_body
-from audiosite.http.port_gate import DRAINING, GATE, end_keep_alive, follow_redis
+from audiosite.http.port_gate import DRAINING, GATE, end_keep_alive, follow_redis_start
 from audiosite.serverconfig import get_config
 from inference.runtime import metrics
 
@@ -435,7 +435,7 @@ class DrainingServer(Server):
         reactor.callWhenRunning(metrics.process_publish_start)  # this process's CPU and memory for /metrics
         reactor.callWhenRunning(freeze_loaded_objects)
         if get_config().refuse_connections_when_unready:
-            reactor.callWhenRunning(lambda: asyncio.ensure_future(follow_redis()))
+            reactor.callWhenRunning(follow_redis_start)
         super().run()
 
     def listen_success(self, port):

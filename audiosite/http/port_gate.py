@@ -114,6 +114,17 @@ def end_keep_alive(channel: Any) -> None:
 GATE = PortGate()
 """This process's gate (one daphne server per web process)."""
 
+_FOLLOWERS: list[asyncio.Task] = []
+
+
+def follow_redis_start(gate: PortGate = GATE) -> asyncio.Task:
+    """Start :func:`follow_redis` on the running loop and keep its task: the loop holds only weak
+    references to tasks, so an unreferenced one waiting for Redis is collected by the next full
+    garbage collection (the gate then never closed: its watcher was never registered)."""
+    task = asyncio.ensure_future(follow_redis(gate))
+    _FOLLOWERS.append(task)
+    return task
+
 
 async def follow_redis(gate: PortGate = GATE) -> None:
     """Keep ``gate`` closed for :data:`REDIS` exactly while this loop's scheduler listener is not

@@ -215,6 +215,18 @@ def run_stack(tmp: Path, models: list[dict], *, redis_db: int, name: str, parall
     except subprocess.TimeoutExpired:
         kill_process_tree(proc)
     drop_stack(setup)
+    assert_no_task_collected(log_path.read_text(errors="replace"))
+
+
+TASK_COLLECTED = "Task was destroyed but it is pending"
+"""What asyncio logs when the garbage collector frees a task still waiting: the loop keeps only weak
+references to tasks, so a task nobody references silently stops (the port gate's Redis follower did)."""
+
+
+def assert_no_task_collected(log_text: str) -> None:
+    """AssertionError naming the task when a process's log shows a pending task was collected."""
+    at = log_text.find(TASK_COLLECTED)
+    assert at < 0, log_text[at:at + 600]
 
 def worker_pid(stack) -> int:
     """The process id of the stack's one worker, from the hash the worker publishes at start (``KEYS.worker_pid``)."""
