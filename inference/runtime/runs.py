@@ -124,11 +124,8 @@ def queue_header(pipe, placement: Placement, header: str | bytes) -> None:
     pipe.pexpire(queue_key, INPUT_TTL_MS)
 
 
-def _send_blocking(input_key: str, data: memoryview, placement: Placement, header: str) -> None:
-    pipe = sync_redis_bytes().pipeline(transaction=False)
-    pipe.set(input_key, data, px=INPUT_TTL_MS)
-    queue_header(pipe, placement, header)
-    pipe.execute()
+def _set_input_blocking(input_key: str, data: memoryview) -> None:
+    sync_redis_bytes().set(input_key, data, px=INPUT_TTL_MS)
 
 
 async def drop_input(ctx: AsyncContext, run_input: RunInput) -> None:
@@ -158,33 +155,43 @@ def split_element(element: bytes) -> tuple[dict, memoryview | None]:
 
 async def stage_run(ctx: AsyncContext, run_input: RunInput, placement: Placement, header: dict,
                     inline: bool = False) -> None:
-    """Hand ``run_input`` and the run ``header`` to ``placement``'s run queue in one round trip; then
-    ``run_input`` forgets its samples.
+    """Hand ``run_input`` and the run ``header`` to ``placement``'s run queue in one round trip (two
+    for large samples); then ``run_input`` forgets its samples.
 
     With ``inline`` and samples under ``BLOCKING_SEND_MIN_BYTES``, the samples travel inside the
     queue element (:func:`inline_element`): the worker gets them with the header it pops and makes
     no round trip to read them (0.45 ms of a short run on a 2-core machine, docs/benchmarks.md); a
     worker that does not take the run (``not_loaded``) writes them to ``Keys.input(request_id)`` for
     the next dispatch. Otherwise the samples go to ``Keys.input(request_id)`` (TTL ``INPUT_TTL_MS``)
-    beside the header; large ones from the array's own memory by a blocking client in a thread.
+    beside the header; large ones from the array's own memory by a blocking client in a thread, and
+    their header follows in a round trip of its own once their decode budget is back.
     Samples already sent by an earlier dispatch are not sent again: their key's TTL is refreshed.
     """
     input_key = KEYS.input(run_input.request_id)
     samples = run_input.samples
     if samples is not None and samples.nbytes >= BLOCKING_SEND_MIN_BYTES:
         await asyncio.get_running_loop().run_in_executor(
-            _INPUT_SEND_POOL, _send_blocking, input_key, audio.to_bytes(samples), placement, json.dumps(header))
-    else:
+            _INPUT_SEND_POOL, _set_input_blocking, input_key, audio.to_bytes(samples))
+        del samples
+        run_input.staged = True
+        # The decode budget goes back before the header is pushed: once the worker has the run, its end
+        # can grant the next waiter, whose decode must find these bytes released (with the header sent
+        # from the thread, the loop could resume that waiter before this coroutine, and refuse it).
+        run_input.release_samples()
         async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
-            if samples is not None and inline:
-                queue_header(pipe, placement, inline_element(header, audio.to_bytes(samples)))
-            else:
-                if samples is not None:
-                    pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
-                else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
-                    pipe.pexpire(input_key, INPUT_TTL_MS)
-                queue_header(pipe, placement, json.dumps(header))
+            queue_header(pipe, placement, json.dumps(header))
             await pipe.execute()
+        return
+    async with ctx.redis_bytes.pipeline(transaction=False) as pipe:
+        if samples is not None and inline:
+            queue_header(pipe, placement, inline_element(header, audio.to_bytes(samples)))
+        else:
+            if samples is not None:
+                pipe.set(input_key, audio.to_bytes(samples), px=INPUT_TTL_MS)
+            else:  # sent by an earlier dispatch, which the worker never took (not_loaded)
+                pipe.pexpire(input_key, INPUT_TTL_MS)
+            queue_header(pipe, placement, json.dumps(header))
+        await pipe.execute()
     del samples
     run_input.staged = True
     run_input.release_samples()
