@@ -25,6 +25,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import time
 
@@ -240,6 +241,44 @@ def test_as_is_files_around_the_send_path_switch_are_served_intact_and_release_a
             await drained(astack, c)
     run(scenario())
 
+
+
+def test_clients_leaving_around_the_send_of_large_samples_leave_no_samples_and_no_budget_held(astack):
+    """Inputs of 1 MiB or more are written to Redis from a send thread, then their decode budget goes
+    back, then their header is pushed. A 59 s as-is WAV (1.9 MB of samples) waits behind a run held on
+    a barrier of the one-slot ``fb``; the barrier opens and its client leaves at a moment spread over
+    the time from the opening to its answer (measured first), so clients leave during each of those
+    steps. Afterwards no samples remain in Redis (their TTL is 10 min: a leftover would be seen),
+    nothing is held, and the budget is whole (``drained`` serves a request needing most of it)."""
+    rng = random.Random(7)
+    data = as_is(59.0)
+
+    async def queued_behind_barrier(c: httpx.AsyncClient, name: str) -> tuple[asyncio.Task, asyncio.Task]:
+        held = asyncio.create_task(task(c, "fb", barrier=name))
+        await asyncio.to_thread(astack.wait_arrived, name, astack.arrived(name) + 1)
+        large = asyncio.create_task(task(c, "fb", data))
+        await asyncio.sleep(0.3)  # uploaded, parsed and queued
+        return held, large
+
+    async def scenario():
+        async with mclient(astack, None, timeout=MODEL_S) as c:
+            took_s = []
+            for i in range(3):
+                held, large = await queued_behind_barrier(c, f"large-{i}")
+                opened = time.monotonic()
+                astack.release(f"large-{i}")
+                assert (await large).status_code == 200 and (await held).status_code == 200
+                took_s.append(time.monotonic() - opened)
+            whole_s = statistics.median(took_s)
+            for i in range(30):
+                held, large = await queued_behind_barrier(c, f"leave-{i}")
+                astack.release(f"leave-{i}")
+                await asyncio.sleep(rng.random() * whole_s)
+                large.cancel()
+                await asyncio.gather(large, return_exceptions=True)
+                assert (await held).status_code == 200
+            await drained(astack, c)
+    run(scenario())
 
 # -- sync_config on a running deployment ----------------------------------------------------------
 def test_sync_config_of_an_unchanged_file_succeeds_while_models_are_busy(astack, tmp_path):
