@@ -552,6 +552,45 @@ def test_sigterm_drains_running_and_queued_work_inside_the_window_and_exits_0(tm
         next(stacks, None)
 
 
+def test_a_drain_answers_queued_runs_of_large_inputs_and_leaves_no_samples_in_redis(tmp_path):
+    """R8.4 with inputs of 1 MiB or more (59 s of 16 kHz 16-bit audio: sent to Redis from a send
+    thread, then the header): with a run held and three such requests queued, SIGTERM; one more such
+    request gets 503 ``shutting_down``; once the run is let go the three are answered 200 with their
+    whole audio, serve exits 0, and no samples, run queue element or lease is left in Redis."""
+    stacks = run_stack(tmp_path, DRAIN_MODELS, redis_db=8, name="drainlarge", parallel=True, extra_env=FIXTURE_ENV,
+                       extra_config={"shutdown_timeout_ms": 20000})
+    stack = next(stacks)
+    rng = np.random.default_rng(3)
+    large = wav_bytes((rng.standard_normal(59 * 16000) * 0.1).astype(np.float32), 16000, subtype="PCM_16")
+    try:
+        stack.release("dl-queued", 3)
+
+        async def scenario():
+            async with mclient(stack, None, timeout=60) as c:
+                held = asyncio.create_task(post(c, "d", barrier="dl-hold"))
+                await until(lambda: stack.arrived("dl-hold") == 1)
+                queued = []
+                for i in range(3):
+                    queued.append(asyncio.create_task(post(c, "d", large, barrier="dl-queued", tag=str(i))))
+                    await until(lambda: stack.counters("d")["queued"] == i + 1)
+                stack.proc.send_signal(signal.SIGTERM)
+                await until(lambda: httpx.get(stack.url + "/health", timeout=5).status_code == 503)
+                refused, _, _ = await post(c, "d", large)
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+                stack.release("dl-hold")
+                assert (await within(held))[0].status_code == 200
+                for task in queued:
+                    resp, _, _ = await within(task)
+                    assert resp.status_code == 200, resp.text
+                    assert resp.json()["timing"]["audio_duration_ms"] == pytest.approx(59000)
+        run(scenario())
+        assert stack.proc.wait(timeout=60) == 0, stack.log_tail()
+        assert list(stack.redis.scan_iter(KEYS.input("*"))) == []
+        assert [k for k in stack.redis.scan_iter(KEYS.run_queue_prefix + "*") if stack.redis.llen(k)] == []
+        assert stack.counters("d") == {"leases": 0, "queued": 0}
+    finally:
+        next(stacks, None)
+
 def test_ctrl_c_with_a_window_too_short_answers_503_and_a_restart_runs_nothing_twice(tmp_path):
     """R8.4 on ``serve`` (Ctrl-C, ``shutdown_timeout_ms`` 1.5 s): the held run and the 3 queued
     requests cannot finish in time: each gets an explicit 503 ``shutting_down`` (no reset) shortly
