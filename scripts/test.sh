@@ -10,7 +10,7 @@
 #                 AUDIOSITE_TEST_WORKERS=0, to use a server of your own (the tests FLUSH its databases 3 and
 #                 8 to 15)
 #   AUDIOSITE_TEST_WORKERS  3: pytest-xdist processes (--dist loadfile); 0 = one process. Three keep
-#                 2 cores busy while other tests wait on servers (about 8 to 15 min: docs/development.md)
+#                 2 cores busy while other tests wait on servers (a full run about 20 min: docs/development.md)
 #   AUDIOSITE_REQUIRE_PROGRAMS=1  a test whose system program (chromium, nginx, promtool) is missing fails
 #                 instead of skipping (.ci/run sets it after installing them)
 # Extra arguments go to pytest (e.g. scripts/test.sh -k scheduler). Lint: scripts/lint.sh.
