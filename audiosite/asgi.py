@@ -12,13 +12,11 @@ At import, ``settings.ALLOWED_HOSTS`` becomes the configuration's
 :meth:`~audiosite.serverconfig.ServerConfig.allowed_host_names` (the bound
 host's names plus ``allowed_hosts``), before the first request. The runtime check there (R1.4) needs
 Redis: a web process started while Redis cannot be reached waits for it up to ``REDIS_START_WAIT_S``
-(60 s), then exits 1 with one line saying so.
+(60 s), then exits 1 with one line saying so; one that finds another runtime recorded exits 1 at once
+(``inference.runtime.startup.check_runtime_at_start``).
 """
-import logging
 import os
-import time
 
-import redis.exceptions
 from django.conf import settings
 from django.core.asgi import get_asgi_application
 
@@ -32,25 +30,12 @@ from audiosite.http.handler import http_application  # noqa: E402
 from audiosite.serverconfig import get_config  # noqa: E402
 from inference.consumers import HostOriginValidator, NoRouteConsumer, RealtimeConsumer  # noqa: E402
 from inference.runtime.context import sync_scheduler  # noqa: E402
-from inference.runtime.startup import check_runtime  # noqa: E402
+from inference.runtime.startup import check_runtime_at_start  # noqa: E402
 from ui.routing import websocket_urlpatterns as ui_websocket_urlpatterns  # noqa: E402
 
 # R1.4: refuse to serve when the deployment records another runtime; R1.5: warn on parallel. A Redis that
-# cannot be reached yet (a deployment starting in another order) is waited for, up to REDIS_START_WAIT_S.
-REDIS_START_WAIT_S = 60.0
-_redis_wait_from = time.monotonic()
-while True:
-    try:
-        check_runtime(sync_scheduler())
-        break
-    except redis.exceptions.ConnectionError as exc:
-        if time.monotonic() - _redis_wait_from > REDIS_START_WAIT_S:
-            logging.getLogger("audiosite.web").error(
-                "Redis could not be reached for %.0f s (%s): this web process cannot start", REDIS_START_WAIT_S, exc)
-            raise SystemExit(1) from None
-        if _redis_wait_from + 1 > time.monotonic():
-            logging.getLogger("audiosite.web").warning("waiting for Redis (%s), up to %.0f s", exc, REDIS_START_WAIT_S)
-        time.sleep(1)
+# cannot be reached yet (a deployment starting in another order) is waited for, up to 60 s.
+check_runtime_at_start(sync_scheduler, "this web process")
 settings.ALLOWED_HOSTS = get_config().allowed_host_names()
 
 # WebSocket routes (Channels strips the leading slash); every other path gets a clean close (4404).

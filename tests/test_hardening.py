@@ -240,7 +240,7 @@ def test_serve_refuses_to_start_with_the_placeholder_secret(tmp_path):
 
 
 # -- docker-compose and the reverse proxy -------------------------------------------------------------
-def test_compose_puts_nginx_in_front_and_requires_a_secret_and_a_public_host():
+def test_compose_puts_nginx_in_front_requires_a_secret_and_a_public_host_and_restarts_what_exits():
     text = (ROOT / "docker-compose.yml").read_text()
     compose = yaml.safe_load(text)
     services = compose["services"]
@@ -248,6 +248,7 @@ def test_compose_puts_nginx_in_front_and_requires_a_secret_and_a_public_host():
     published = [name for name, service in services.items() if "ports" in service]
     assert published == ["proxy"]
     assert services["proxy"]["image"].startswith("nginx:")
+    assert services["web"]["restart"] == services["worker"]["restart"] == "unless-stopped"  # exit 1 at start-up
     mount = services["proxy"]["volumes"][0].split(":")
     assert (ROOT / mount[0]).is_file() and mount[1] == "/etc/nginx/conf.d/default.conf"
     env = compose["x-app"]["environment"]

@@ -5,15 +5,20 @@ real models at 1..4 slots. Real Redis (db 13), PostgreSQL, Celery worker.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import httpx
 import numpy as np
 import pytest
 
+from inference.runtime.context import KEYS
+
 from .support.audio import padded, wav_bytes
 from .support.bounds import MODEL_S, QUICK_S, run, until
 from .support.clients import body, mclient, post, without_timing
+from .support.processes import ROOT, free_port
 from .support.stacks import FIXTURE_ENV, entry_of, run_stack
 
 pytestmark = pytest.mark.stack
@@ -63,6 +68,34 @@ def test_runtime_mismatch_is_refused(pstack):
     assert "runs the parallel runtime" in legacy_env_run.stderr
     assert "Start it with the deployment's runtime (--parallel-jobs or AUDIOSITE_PARALLEL_JOBS=1)" in \
         legacy_env_run.stderr  # the remedy first, not deleting the key
+
+
+def test_a_web_process_and_a_worker_of_the_other_runtime_exit_at_start(pstack):
+    """R1.4: a web process (``python -m audiosite.web``) and a Celery worker, each started on the legacy
+    runtime against this parallel deployment's Redis, exit 1 naming the runtime recorded: the web
+    process never opens its port, the worker never announces itself (no pid, no liveness key) nor takes
+    a task, and the deployment serves on."""
+    from inference.management.commands.serve import worker_argv  # noqa: PLC0415 (Django set up by now)
+    port = free_port()
+    web = subprocess.run([sys.executable, "-m", "audiosite.web", "-b", "127.0.0.1", "-p", str(port),
+                          "audiosite.asgi:application"], cwd=ROOT, env=pstack.env, capture_output=True, text=True,
+                         timeout=MODEL_S)
+    assert web.returncode == 1, web.stderr[-2000:]
+    assert "this web process cannot start" in web.stderr and "runs the parallel runtime" in web.stderr
+    workers = pstack.redis.hgetall(KEYS.worker_pid)
+    worker = subprocess.run(worker_argv("mismatched@test", 1), cwd=ROOT, env=pstack.env, capture_output=True,
+                            text=True, timeout=MODEL_S)
+    output = worker.stdout + worker.stderr
+    assert worker.returncode == 1, output[-2000:]
+    assert "worker mismatched@test cannot start" in output and "runs the parallel runtime" in output
+    assert "is alive" not in output and "ready." not in output  # neither announced nor consuming
+    assert pstack.redis.hgetall(KEYS.worker_pid) == workers
+    assert not pstack.redis.exists(KEYS.worker_live("mismatched@test"))
+
+    async def served():
+        async with client(pstack) as c:
+            return (await post(c, "fx1"))[0].status_code
+    assert run(served()) == 200
 
 
 # -- FIFO admission -------------------------------------------------------------------------

@@ -3,12 +3,20 @@ parallel runtime's warning (R1.5)."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+
+import redis.exceptions
 
 from audiosite.serverconfig import get_config
 from inference import specs
-from inference.scheduler import Scheduler
+from inference.scheduler import RuntimeMismatch, Scheduler
 
 log = logging.getLogger("audiosite")
+
+REDIS_START_WAIT_S = 60.0
+"""How long a starting process waits for a Redis that cannot be reached yet (a deployment whose
+processes start in another order), in seconds, before it gives up (:func:`check_runtime_at_start`)."""
 
 UNTESTED_RULES: tuple[str, ...] = ()
 """Contract rules labelled U (untested or not built) in ``docs/contract.md``; named by the R1.5 warning.
@@ -55,3 +63,38 @@ def check_runtime(scheduler: Scheduler, warn: bool = True) -> str:
     if runtime == "parallel" and warn:
         log.warning(experimental_warning())
     return runtime
+
+
+def check_runtime_at_start(scheduler_for: Callable[[], Scheduler], process: str, warn: bool = True,
+                           wait_s: float = REDIS_START_WAIT_S) -> str:
+    """:func:`check_runtime` for a process that is starting: a Redis that cannot be reached yet is tried
+    again every second for up to ``wait_s`` seconds (one warning, on the first failure).
+
+    Args:
+        scheduler_for: makes a scheduler on a synchronous client (called for each attempt).
+        process: what is starting, for the log lines (e.g. "this web process").
+
+    Returns:
+        The runtime name.
+
+    Raises:
+        SystemExit: (code 1) another runtime is recorded (R1.4), or Redis stayed unreachable for
+            ``wait_s``; the reason is logged first. SystemExit, not an ordinary exception, so that it
+            also ends a Celery worker from inside a signal handler (Celery logs and swallows those).
+    """
+    started = time.monotonic()
+    warned = False
+    while True:
+        try:
+            return check_runtime(scheduler_for(), warn=warn)
+        except RuntimeMismatch as exc:
+            log.error("%s cannot start: %s", process, exc)
+            raise SystemExit(1) from None
+        except redis.exceptions.ConnectionError as exc:
+            if time.monotonic() - started > wait_s:
+                log.error("Redis could not be reached for %.0f s (%s): %s cannot start", wait_s, exc, process)
+                raise SystemExit(1) from None
+            if not warned:
+                log.warning("waiting for Redis (%s), up to %.0f s", exc, wait_s)
+                warned = True
+            time.sleep(1)

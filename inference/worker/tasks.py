@@ -19,7 +19,7 @@ from kombu.asynchronous import get_event_loop
 
 from audiosite.serverconfig import get_config
 from inference.runtime.context import KEYS, sync_scheduler
-from inference.runtime.startup import check_runtime
+from inference.runtime.startup import check_runtime_at_start
 from registry import records
 
 from . import liveness, memory, pool_process, retirement, work
@@ -56,8 +56,23 @@ def _recover_lost_redis_state() -> None:
 
 @signals.celeryd_after_setup.connect
 def _worker_identity(sender, instance, **kwargs):
-    """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4)."""
-    check_runtime(sync_scheduler(), warn=False)  # the web process prints the R1.5 warning
+    """Check the deployment's runtime (R1.4), start liveness (R7.4) and idle retirement (R6.4).
+
+    Celery logs and swallows an exception of a signal handler and starts the worker anyway, so a worker
+    whose set-up failed here would take load tasks without liveness or a run dispatcher. The runtime
+    check ends the process instead (SystemExit, exit code 1: another runtime is recorded, or Redis
+    stayed unreachable for ``REDIS_START_WAIT_S``), and so does any other failure of this set-up.
+    """
+    check_runtime_at_start(sync_scheduler, f"worker {sender}", warn=False)  # the web prints R1.5's warning
+    try:
+        _start_identity(sender, instance)
+    except Exception:
+        log.exception("worker %s: its set-up failed; it exits rather than take tasks half set up", sender)
+        raise SystemExit(1) from None
+
+
+def _start_identity(sender, instance) -> None:
+    """What :func:`_worker_identity` starts once the runtime is checked; ``instance``: Celery's worker."""
     memory.warn_if_arenas_unbounded()
     liveness.liveness_start(WORKER, sender, sync_scheduler(), on_state_lost=_recover_lost_redis_state)
     _settle_lost_pools()
