@@ -18,7 +18,8 @@ from .models import LifecycleEvent, ModelRegistration
 
 __all__ = ["deployment_backend", "deployment_census", "lifecycle_event_facets", "lifecycle_events_recent",
            "model_board", "model_gauges", "model_meta_all", "model_meta_get", "model_request_stats",
-           "model_status_list", "registration_body_of", "registration_first_load_published", "registration_get"]
+           "model_status_list", "registered_snapshot", "registration_body_of", "registration_first_load_published",
+           "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
@@ -61,6 +62,21 @@ def _utc(epoch_ms: int) -> str:
 #: Fields of a status entry that only callers passing the management gate see: the rest of the entry as a
 #: management body sets it (``path`` describes the server's filesystem; option blocks may too).
 PRIVATE_FIELDS = tuple(key for key in ENTRY_KEYS if key not in ("id", "family", "task", "mode", "modes", "slots"))
+
+
+async def registered_snapshot(ctx: AsyncContext, model_ids: list[str]) -> dict[str, tuple[dict, ModelStatus]]:
+    """Each model's published registration and its status, read together by one ``snapshot.lua`` call
+    (R4.7): an entry built from the pair shows one configuration with the state of that same instant,
+    never the old configuration with the new pool's state, even while reconfigurations run. Every model
+    comes from the same instant too. Models of ``model_ids`` no longer registered at that instant are
+    left out; order kept.
+
+    Returns:
+        ``{model_id: (registration, status)}``, the registration as :func:`model_meta_get` gives it.
+    """
+    snapshot = await ctx.scheduler.snapshot(model_ids)
+    return {mid: (json.loads(status["registration"]), status) for mid, status in snapshot.items()
+            if status["registration"]}
 
 
 def _entry(meta: dict, status: ModelStatus, parallel: bool, private: bool) -> dict:
@@ -145,12 +161,12 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
         ids, shown_aliases = [aliases[model_id]], {model_id: aliases[model_id]}
     else:
         return []
-    snapshot = await ctx.scheduler.snapshot(ids)
     parallel = config.runtime == "parallel"
-    entries = {mid: _entry(metas[mid], snapshot[mid], parallel, private) for mid in ids}
-    listed = [entries[mid] for mid in ids] if model_id is None or model_id in metas else []
+    entries = {mid: _entry(meta, status, parallel, private)
+               for mid, (meta, status) in (await registered_snapshot(ctx, ids)).items()}
+    listed = [entries[mid] for mid in ids if mid in entries] if model_id is None or model_id in metas else []
     return listed + [{**entries[target], "id": alias, "alias_of": target}
-                     for alias, target in sorted(shown_aliases.items())]
+                     for alias, target in sorted(shown_aliases.items()) if target in entries]
 
 
 async def model_board(ctx: AsyncContext) -> list[dict]:
@@ -164,23 +180,19 @@ async def model_board(ctx: AsyncContext) -> list[dict]:
     hostname holding or loading the pool, else null) and ``last_used_at`` (ISO 8601 UTC end of
     the last work, else null), and :func:`mode_counts`. Ordered by id.
     """
-    metas = await model_meta_all(ctx)
-    ids = sorted(metas)
-    snapshot = await ctx.scheduler.snapshot(ids)
+    snapshot = await registered_snapshot(ctx, sorted(await model_meta_all(ctx)))
     backend = resolve_backend(get_config().backend)  # cached after the first call
     board = []
-    for model_id in ids:
-        status = snapshot[model_id]
-        entry = _entry(metas[model_id], status, False, False)
+    for meta, status in snapshot.values():
+        entry = _entry(meta, status, False, False)
         entry.update(
-            slots=metas[model_id].get("slots") or 1,
+            slots=meta.get("slots") or 1,
             active_slots=status["active_leases"],
             queued_requests=status["queued"],
             max_parallel_slots=status["loaded_capacity"] or None,
-            admitted_slots=specs.largest_slot_count(metas[model_id]["family"], metas[model_id]["task"],
-                                                   metas[model_id]["mode"], backend),
+            admitted_slots=specs.largest_slot_count(meta["family"], meta["task"], meta["mode"], backend),
             queued_managers=status["queued_managers"],
-            **mode_counts(metas[model_id]),
+            **mode_counts(meta),
             worker=status["worker"] or None,
             last_used_at=_utc(status["last_used_ms"]) if status["last_used_ms"] else None,
         )
@@ -245,17 +257,14 @@ def lifecycle_event_facets() -> dict[str, list[str]]:
 async def model_gauges(ctx: AsyncContext) -> list[ModelGauges]:
     """The ``/metrics`` gauges of every registered model, from one atomic snapshot (R4.7).
 
-    The same reads as :func:`model_status_list` (the published registry, then
-    ``snapshot.lua``), so on the parallel runtime ``queued``, ``active`` and
-    ``slots`` equal ``/v1/models``' ``queued_requests``, ``active_slots`` and
-    ``slots`` of the same instant, and ``loaded`` its ``loaded``.
+    The same read as :func:`model_status_list` (:func:`registered_snapshot`), so on the parallel
+    runtime ``queued``, ``active`` and ``slots`` equal ``/v1/models``' ``queued_requests``,
+    ``active_slots`` and ``slots`` of the same instant, and ``loaded`` its ``loaded``.
     """
-    metas = await model_meta_all(ctx)
-    snapshot = await ctx.scheduler.snapshot(list(metas))
-    return [ModelGauges(mid, int(snapshot[mid]["queued"]), int(snapshot[mid]["active_leases"]),
-                        int(meta.get("slots") or 1), snapshot[mid]["state"] == ModelState.READY,
-                        str(meta.get("task") or ""))
-            for mid, meta in metas.items()]
+    snapshot = await registered_snapshot(ctx, list(await model_meta_all(ctx)))
+    return [ModelGauges(mid, int(status["queued"]), int(status["active_leases"]), int(meta.get("slots") or 1),
+                        status["state"] == ModelState.READY, str(meta.get("task") or ""))
+            for mid, (meta, status) in snapshot.items()]
 
 
 def registration_first_load_published(model_id: str) -> bool:

@@ -626,6 +626,59 @@ def test_sync_config_refuses_to_change_a_model_in_use_and_applies_once_it_is_unl
         ({"version": "v1"},)]
 
 
+# -- status reads (R4.7) ---------------------------------------------------------------------------
+def test_status_entries_never_mix_two_configurations_while_reconfigurations_run(mstack, token):
+    """R4.7: one id is reconfigured back and forth 12 times between two configurations (1 slot with
+    load option version a; 2 slots with version b; each load takes 20 ms) while three clients keep
+    its slots busy and two more read ``/v1/models`` and ``/v1/models/<id>`` without pause. No entry
+    mixes the two: its slots and load options are one configuration's, and it never shows more
+    requests in slots than that configuration has (the second's two slots full next to the first's
+    count of one would be the old configuration read beside the new pool's state). The reads saw both
+    configurations, the second one's slots full, and states inside the transitions."""
+    first = fx("mix", 1, version="a", load_ms=20)
+    second = fx("mix", 2, version="b", load_ms=20)
+
+    async def scenario() -> list[dict]:
+        async with mclient(mstack, token) as op:
+            assert (await op.post("/v1/models/load", json=first)).status_code == 200
+            seen: list[dict] = []
+            reconfiguring = True
+
+            async def read(path: str) -> None:
+                while reconfiguring:
+                    resp = await op.get(path)
+                    assert resp.status_code == 200, resp.text
+                    data = resp.json()
+                    seen.extend(e for e in data.get("data", [data]) if e["id"] == "mix")
+
+            async def use() -> None:
+                while reconfiguring:
+                    resp, _, _ = await post(op, "mix", sleep_ms=40)
+                    assert resp.status_code == 200, resp.text
+
+            tasks = [asyncio.create_task(read(path)) for path in ("/v1/models", "/v1/models/mix")]
+            tasks += [asyncio.create_task(use()) for _ in range(3)]
+            try:
+                for step in range(12):
+                    resp = await op.post("/v1/models/load", json=second if step % 2 == 0 else first)
+                    assert resp.status_code == 200 and resp.json()["reconfigured"], resp.text
+                    await asyncio.sleep(0.2)  # traffic on this configuration before the next change
+            finally:
+                reconfiguring = False
+                await asyncio.gather(*tasks)
+            return seen
+
+    seen = run(scenario())
+    assert {(e["slots"], e["load_options"]["version"]) for e in seen} == {(1, "a"), (2, "b")}
+    mixed = [(e["state"], e["slots"], e["active_slots"], e["load_options"]) for e in seen
+             if e["active_slots"] > e["slots"]]
+    assert not mixed, mixed[:5]
+    assert any(e["slots"] == 2 and e["active_slots"] == 2 for e in seen)  # the invariant was at stake
+    states = {e["state"] for e in seen}
+    assert "ready" in states and states - {"ready"}, states  # reads landed inside the transitions too
+    mstack.wait_idle("mix")
+
+
 # -- bulk unload (R5) ------------------------------------------------------------------------------
 def test_bulk_unload_frees_an_idle_model_before_a_loading_one_finishes(mstack, token):
     """R5.1: duplicates once, unknown ids in not_found; the idle model is unloaded at once while the
@@ -648,6 +701,35 @@ def test_bulk_unload_frees_an_idle_model_before_a_loading_one_finishes(mstack, t
             assert resp.json() == {"unloaded": ["bk-slow", "bk-idle"], "not_found": ["nope"], "skipped": []}
             assert entry_of(mstack, "bk-slow")["state"] == "unloaded"
     run(scenario())
+
+
+def test_bulk_unload_waits_without_bound_behind_a_slot_that_makes_a_targeted_unload_fail_fast(mstack, token):
+    """R3.4: the model's one slot is held past its 1 s busy timeout; a targeted unload then fails fast
+    (503 ``overdue``), while a bulk unload of the same model keeps waiting past that timeout, unloads it
+    once the run ends, and leaves no manager ticket or lease."""
+    async def scenario():
+        async with mclient(mstack, token) as op:
+            resp = await op.post("/v1/models/load", json=fx("bk-overdue", 1) | {"busy_timeout_ms": 1000})
+            assert resp.status_code == 200
+            holder = asyncio.create_task(post(op, "bk-overdue", barrier="bk-overdue-run"))
+            await until(lambda: mstack.arrived("bk-overdue-run") == 1)
+            await asyncio.sleep(1.2)  # the held slot is now older than the model's busy timeout
+            targeted = await op.post("/v1/models/unload", json={"id": "bk-overdue"})
+            assert targeted.status_code == 503 and targeted.json()["error"]["code"] == "overdue", targeted.text
+            bulk = asyncio.create_task(op.post("/v1/tasks/unload_models", json={"model_ids": ["bk-overdue"]}))
+            await until(lambda: mstack.managers("bk-overdue")["queued"] == 1)
+            await asyncio.sleep(2.0)  # twice the busy timeout: still queued, no 503
+            assert not bulk.done() and mstack.managers("bk-overdue")["queued"] == 1
+            assert entry_of(mstack, "bk-overdue")["state"] == "ready"
+            mstack.release("bk-overdue-run")
+            assert (await holder)[0].status_code == 200  # the older request is served first
+            resp = await bulk
+            assert resp.status_code == 200, resp.text
+            assert resp.json() == {"unloaded": ["bk-overdue"], "not_found": [], "skipped": []}
+    run(scenario())
+    assert mstack.managers("bk-overdue") == {"held": 0, "queued": 0}
+    assert mstack.counters("bk-overdue") == {"leases": 0, "queued": 0}
+    assert entry_of(mstack, "bk-overdue")["state"] == "unloaded"
 
 
 def test_overlapping_reversed_and_duplicate_bulk_selections_do_not_deadlock(mstack, token):

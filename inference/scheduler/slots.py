@@ -829,15 +829,15 @@ class Scheduler:
                      lambda r: Census(int(r[0]), int(r[1]) == 1, int(r[2]), int(r[3])))
 
     async def snapshot(self, model_ids: list[str]) -> dict[str, ModelStatus]:
-        """One atomic read of every model's state and counters (R4.7).
+        """One atomic read of every model's state, counters and published registration (R4.7).
 
         Returns:
             ``{model_id: ModelStatus}`` (see :class:`ModelStatus`).
         """
         if not model_ids:
             return {}
-        keys = [self.keys.model(m) for m in model_ids] + [self.keys.worker_live_prefix]
-        result = self._run("snapshot", keys, [self.use_half_life_ms])
+        keys = [self.keys.model(m) for m in model_ids] + [self.keys.worker_live_prefix, self.keys.models_meta]
+        result = self._run("snapshot", keys, [self.use_half_life_ms, *model_ids])
         if inspect.isawaitable(result):
             result = await result
         return {
@@ -845,6 +845,7 @@ class Scheduler:
                        "error": _text(row[3]), "capacity": int(row[4]), "manager_leases": int(row[5]),
                        "queued_managers": int(row[6]), "loaded_capacity": int(row[7]),
                        "last_used_ms": int(row[8]), "retry_at_ms": int(row[9]), "retry_in_ms": int(row[10]),
-                       "worker": _text(row[11]), "use": float(_text(row[12])), "resident_ms": int(row[13])}
+                       "worker": _text(row[11]), "use": float(_text(row[12])), "resident_ms": int(row[13]),
+                       "registration": _text(row[14])}
             for model_id, row in zip(model_ids, result, strict=True)
         }

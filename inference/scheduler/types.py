@@ -275,7 +275,9 @@ class ModelStatus(TypedDict):
     pool (ready) or running the load (loading), else ''. ``use``: the model's
     recent use, the count of requests admitted for it each decayed by half every
     ``use_half_life_ms`` (a float, in requests; R6.1); ``resident_ms``: how long its
-    pool has been ready (0 when not ready).
+    pool has been ready (0 when not ready). ``registration``: the model's published registration
+    (``Keys.models_meta``, JSON text) read in the same script, so an entry built from it and the
+    state never mixes two configurations; '' when the model is not registered (any more).
     """
 
     state: ModelState
@@ -292,6 +294,7 @@ class ModelStatus(TypedDict):
     worker: str
     use: float
     resident_ms: int
+    registration: str
 
 
 class RequestStats(NamedTuple):

@@ -1,6 +1,7 @@
 -- snapshot.lua: one atomic read of every listed model (R4.7). Reserves nothing.
 -- KEYS[1..n] base keys of the models     KEYS[n+1] worker liveness key prefix
--- ARGV[1] half-life of the recent-use count in ms (default 10000)
+-- KEYS[n+2] the published registrations (hash: model id -> JSON)
+-- ARGV[1] half-life of the recent-use count in ms    ARGV[2..n+1] the model ids, in KEYS' order
 -- Returns, per model in order:
 --   {state, active_request_leases, queued_requests, error, capacity (slots),
 --    manager_leases, queued_managers, loaded_capacity (the pool's advertised
@@ -8,16 +9,19 @@
 --    retry_at_ms (a failed load's backoff end, 0 = none), retry_in_ms (0 = may load now),
 --    worker (the Celery hostname holding the pool while ready, or running the load while
 --    loading; '' otherwise), use (the decayed request count now, lib's use_now, as text with 4
---    decimals), resident_ms (how long the pool has been ready, 0 when not ready)}
+--    decimals), resident_ms (how long the pool has been ready, 0 when not ready),
+--    registration (the model's published registration, JSON; '' when it is not registered)}
+-- so that a status entry's configuration and its state come from the same instant (R4.7).
 -- where a 'ready' state whose owner is no longer alive, and a 'loading' state
 -- whose loading worker is gone (lib's loader_dead), read as 'unloaded' (R7.4), and
 -- 'unloaded' after a failed load (until a load succeeds or the entry changes)
 -- reads as 'failed' (R6.7).
-local live_prefix = KEYS[#KEYS]
-local half_life_ms = tonumber(ARGV[1] or '10000')
+local live_prefix = KEYS[#KEYS - 1]
+local registrations = KEYS[#KEYS]
+local half_life_ms = tonumber(ARGV[1])
 local now = now_ms()
 local out = {}
-for i = 1, #KEYS - 1 do
+for i = 1, #KEYS - 2 do
   local base = KEYS[i]
   local key = base .. ':load'
   local state = redis.call('HGET', key, 'state') or 'unloaded'
@@ -45,6 +49,7 @@ for i = 1, #KEYS - 1 do
             redis.call('HGET', key, 'error') or '', capacity(base),
             redis.call('HLEN', base .. ':mleases'), queued_managers, loaded_capacity,
             tonumber(redis.call('HGET', key, 'last_used_ms') or '0'), retry_at, math.max(0, retry_at - now),
-            worker, string.format('%.4f', use_now(base, now, half_life_ms)), resident}
+            worker, string.format('%.4f', use_now(base, now, half_life_ms)), resident,
+            redis.call('HGET', registrations, ARGV[i + 1]) or ''}
 end
 return out
