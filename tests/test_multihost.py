@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import psutil
 import pytest
 import yaml
 from django.test import override_settings
@@ -98,6 +99,9 @@ def test_a_request_crosses_proxy_web_redis_worker_from_outside_every_host(rig):
 
 
 # -- faults between hosts -------------------------------------------------------------------------
+CUT_S = 60
+"""How long the silent cut lasts: past redis-py's own keepalive (30 s idle, then 3 probes 5 s apart)."""
+
 DEAD_BOUND_S = LIVENESS_TTL_MS / 1000 + 4
 """A host that stops beating is noticed when its liveness key lapses (10 s after its last beat), plus
 the web process's next look (every 2 s) and 2 s of slack for a busy machine."""
@@ -245,6 +249,53 @@ def test_a_web_host_cut_off_redis_leaves_nginxs_rotation_and_serves_again_once_r
     rig.wait_idle("fx")
     assert_nothing_held(rig)
 
+
+
+def test_a_web_host_cut_off_silently_notices_within_seconds_and_serves_again_once_restored(rig):
+    """web1's link is taken down at the bridge for 60 s (its packets dropped, nobody told). Its
+    liveness beat, sent into the cut, fails within ``REDIS_USER_TIMEOUT_MS`` instead of waiting on TCP's
+    retransmissions, and its idle subscription is found dead by keepalive: both are logged within 15 s
+    of the cut, and the event loop stays free (a failed subscription socket used to make every read
+    return at once: the loop spun at full CPU for good once keepalive gave up, 45 s into a cut). Once
+    the link is back, the beat and the subscription recover within seconds, web1 serves again, and
+    nothing is held."""
+    rig.ensure()
+    member = rig.members["web1"]
+
+    def logged_since(offset: int, *texts: str) -> bool:
+        tail = member.log_path.read_bytes()[offset:]
+        return all(text.encode() in tail for text in texts)
+
+    async def scenario():
+        (web1,) = clients(rig, "web1")
+        async with web1:
+            assert (await post(web1, "fx"))[0].status_code == 200
+        before_cut = member.log_path.stat().st_size
+        cpu_before = psutil.Process(member.proc.pid).cpu_times()
+        rig.net.cut("web1")
+        cut_at = time.monotonic()
+        try:
+            await until(lambda: logged_since(before_cut, "liveness beat of", "lost its subscription"), 15)
+            noticed_s = time.monotonic() - cut_at
+            await asyncio.sleep(max(0.0, CUT_S - noticed_s))
+        finally:
+            before_restore = member.log_path.stat().st_size
+            rig.net.restore("web1")
+            restored_at = time.monotonic()
+        cpu_after = psutil.Process(member.proc.pid).cpu_times()
+        cut_cpu_s = cpu_after.user + cpu_after.system - cpu_before.user - cpu_before.system
+        assert cut_cpu_s < CUT_S / 4, f"web1 used {cut_cpu_s:.1f} s of CPU during the {CUT_S} s cut"
+        await until(lambda: logged_since(before_restore, "succeeded again", "subscribed again"), 10)
+        recovered_s = time.monotonic() - restored_at
+        (web1,) = clients(rig, "web1")
+        async with web1:
+            answers = [(await post(web1, "fx"))[0] for _ in range(4)]
+            assert [r.status_code for r in answers] == [200] * 4, [r.text[:200] for r in answers]
+        print(f"web1 noticed the silent cut after {noticed_s:.1f} s, used {cut_cpu_s:.2f} s of CPU during it; "
+              f"beat and subscription back {recovered_s:.1f} s after the restore")
+    run(scenario(), 180)
+    rig.wait_idle("fx")
+    assert_nothing_held(rig)
 
 
 def test_redis_restarted_with_its_state_lost_is_recovered_without_restarting_a_process(rig):

@@ -32,6 +32,7 @@ import logging
 from datetime import UTC, datetime
 
 from inference.runtime.context import KEYS, async_context
+from inference.scheduler import raise_if_subscription_broken
 from registry.selectors import deployment_census, model_board
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,10 @@ class StatusHub:
                     continue
                 wait_s = (due if due is not None else last + RESYNC_S) - now
                 message = await pubsub.get_message(timeout=max(0.0, wait_s))
-                if message is None or message.get("type") != "message":
+                if message is None:
+                    await raise_if_subscription_broken(pubsub)
+                    continue
+                if message.get("type") != "message":
                     continue
                 if message["channel"] == KEYS.activity_events:  # no snapshot change: sent as it is, at once
                     self._broadcast({"type": "activity", "requests": json.loads(message["data"])})

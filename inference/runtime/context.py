@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,34 @@ def redis_url() -> str:
     return settings.REDIS_URL
 
 
+REDIS_USER_TIMEOUT_MS = 8000
+"""How long data sent to Redis may stay unacknowledged by its host before the connection is dropped
+(``TCP_USER_TIMEOUT``): a command sent into a silent partition (packets dropped, nothing reset) fails
+with ``ConnectionError`` after this, instead of waiting on TCP's retransmissions for up to about 15
+minutes. The Redis host's kernel acknowledges at once, however long Redis takes to answer, so a slow
+command or a long script is not cut."""
+REDIS_KEEPALIVE_IDLE_S = 5
+REDIS_KEEPALIVE_INTERVAL_S = 1
+REDIS_KEEPALIVE_PROBES = 3
+"""TCP keepalive of the Redis connections: an idle connection (the pub/sub subscription waiting for
+a message, a pooled one) whose peer is gone is noticed after about 5 + 3 x 1 s (redis-py's own
+defaults, 30 s and 3 x 5 s, take 45 s)."""
+
+
+def redis_socket_kwargs(url: str) -> dict:
+    """redis-py keyword arguments for the TCP options of audiosite's Redis connections to ``url``:
+    keepalive on, with :data:`REDIS_USER_TIMEOUT_MS` and the keepalive timing above (set with
+    ``IPPROTO_TCP``; an option this platform lacks is left out: ``TCP_USER_TIMEOUT`` is Linux's).
+    Empty for a unix socket URL (redis-py's unix connections take no keepalive arguments)."""
+    if not url.startswith(("redis://", "rediss://")):
+        return {}
+    wanted = {"TCP_USER_TIMEOUT": REDIS_USER_TIMEOUT_MS, "TCP_KEEPIDLE": REDIS_KEEPALIVE_IDLE_S,
+              "TCP_KEEPINTVL": REDIS_KEEPALIVE_INTERVAL_S, "TCP_KEEPCNT": REDIS_KEEPALIVE_PROBES}
+    return {"socket_keepalive": True,
+            "socket_keepalive_options": {getattr(socket, name): value for name, value in wanted.items()
+                                         if hasattr(socket, name)}}
+
+
 SYNC_BUFFER_CUTOFF_BYTES = 6000
 """Arguments longer than this are written to the socket as they are, not joined into one buffer
 (redis-py's own default cutoff)."""
@@ -52,7 +81,8 @@ def _sync_client(decode_responses: bool) -> redis.Redis:
     # sends a large argument or a memoryview as it is, as its asyncio connections always do.
     # Replies are still parsed by hiredis.
     packer = PythonRespSerializer(SYNC_BUFFER_CUTOFF_BYTES, Encoder("utf-8", "strict", decode_responses).encode)
-    return redis.Redis.from_url(redis_url(), decode_responses=decode_responses, command_packer=packer)
+    return redis.Redis.from_url(redis_url(), decode_responses=decode_responses, command_packer=packer,
+                                **redis_socket_kwargs(redis_url()))
 
 
 # redis-py's annotations cannot tell a decode_responses=True client (str) from a bytes one,
@@ -128,7 +158,7 @@ def _blocking_pool(decode_responses: bool) -> aioredis.BlockingConnectionPool:
     pool = aioredis.BlockingConnectionPool.from_url(
         redis_url(), max_connections=ASYNC_POOL_CONNECTIONS, timeout=ASYNC_POOL_WAIT_S,
         decode_responses=decode_responses, client_name=WEB_CLIENT_NAME,
-        socket_timeout=None, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+        socket_timeout=None, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S, **redis_socket_kwargs(redis_url()))
     pool.connection_class = _reopening(pool.connection_class)
     return pool
 

@@ -5,7 +5,7 @@ can be tested and reasoned about alone (DESIGN.md).
 """
 from .keepalive import KeepAlive
 from .keys import LIVENESS_EVERY_S, LIVENESS_TTL_MS, Keys
-from .listener import Listener
+from .listener import Listener, raise_if_subscription_broken
 from .slots import (
     AdmissionExpired,
     AdmissionOverdue,
@@ -61,6 +61,7 @@ __all__ = [
     "LeaseKind",
     "LeaseNotHeld",
     "Listener",
+    "raise_if_subscription_broken",
     "LoadAction",
     "LoadClaim",
     "LoadEnd",

@@ -18,12 +18,37 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import redis.exceptions
+
 from .keys import LIVENESS_TTL_MS, Keys
 
 log = logging.getLogger(__name__)
 
 RESUBSCRIBE_S = 0.2
 """Pause before each attempt to subscribe again after the subscription's connection failed (s)."""
+
+
+async def raise_if_subscription_broken(pubsub) -> None:
+    """Raise ``redis.exceptions.ConnectionError`` (after closing the connection) when the socket of
+    ``pubsub`` (a ``redis.asyncio`` PubSub) has failed or reached its end.
+
+    Call it whenever ``get_message`` returned None. redis-py 8.1 answers a blocking read whose socket
+    failed with ``ETIMEDOUT`` (TCP keepalive or ``TCP_USER_TIMEOUT`` giving up on a silent network)
+    with None instead of an error: on Python 3.11 that ``OSError`` is ``asyncio.TimeoutError``, which
+    its read takes for a read timeout. Each further read fails the same way without waiting, so a loop
+    that reads again after a None never yields to the event loop and holds the process's CPU for good
+    (seen on a web process cut off Redis by a link taken down for 60 s). After this raised, subscribe
+    again: the pubsub opens a new connection.
+    """
+    conn = pubsub.connection
+    reader = getattr(conn, "_reader", None)
+    if conn is None or reader is None:
+        return
+    failure = reader.exception()
+    if failure is None and not reader.at_eof():
+        return
+    await conn.disconnect(nowait=True)
+    raise redis.exceptions.ConnectionError(f"the subscription's connection failed ({failure or 'closed by Redis'})")
 
 
 class Listener:
@@ -97,6 +122,8 @@ class Listener:
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=None)
+                if message is None:
+                    await raise_if_subscription_broken(self._pubsub)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection trouble: resubscribe and go on
