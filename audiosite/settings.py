@@ -49,6 +49,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from audiosite.embedded_redis import EmbeddedRedis, kombu_broker_url
 from audiosite.env import env_bool, env_path, env_str, env_url
+from audiosite.redis_sockets import redis_socket_kwargs
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -226,7 +227,8 @@ REDIS_URL = REDIS_URL_GIVEN or EmbeddedRedis.under(VAR_DIR).running_url()
 def channel_layer_config(redis_url: str) -> dict:
     """The ``CONFIG`` of the Channels Redis layer on ``redis_url`` (also used by ``serve`` to reach
     the web processes' consumers at shutdown)."""
-    return {"hosts": [{"address": redis_url, "socket_timeout": None}], "prefix": "as:asgi"}
+    return {"hosts": [{"address": redis_url, "socket_timeout": None, **redis_socket_kwargs(redis_url)}],
+            "prefix": "as:asgi"}
 
 
 CHANNEL_LAYERS = {"default": {"BACKEND": "audiosite.channel_layer.RetryingRedisChannelLayer",
@@ -308,7 +310,9 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # shutdown closes that channel only once the BRPOP in flight has answered, so each worker stop
 # waited up to a second for nothing (docs/benchmarks.md). Five cheap commands a second per idle
 # worker; fractional timeouts need Redis 6 or newer, as the run queue's BRPOP already does.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"polling_interval": 0.2}
+# The broker's connections get the same TCP options as every other Redis connection (a silent network
+# fault fails their commands within seconds instead of minutes; audiosite/redis_sockets.py).
+CELERY_BROKER_TRANSPORT_OPTIONS = {"polling_interval": 0.2, **(redis_socket_kwargs(REDIS_URL) if REDIS_URL else {})}
 
 LOGGING = {
     "version": 1,

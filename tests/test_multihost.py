@@ -205,8 +205,8 @@ def test_a_worker_host_cut_off_loses_its_runs_then_rejoins_without_answering_fro
                 resp, _, _ = await post(proxy, model)
                 assert resp.status_code == 200 and resp.json()["pool_id"] == pool, resp.text
             assert rig.load_field(model, "owner") == w1
-            # w2 takes work again once its task consumer's connection delivers again: TCP retransmits
-            # with a doubling delay, so up to about as long again as the cut lasted.
+            # w2 takes work again once its task consumer has connected again: the broker connection
+            # gave up during the cut (TCP_USER_TIMEOUT, keepalive: audiosite/redis_sockets.py).
             await place_on(rig, proxy, "w2", [f"d{i}" for i in range(REJOIN_CANDIDATES)], pause_s=2)
             print(f"w2 took a load {time.monotonic() - restored_at:.1f} s after its link came back")
     run(scenario(), 240)

@@ -38,6 +38,7 @@ from typing import Any
 
 import redis
 
+from audiosite.redis_sockets import redis_socket_kwargs
 from inference.runtime.context import KEYS, redis_url, sync_redis_bytes, sync_scheduler
 from inference.runtime.runs import INPUT_TTL_MS, RunFailure, split_element
 
@@ -100,7 +101,8 @@ class RunDispatcher:
         self._stop = threading.Event()
         # The popping thread's BLMOVE holds one connection of this client's pool while it blocks.
         self._client: Any = redis.Redis.from_url(redis_url(), decode_responses=False,
-                                                 socket_timeout=POP_SOCKET_TIMEOUT_S)
+                                                 socket_timeout=POP_SOCKET_TIMEOUT_S,
+                                                 **redis_socket_kwargs(redis_url()))
         # Elements of ``taken_key`` a thread of this process holds (serving, or served and not yet removed).
         self._held: Counter[bytes] = Counter()
         self._unremoved: list[bytes] = []  # served, but their LREM failed: the next sweep removes them
