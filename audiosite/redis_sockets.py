@@ -3,18 +3,22 @@ from __future__ import annotations
 
 import socket
 
-REDIS_USER_TIMEOUT_MS = 8000
-"""How long data sent to Redis may stay unacknowledged by its host before the connection is dropped
-(``TCP_USER_TIMEOUT``): a command sent into a silent partition (packets dropped, nothing reset) fails
-with ``ConnectionError`` after this, instead of waiting on TCP's retransmissions for up to about 15
-minutes. The Redis host's kernel acknowledges at once, however long Redis takes to answer, so a slow
-command or a long script is not cut."""
+REDIS_USER_TIMEOUT_MS = 30000
+"""How long data sent to Redis may stay unacknowledged before the connection is dropped
+(``TCP_USER_TIMEOUT``; also when keepalive probes go unanswered): a command sent into a silent
+partition (packets dropped, nothing reset) fails with ``ConnectionError`` after this, instead of
+waiting on TCP's retransmissions for up to about 15 minutes. A Redis that is alive but does not read
+(its process frozen, ``CLIENT PAUSE``) lets a large write stall at a zero window, and Linux counts
+that against this timeout too: 30 s, three times the 10 s liveness TTL (``LIVENESS_TTL_MS``), so a
+stall that this timeout cuts has already made the processes take one another for dead (an 8 s value
+cut a 50 MB upload that Redis stopped reading for 12 s)."""
 REDIS_KEEPALIVE_IDLE_S = 5
 REDIS_KEEPALIVE_INTERVAL_S = 1
 REDIS_KEEPALIVE_PROBES = 3
 """TCP keepalive of the Redis connections: an idle connection (the pub/sub subscription waiting for
-a message, a pooled one) whose peer is gone is noticed after about 5 + 3 x 1 s (redis-py's own
-defaults, 30 s and 3 x 5 s, take 45 s)."""
+a message, a pooled one) is probed after 5 s without traffic, then every second; with the user
+timeout set, Linux drops it once :data:`REDIS_USER_TIMEOUT_MS` passed without an answer (redis-py's
+own keepalive, 30 s idle and 3 probes 5 s apart, noticed a dead peer after 45 s)."""
 
 
 def redis_socket_kwargs(url: str) -> dict:

@@ -17,9 +17,9 @@ from inference.scheduler import Census, ModelState, ModelStatus
 from .models import LifecycleEvent, ModelRegistration
 
 __all__ = ["deployment_backend", "deployment_census", "lifecycle_event_facets", "lifecycle_events_recent",
-           "model_board", "model_gauges", "model_meta_all", "model_meta_get", "model_request_stats",
-           "model_status_list", "registered_snapshot", "registration_body_of", "registration_first_load_published",
-           "registration_get"]
+           "model_board", "model_board_entry", "model_gauges", "model_meta_all", "model_meta_get",
+           "model_request_stats", "model_status_list", "registered_snapshot", "registration_body_of",
+           "registration_first_load_published", "registration_get"]
 
 
 async def deployment_census(ctx: AsyncContext) -> Census:
@@ -181,23 +181,32 @@ async def model_board(ctx: AsyncContext) -> list[dict]:
     the last work, else null), and :func:`mode_counts`. Ordered by id.
     """
     snapshot = await registered_snapshot(ctx, sorted(await model_meta_all(ctx)))
+    return [_board_entry(meta, status) for meta, status in snapshot.values()]
+
+
+async def model_board_entry(ctx: AsyncContext, model_id: str) -> tuple[dict, dict] | None:
+    """One model's published registration and its :func:`model_board` entry, from one snapshot (R4.7:
+    the configuration a page shows and the state beside it are of the same instant); None when
+    ``model_id`` is not registered."""
+    pair = (await registered_snapshot(ctx, [model_id])).get(model_id)
+    return None if pair is None else (pair[0], _board_entry(*pair))
+
+
+def _board_entry(meta: dict, status: ModelStatus) -> dict:
     backend = resolve_backend(get_config().backend)  # cached after the first call
-    board = []
-    for meta, status in snapshot.values():
-        entry = _entry(meta, status, False, False)
-        entry.update(
-            slots=meta.get("slots") or 1,
-            active_slots=status["active_leases"],
-            queued_requests=status["queued"],
-            max_parallel_slots=status["loaded_capacity"] or None,
-            admitted_slots=specs.largest_slot_count(meta["family"], meta["task"], meta["mode"], backend),
-            queued_managers=status["queued_managers"],
-            **mode_counts(meta),
-            worker=status["worker"] or None,
-            last_used_at=_utc(status["last_used_ms"]) if status["last_used_ms"] else None,
-        )
-        board.append(entry)
-    return board
+    entry = _entry(meta, status, False, False)
+    entry.update(
+        slots=meta.get("slots") or 1,
+        active_slots=status["active_leases"],
+        queued_requests=status["queued"],
+        max_parallel_slots=status["loaded_capacity"] or None,
+        admitted_slots=specs.largest_slot_count(meta["family"], meta["task"], meta["mode"], backend),
+        queued_managers=status["queued_managers"],
+        **mode_counts(meta),
+        worker=status["worker"] or None,
+        last_used_at=_utc(status["last_used_ms"]) if status["last_used_ms"] else None,
+    )
+    return entry
 
 
 async def model_request_stats(ctx: AsyncContext, model_id: str) -> dict:

@@ -205,8 +205,8 @@ def test_a_worker_host_cut_off_loses_its_runs_then_rejoins_without_answering_fro
                 resp, _, _ = await post(proxy, model)
                 assert resp.status_code == 200 and resp.json()["pool_id"] == pool, resp.text
             assert rig.load_field(model, "owner") == w1
-            # w2 takes work again once its task consumer has connected again: the broker connection
-            # gave up during the cut (TCP_USER_TIMEOUT, keepalive: audiosite/redis_sockets.py).
+            # w2 takes work again once its task consumer's connection delivers again: TCP retransmits
+            # with a doubling delay, or the connection is opened anew after TCP_USER_TIMEOUT (30 s).
             await place_on(rig, proxy, "w2", [f"d{i}" for i in range(REJOIN_CANDIDATES)], pause_s=2)
             print(f"w2 took a load {time.monotonic() - restored_at:.1f} s after its link came back")
     run(scenario(), 240)
@@ -253,9 +253,9 @@ def test_a_web_host_cut_off_redis_leaves_nginxs_rotation_and_serves_again_once_r
 
 def test_a_web_host_cut_off_silently_notices_within_seconds_and_serves_again_once_restored(rig):
     """web1's link is taken down at the bridge for 60 s (its packets dropped, nobody told). Its
-    liveness beat, sent into the cut, fails within ``REDIS_USER_TIMEOUT_MS`` instead of waiting on TCP's
-    retransmissions, and its idle subscription is found dead by keepalive: both are logged within 15 s
-    of the cut, and the event loop stays free (a failed subscription socket used to make every read
+    liveness beat, sent into the cut, fails after ``REDIS_USER_TIMEOUT_MS`` (30 s) instead of waiting on
+    TCP's retransmissions, and its idle subscription is found dead by keepalive: both are logged within
+    40 s of the cut, and the event loop stays free (a failed subscription socket used to make every read
     return at once: the loop spun at full CPU for good once keepalive gave up, 45 s into a cut). Once
     the link is back, the beat and the subscription recover within seconds, web1 serves again, and
     nothing is held."""
@@ -275,7 +275,7 @@ def test_a_web_host_cut_off_silently_notices_within_seconds_and_serves_again_onc
         rig.net.cut("web1")
         cut_at = time.monotonic()
         try:
-            await until(lambda: logged_since(before_cut, "liveness beat of", "lost its subscription"), 15)
+            await until(lambda: logged_since(before_cut, "liveness beat of", "lost its subscription"), 40)
             noticed_s = time.monotonic() - cut_at
             await asyncio.sleep(max(0.0, CUT_S - noticed_s))
         finally:

@@ -47,6 +47,7 @@ from registry.selectors import (
     lifecycle_event_facets,
     lifecycle_events_recent,
     model_board,
+    model_board_entry,
     model_meta_all,
     model_meta_get,
     model_request_stats,
@@ -163,15 +164,15 @@ async def model_detail(request: HttpRequest, model_id: str) -> HttpResponse:
     if refused:
         return refused
     ctx = await async_context()
-    meta = await model_meta_get(ctx, model_id)
-    if meta is None:
+    found = await model_board_entry(ctx, model_id)  # configuration and state of one instant (R4.7)
+    if found is None:
         raise Http404(f"model {model_id!r} is not registered")
-    board = [m for m in await model_board(ctx) if m["id"] == model_id]
+    meta, entry = found
     stats = await model_request_stats(ctx, model_id)
     row = await sync_to_async(registration_get)(model_id)
     events = [event_json(e) for e in await sync_to_async(lifecycle_events_recent)(model_id, None, 50)]
     return _page(request, "ui/model.html", {
-        "model": board[0] if board else None, "model_id": model_id, "manage": manage,
+        "model": entry, "model_id": model_id, "manage": manage,
         "config_json": json.dumps(registration_body_of(meta), indent=2), "registration": row,
         "admitted_by_mode": _admitted_by_mode(meta), "registration_mode": meta.get("mode"),
         "minutes": await metrics.minutes_recent(ctx.redis, model_id),

@@ -67,7 +67,8 @@ def check_runtime(scheduler: Scheduler, warn: bool = True) -> str:
 
 def check_runtime_at_start(scheduler_for: Callable[[], Scheduler], process: str, warn: bool = True,
                            wait_s: float = REDIS_START_WAIT_S) -> str:
-    """:func:`check_runtime` for a process that is starting: a Redis that cannot be reached yet is tried
+    """:func:`check_runtime` for a process that is starting: a Redis that cannot be reached yet, or does
+    not answer (paused, frozen, busy in a script, loading; or something else on its port), is tried
     again every second for up to ``wait_s`` seconds (one warning, on the first failure).
 
     Args:
@@ -78,8 +79,8 @@ def check_runtime_at_start(scheduler_for: Callable[[], Scheduler], process: str,
         The runtime name.
 
     Raises:
-        SystemExit: (code 1) another runtime is recorded (R1.4), or Redis stayed unreachable for
-            ``wait_s``; the reason is logged first. SystemExit, not an ordinary exception, so that it
+        SystemExit: (code 1) another runtime is recorded (R1.4), or Redis stayed unreachable or
+            unanswering for ``wait_s``; the reason is logged first. SystemExit, not an ordinary exception, so that it
             also ends a Celery worker from inside a signal handler (Celery logs and swallows those).
     """
     started = time.monotonic()
@@ -90,7 +91,7 @@ def check_runtime_at_start(scheduler_for: Callable[[], Scheduler], process: str,
         except RuntimeMismatch as exc:
             log.error("%s cannot start: %s", process, exc)
             raise SystemExit(1) from None
-        except redis.exceptions.ConnectionError as exc:
+        except (redis.exceptions.RedisError, OSError) as exc:  # unreachable, not answering, BUSY, not Redis
             if time.monotonic() - started > wait_s:
                 log.error("Redis could not be reached for %.0f s (%s): %s cannot start", wait_s, exc, process)
                 raise SystemExit(1) from None

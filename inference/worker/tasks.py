@@ -61,10 +61,11 @@ def _worker_identity(sender, instance, **kwargs):
     Celery logs and swallows an exception of a signal handler and starts the worker anyway, so a worker
     whose set-up failed here would take load tasks without liveness or a run dispatcher. The runtime
     check ends the process instead (SystemExit, exit code 1: another runtime is recorded, or Redis
-    stayed unreachable for ``REDIS_START_WAIT_S``), and so does any other failure of this set-up.
+    stayed unreachable or unanswering for ``REDIS_START_WAIT_S``), and so does any other failure of
+    this set-up (SystemExit passes Celery's handler, which catches only ``Exception``).
     """
-    check_runtime_at_start(sync_scheduler, f"worker {sender}", warn=False)  # the web prints R1.5's warning
     try:
+        check_runtime_at_start(sync_scheduler, f"worker {sender}", warn=False)  # the web prints R1.5's warning
         _start_identity(sender, instance)
     except Exception:
         log.exception("worker %s: its set-up failed; it exits rather than take tasks half set up", sender)
