@@ -161,9 +161,22 @@ async def shows_private_fields(request) -> bool:
     return user is not None and user.is_authenticated and await sync_to_async(may_manage)(user)
 
 
+def include_params(request) -> bool:
+    """The status routes' ``include_params`` query flag (API.md): ``1``/``true`` adds each entry's
+    request options, ``0``/``false`` or absent does not.
+
+    Raises:
+        InvalidRequest: any other value.
+    """
+    value = request.query_params.get("include_params", "0").strip().lower()
+    if value not in ("0", "1", "true", "false"):
+        raise InvalidRequest("include_params must be 1 or 0 (true or false)", param="include_params")
+    return value in ("1", "true")
+
+
 class ModelListApi(ManagementApi):
     """``GET /v1/models`` (open; legacy: no slot fields, R1.2; parallel: slot counters; ``path`` only
-    for callers passing the management gate)."""
+    for callers passing the management gate; ``?include_params=1``: each entry's ``request_options``)."""
 
     permission_classes = []
 
@@ -173,7 +186,9 @@ class ModelListApi(ManagementApi):
     async def get(self, request):
         ctx = await async_context()
         private = await shows_private_fields(request)
-        return Response({"object": "list", "data": await model_status_list(ctx, private=private)})
+        params = include_params(request)
+        return Response({"object": "list",
+                         "data": await model_status_list(ctx, private=private, include_params=params)})
 
 
 class ModelDetailApi(ManagementApi):
@@ -182,7 +197,8 @@ class ModelDetailApi(ManagementApi):
 
     async def get(self, request, model_id: str):
         ctx = await async_context()
-        entries = await model_status_list(ctx, model_id, private=await shows_private_fields(request))
+        entries = await model_status_list(ctx, model_id, private=await shows_private_fields(request),
+                                          include_params=include_params(request))
         if not entries:
             raise NotFound(f"model {model_id!r} is not registered", param="model")
         return Response(entries[0])

@@ -123,7 +123,7 @@ def mode_counts(meta: dict) -> dict:
 
 
 async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
-                            private: bool = False) -> list[dict]:
+                            private: bool = False, include_params: bool = False) -> list[dict]:
     """Status entries from one atomic snapshot (R4.7).
 
     Every entry: ``id, object, owned_by, family, task, mode, modes`` (the modes it serves: its own or
@@ -143,9 +143,11 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     (``admitted_slots_by_mode``, ``max_streams``).
 
     Every entry has ``created`` (Unix seconds of the registration; 0 when unknown), as OpenAI's model
-    object does. After the registered models come the aliases (``ServerConfig.aliases``, those whose
-    target is registered and whose name is no registered id), each a copy of its target's entry with
-    its own ``id`` and ``alias_of`` (the target's id).
+    object does. With ``include_params`` every entry also has ``request_options``: the JSON Schema of
+    the options its family takes in a request (``model_specs/<family>.json``; ``{}`` when none).
+    After the registered models come the aliases (``ServerConfig.aliases``, those whose target is
+    registered and whose name is no registered id), each a copy of its target's entry with its own
+    ``id`` and ``alias_of`` (the target's id).
 
     Args:
         model_id: only this model or alias (empty list when unknown).
@@ -164,6 +166,9 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     parallel = config.runtime == "parallel"
     entries = {mid: _entry(meta, status, parallel, private)
                for mid, (meta, status) in (await registered_snapshot(ctx, ids)).items()}
+    if include_params:
+        for entry in entries.values():
+            entry["request_options"] = (specs.get_spec(entry["family"]) or {}).get("request_options") or {}
     listed = [entries[mid] for mid in ids if mid in entries] if model_id is None or model_id in metas else []
     return listed + [{**entries[target], "id": alias, "alias_of": target}
                      for alias, target in sorted(shown_aliases.items()) if target in entries]

@@ -16,6 +16,8 @@ import jiwer
 import numpy as np
 import pytest
 
+from inference import specs
+
 from .support.audio import long_speech, padded, wav_bytes
 from .support.bounds import MODEL_S, run, until
 from .support.stacks import STACK_MAX_BODY_BYTES
@@ -77,6 +79,27 @@ def test_models_list_has_the_legacy_shape(stack):
     assert entries["whisper"]["state"] == "ready" and entries["whisper"]["loaded"] is True
     assert one == entries["vad"]
     assert_error(missing, 404, "not_found")
+
+
+def test_include_params_adds_each_family_s_request_options_to_the_status_entries(stack):
+    """API.md: ``?include_params=1`` (or ``true``) adds ``request_options``, the JSON Schema of the
+    options the entry's family takes in a request, to every entry of ``/v1/models`` (aliases too) and
+    to ``/v1/models/<id>``; without it the entries are unchanged; any other value is a 400 naming it."""
+    with stack.client() as c:
+        plain = c.get("/v1/models").json()["data"]
+        with_params = c.get("/v1/models", params={"include_params": "1"}).json()["data"]
+        one = c.get("/v1/models/vad", params={"include_params": "true"}).json()
+        off = c.get("/v1/models/vad", params={"include_params": "0"}).json()
+        bad = c.get("/v1/models", params={"include_params": "yes"})
+    assert [{k: v for k, v in e.items() if k != "request_options"} for e in with_params] == plain
+    for entry in with_params:
+        assert entry["request_options"] == specs.get_spec(entry["family"])["request_options"], entry["id"]
+    by_id = {e["id"]: e for e in with_params}
+    assert {"threshold", "min_silence_duration_ms"} <= set(by_id["vad"]["request_options"]["properties"])
+    assert "language" in by_id["whisper-1"]["request_options"]["properties"]  # an alias: its target's
+    assert one == by_id["vad"] and "request_options" not in off
+    assert_error(bad, 400, "invalid_request_error")
+    assert bad.json()["error"]["param"] == "include_params"
 
 
 def test_unknown_route_is_a_json_404(stack):
