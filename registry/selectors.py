@@ -10,6 +10,7 @@ from inference import specs
 from inference.backend import resolve_backend
 from inference.runtime.context import AsyncContext
 from inference.runtime.metrics import ModelGauges
+from inference.runtime.published import ids_all as model_ids_all
 from inference.runtime.published import meta_all as model_meta_all
 from inference.runtime.published import meta_get as model_meta_get
 from inference.scheduler import Census, ModelState, ModelStatus
@@ -152,12 +153,14 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     Args:
         model_id: only this model or alias (empty list when unknown).
     """
-    metas = await model_meta_all(ctx)
+    all_ids = await model_ids_all(ctx)  # ids only: the registrations come with the snapshot
+    registered = set(all_ids)
     config = get_config()
-    aliases = {alias: target for alias, target in config.aliases().items() if alias not in metas and target in metas}
+    aliases = {alias: target for alias, target in config.aliases().items()
+               if alias not in registered and target in registered}
     if model_id is None:
-        ids, shown_aliases = list(metas), aliases
-    elif model_id in metas:
+        ids, shown_aliases = all_ids, aliases
+    elif model_id in registered:
         ids, shown_aliases = [model_id], {}
     elif model_id in aliases:
         ids, shown_aliases = [aliases[model_id]], {model_id: aliases[model_id]}
@@ -169,7 +172,7 @@ async def model_status_list(ctx: AsyncContext, model_id: str | None = None, *,
     if include_params:
         for entry in entries.values():
             entry["request_options"] = (specs.get_spec(entry["family"]) or {}).get("request_options") or {}
-    listed = [entries[mid] for mid in ids if mid in entries] if model_id is None or model_id in metas else []
+    listed = [entries[mid] for mid in ids if mid in entries] if model_id is None or model_id in registered else []
     return listed + [{**entries[target], "id": alias, "alias_of": target}
                      for alias, target in sorted(shown_aliases.items()) if target in entries]
 
@@ -185,7 +188,7 @@ async def model_board(ctx: AsyncContext) -> list[dict]:
     hostname holding or loading the pool, else null) and ``last_used_at`` (ISO 8601 UTC end of
     the last work, else null), and :func:`mode_counts`. Ordered by id.
     """
-    snapshot = await registered_snapshot(ctx, sorted(await model_meta_all(ctx)))
+    snapshot = await registered_snapshot(ctx, await model_ids_all(ctx))
     return [_board_entry(meta, status) for meta, status in snapshot.values()]
 
 
@@ -275,7 +278,7 @@ async def model_gauges(ctx: AsyncContext) -> list[ModelGauges]:
     runtime ``queued``, ``active`` and ``slots`` equal ``/v1/models``' ``queued_requests``,
     ``active_slots`` and ``slots`` of the same instant, and ``loaded`` its ``loaded``.
     """
-    snapshot = await registered_snapshot(ctx, list(await model_meta_all(ctx)))
+    snapshot = await registered_snapshot(ctx, await model_ids_all(ctx))
     return [ModelGauges(mid, int(status["queued"]), int(status["active_leases"]), int(meta.get("slots") or 1),
                         status["state"] == ModelState.READY, str(meta.get("task") or ""))
             for mid, (meta, status) in snapshot.items()]

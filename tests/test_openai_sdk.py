@@ -55,6 +55,20 @@ def test_the_sdk_lists_models_and_maps_our_errors_to_its_exceptions(stack):
     assert undecodable.value.status_code == 415 and undecodable.value.body["type"] == "invalid_request_error"
 
 
+def test_the_sdk_reads_request_options_with_include_params(stack):
+    """``include_params`` through the SDK's ``extra_query``: each listed model and a retrieved one carry
+    ``request_options`` (kept by the SDK in ``model_extra``); a bad value is its BadRequestError."""
+    client = _client(stack)
+    listed = {model.id: model for model in client.models.list(extra_query={"include_params": "1"})}
+    assert "threshold" in listed["vad"].model_extra["request_options"]["properties"]
+    retrieved = client.models.retrieve("whisper-1", extra_query={"include_params": "true"})
+    assert retrieved.model_extra["request_options"] == listed["whisper"].model_extra["request_options"]
+    assert "request_options" not in (client.models.retrieve("vad").model_extra or {})
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.models.list(extra_query={"include_params": "maybe"})
+    assert bad.value.body["param"] == "include_params"
+
+
 def test_openai_model_names_reach_the_default_transcription_model(stack, speech):
     """``whisper-1``, ``gpt-4o-transcribe`` and ``gpt-4o-mini-transcribe`` stand for the default ASR
     model (the config file's first ``asr`` entry, here ``whisper``): the same text, and the names are

@@ -20,6 +20,11 @@ async def meta_get(ctx: AsyncContext, model_id: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
+async def ids_all(ctx: AsyncContext) -> list[str]:
+    """The ids of every published registration, sorted (``HKEYS``: no registration is read or parsed)."""
+    return sorted(await ctx.redis.hkeys(KEYS.models_meta))
+
+
 async def meta_all(ctx: AsyncContext) -> dict[str, dict]:
     """Published registration of every model, keyed by id (sorted)."""
     raw = await ctx.redis.hgetall(KEYS.models_meta)
